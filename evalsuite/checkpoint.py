@@ -1,0 +1,523 @@
+"""A checkpoint folder read as files: config.json, the safetensors index from headers alone, the format.
+
+Nothing here loads a model. Every tensor's name, dtype, shape and byte range comes from the safetensors
+headers, which are parsed and checked here rather than trusted: a checkpoint is input from whoever published
+it, and a header that lies about its offsets would otherwise surface as a crash (or a silently wrong tensor)
+halfway through a run. Tensors are read one at a time, so memory is bounded by the largest tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any, Literal
+
+from safetensors import safe_open
+
+from evalsuite.errors import DependencyError, InputError
+
+if TYPE_CHECKING:
+    import torch
+
+CheckpointFormat = Literal["bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf"]
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+EXL3_CONFIG_FILE = "quantization_config.json"
+
+# The cap the safetensors library itself applies; a larger length is a corrupt or hostile file, and reading
+# it would allocate whatever the file claims.
+MAX_HEADER_BYTES = 100_000_000
+# A GGUF file is not parsed here, so its fingerprint hashes its size and this much of its start (the
+# metadata and tensor table come first in the format).
+GGUF_FINGERPRINT_BYTES = 1 << 20
+
+# Bytes per element of every dtype that safetensors can hand to torch; anything else is rejected rather than
+# guessed, because the byte ranges are checked against numel × this size.
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2": 1,
+    "F8_E5M2FNUZ": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+    "C64": 8,
+}
+FLOAT_DTYPES = frozenset(d for d in DTYPE_SIZES if d.startswith(("F", "BF")))
+_FORMAT_OF_FLOAT_DTYPE: dict[str, CheckpointFormat] = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+_QUANT_METHODS: dict[str, CheckpointFormat] = {"compressed-tensors": "compressed-tensors", "exl3": "exl3"}
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: its shard file and the absolute byte range of its data in that file."""
+
+    name: str
+    shard: Path
+    dtype: str
+    shape: tuple[int, ...]
+    data_begin: int
+    data_end: int
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the stored data in bytes."""
+        return self.data_end - self.data_begin
+
+    @property
+    def numel(self) -> int:
+        """Number of elements (1 for a scalar)."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """A checkpoint folder read as files; build one with `Checkpoint.open`.
+
+    `tensors` holds every tensor of every shard, sorted by name; `shards` lists the safetensors files in a
+    fixed order (sorted by their path in the folder). A GGUF checkpoint has no `tensors` and no `shards`:
+    its one file is `gguf_file`. `fingerprint` is a sha256 over config.json's canonical JSON and each shard's
+    name and raw header (not the tensor data), a cheap identity of the checkpoint. `total_bytes` is the size
+    of the weight files on disk.
+    """
+
+    path: Path
+    config: dict[str, Any] = field(repr=False)
+    format: CheckpointFormat
+    tensors: dict[str, TensorInfo] = field(repr=False)
+    shards: list[Path] = field(repr=False)
+    gguf_file: Path | None
+    fingerprint: str
+    total_bytes: int
+
+    @classmethod
+    def open(cls, source: str | Path) -> Checkpoint:
+        """Open a checkpoint folder, or a Hugging Face repo id ("org/name") already in the local cache.
+
+        The hub is never contacted: the cache is the one `HF_HUB_CACHE` (or `HF_HOME`/hub) names when this
+        is called. Raises `InputError` for a bad folder and `DependencyError` for a repo id not cached.
+        """
+        path = Path(source).expanduser()
+        if path.is_dir():
+            return _open_folder(path.resolve(), extra_roots=())
+        if path.exists():
+            raise InputError("is not a folder (a checkpoint is a folder with config.json)", path)
+        if isinstance(source, str) and _REPO_ID.fullmatch(source):
+            snapshot = _cached_snapshot(source)
+            # The cache stores files as symlinks from snapshots/<rev>/ into the repo's blobs/ folder.
+            return _open_folder(snapshot, extra_roots=((snapshot.parent.parent / "blobs").resolve(),))
+        raise InputError("does not exist", path)
+
+    @property
+    def model_type(self) -> str | None:
+        """config.json's `model_type`, or None when absent."""
+        value = self.config.get("model_type")
+        return value if isinstance(value, str) else None
+
+    @property
+    def quantization_config(self) -> dict[str, Any] | None:
+        """config.json's `quantization_config`, or None when absent."""
+        return self.config.get("quantization_config")
+
+    def file(self, name: str) -> Path:
+        """A file inside the checkpoint folder (e.g. "tokenizer.json"); `InputError` if it is missing."""
+        pure = PurePosixPath(name)
+        if not name or pure.is_absolute() or ".." in pure.parts:
+            raise InputError(f"{name!r} is not a file name inside the checkpoint", self.path)
+        path = self.path / pure
+        if not path.is_file():
+            raise InputError("missing from the checkpoint folder", path)
+        return path
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """Read one tensor (a CPU copy) through safetensors."""
+        info = self._info(name)
+        with safe_open(info.shard, framework="pt") as f:
+            return f.get_tensor(name)
+
+    def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(name, tensor)` for `names` (default: all, each once), shard by shard in file order.
+
+        Each shard is opened once, and only one tensor is held at a time on this side. Unknown names are
+        rejected before anything is read.
+        """
+        infos = self.tensors.values() if names is None else {self._info(n) for n in names}
+        by_shard: dict[Path, list[TensorInfo]] = {}
+        for info in sorted(infos, key=lambda i: i.data_begin):
+            by_shard.setdefault(info.shard, []).append(info)
+        return self._stream(by_shard)
+
+    def _stream(self, by_shard: dict[Path, list[TensorInfo]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for shard in self.shards:
+            if shard not in by_shard:
+                continue
+            with safe_open(shard, framework="pt") as f:
+                for info in by_shard[shard]:
+                    yield info.name, f.get_tensor(info.name)
+
+    def read_bytes(self, name: str) -> bytes:
+        """The tensor's data exactly as stored in its shard."""
+        info = self._info(name)
+        with info.shard.open("rb") as f:
+            f.seek(info.data_begin)
+            data = f.read(info.nbytes)
+        if len(data) != info.nbytes:
+            raise InputError(f"truncated shard: tensor {name!r} ends past the end of the file", info.shard)
+        return data
+
+    def _info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise InputError(f"no tensor named {name!r} in this checkpoint", self.path) from None
+
+
+def _hub_cache_dir() -> Path:
+    # huggingface_hub reads these variables once, at import; a caller (or a test) that sets them later
+    # still means them.
+    if cache := os.environ.get("HF_HUB_CACHE"):
+        return Path(cache)
+    if home := os.environ.get("HF_HOME"):
+        return Path(home) / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _cached_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(repo_id, cache_dir=_hub_cache_dir(), local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError):
+        raise DependencyError(
+            f"{repo_id} is not a folder and not in the local Hugging Face cache (no network)"
+        ) from None
+    return Path(folder).resolve()
+
+
+def _open_folder(folder: Path, extra_roots: tuple[Path, ...]) -> Checkpoint:
+    roots = (folder, *extra_roots)
+    index_path = folder / INDEX_FILE
+    has_index = index_path.is_file()
+    loose = [] if has_index else sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+    ggufs = [] if has_index or loose else sorted(p for p in folder.glob("*.gguf") if p.is_file())
+
+    config_path = folder / CONFIG_FILE
+    if config_path.is_file():
+        config = _read_json(config_path)
+        if not isinstance(config, dict):
+            raise InputError("config.json is not a JSON object", config_path)
+    elif ggufs:
+        config = {}  # a GGUF file carries its own configuration in its metadata
+    else:
+        raise InputError("no config.json in this folder (not a Hugging Face checkpoint)", folder)
+    qc = config.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise InputError("quantization_config is not a JSON object", config_path)
+
+    weight_map: dict[str, str] | None = None
+    if has_index:
+        weight_map, shards = _read_index(index_path, folder, roots)
+    else:
+        for shard in loose:
+            _check_inside(shard, roots)
+        shards = loose
+    if not shards and not ggufs:
+        raise InputError("no weights: no model.safetensors.index.json, *.safetensors or *.gguf file", folder)
+
+    fingerprint = hashlib.sha256()
+    _hash_parts(fingerprint, b"config.json", _canonical_json(config))
+    tensors: dict[str, TensorInfo] = {}
+    total_bytes = 0
+    for shard in shards:
+        raw_header, infos, size = _read_header(shard)
+        _hash_parts(fingerprint, shard.relative_to(folder).as_posix().encode(), raw_header)
+        total_bytes += size
+        for info in infos:
+            if (first := tensors.get(info.name)) is not None:
+                raise InputError(f"tensor {info.name!r} is also stored in {first.shard.name}", shard)
+            tensors[info.name] = info
+    if weight_map is not None:
+        _check_index_matches_headers(index_path, folder, weight_map, tensors)
+
+    gguf_file = None
+    if ggufs:
+        if len(ggufs) > 1:
+            names = ", ".join(p.name for p in ggufs)
+            raise InputError(f"several .gguf files ({names}): pass a folder with one", folder)
+        gguf_file = ggufs[0]
+        _check_inside(gguf_file, roots)
+        total_bytes = gguf_file.stat().st_size
+        with gguf_file.open("rb") as f:
+            head = f.read(GGUF_FINGERPRINT_BYTES)
+        _hash_parts(fingerprint, gguf_file.name.encode(), str(total_bytes).encode(), head)
+
+    return Checkpoint(
+        path=folder,
+        config=config,
+        format=_detect_format(folder, config, tensors, gguf_file),
+        tensors=dict(sorted(tensors.items())),
+        shards=shards,
+        gguf_file=gguf_file,
+        fingerprint=fingerprint.hexdigest(),
+        total_bytes=total_bytes,
+    )
+
+
+def _read_index(index_path: Path, folder: Path, roots: tuple[Path, ...]) -> tuple[dict[str, str], list[Path]]:
+    """The index's weight_map (tensor name → shard path relative to the folder) and its shard files."""
+    index = _read_json(index_path, strict=True)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise InputError("no weight_map object (or an empty one)", index_path)
+    normalized: dict[str, str] = {}
+    shards: dict[str, Path] = {}
+    for name, rel in weight_map.items():
+        pure = PurePosixPath(rel) if isinstance(rel, str) and rel else None
+        if pure is None or pure.is_absolute() or ".." in pure.parts or "\\" in rel:
+            raise InputError(
+                f"weight_map entry for {name!r} leaves the checkpoint folder: {rel!r}", index_path
+            )
+        key = pure.as_posix()  # "./a" and "a" are the same shard
+        if key not in shards:
+            shard = folder / pure
+            if not _resolves_inside(shard, roots):
+                raise InputError(
+                    f"weight_map entry for {name!r} resolves outside the checkpoint folder: {rel!r}",
+                    index_path,
+                )
+            if not shard.is_file():
+                raise InputError(f"shard listed in {INDEX_FILE} does not exist", shard)
+            shards[key] = shard
+        normalized[name] = key
+    return normalized, [shards[key] for key in sorted(shards)]
+
+
+def _check_index_matches_headers(
+    index_path: Path, folder: Path, weight_map: dict[str, str], tensors: dict[str, TensorInfo]
+) -> None:
+    for name, rel in weight_map.items():
+        if name not in tensors:
+            raise InputError(f"tensor {name!r} is mapped to {rel} but no shard header has it", index_path)
+    for name, info in tensors.items():
+        stored_in = info.shard.relative_to(folder).as_posix()
+        if name not in weight_map:
+            raise InputError(f"tensor {name!r} of {stored_in} is not in the weight_map", index_path)
+        if weight_map[name] != stored_in:
+            raise InputError(
+                f"tensor {name!r} is mapped to {weight_map[name]} but stored in {stored_in}", index_path
+            )
+
+
+def _read_header(shard: Path) -> tuple[bytes, list[TensorInfo], int]:
+    """Parse and check one shard's header; returns the raw header (length prefix included), its tensors in
+    file order, and the file size."""
+    with shard.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise InputError(f"truncated shard: {size} bytes, too short for the 8-byte header length", shard)
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise InputError(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte cap", shard)
+        if 8 + header_len > size:
+            raise InputError(
+                f"header claims {header_len} bytes but the file has only {size - 8} after its length", shard
+            )
+        raw = f.read(header_len)
+    data_start = 8 + header_len
+    data_size = size - data_start
+    header = _parse_json(raw, shard, "header", strict=True)
+    if not isinstance(header, dict):
+        raise InputError("header is not a JSON object", shard)
+
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise InputError("header __metadata__ is not an object of strings", shard)
+
+    entries = [_header_entry(shard, name, entry) for name, entry in header.items()]
+    entries.sort(key=lambda e: (e[3], e[4]))
+    needed = max((e[4] for e in entries), default=0)
+    if needed > data_size:
+        raise InputError(
+            f"truncated shard: the header needs {needed} bytes of tensor data but the file has {data_size}",
+            shard,
+        )
+    # Same layout rule as the safetensors reader: the ranges tile the data section exactly, so a file that
+    # passes here is one safe_open accepts, and no byte can belong to two tensors.
+    expected, previous = 0, None
+    for name, _, _, begin, end in entries:
+        if begin < expected:
+            raise InputError(f"tensors {previous!r} and {name!r} overlap in data_offsets", shard)
+        if begin > expected:
+            raise InputError(f"data bytes {expected}..{begin} belong to no tensor (before {name!r})", shard)
+        expected, previous = end, name
+    if expected != data_size:
+        raise InputError(f"{data_size - expected} bytes after the last tensor's data", shard)
+
+    infos = [
+        TensorInfo(name, shard, dtype, shape, data_start + begin, data_start + end)
+        for name, dtype, shape, begin, end in entries
+    ]
+    return prefix + raw, infos, size
+
+
+def _header_entry(shard: Path, name: str, entry: Any) -> tuple[str, str, tuple[int, ...], int, int]:
+    """One checked header entry: (name, dtype, shape, begin, end), offsets relative to the data section."""
+    if not isinstance(entry, dict):
+        raise InputError(f"header entry {name!r} is not an object", shard)
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        raise InputError(f"tensor {name!r} has unknown dtype {dtype!r}", shard)
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise InputError(f"tensor {name!r} has shape {shape!r}, not a list of non-negative integers", shard)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise InputError(
+            f"tensor {name!r} has data_offsets {offsets!r}, not two non-negative integers", shard
+        )
+    begin, end = offsets
+    if end < begin:
+        raise InputError(f"tensor {name!r} has data_offsets {offsets!r} that end before they begin", shard)
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if end - begin != expected:
+        raise InputError(
+            f"tensor {name!r} spans {end - begin} bytes but {dtype} {tuple(shape)} needs {expected}", shard
+        )
+    return name, dtype, tuple(shape), begin, end
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _detect_format(
+    folder: Path, config: dict[str, Any], tensors: dict[str, TensorInfo], gguf_file: Path | None
+) -> CheckpointFormat:
+    if gguf_file is not None:
+        return "gguf"
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method is None and _is_exl3_storage(folder / EXL3_CONFIG_FILE):
+        method = "exl3"
+    if method is not None:
+        if not isinstance(method, str) or method not in _QUANT_METHODS:
+            raise InputError(
+                f"quantization_config.quant_method {method!r} is not supported "
+                f"(known: {', '.join(_QUANT_METHODS)})",
+                folder / CONFIG_FILE,
+            )
+        return _QUANT_METHODS[method]
+    numel_by_dtype: dict[str, int] = {}
+    for info in tensors.values():
+        if info.dtype in FLOAT_DTYPES:
+            numel_by_dtype[info.dtype] = numel_by_dtype.get(info.dtype, 0) + info.numel
+    if not numel_by_dtype:
+        raise InputError(
+            "cannot tell the format: no floating-point tensor and no quantization_config", folder
+        )
+    # Ties broken by name so that the answer never depends on dict order.
+    dominant = max(numel_by_dtype, key=lambda d: (numel_by_dtype[d], d))
+    if dominant not in _FORMAT_OF_FLOAT_DTYPE:
+        raise InputError(
+            f"cannot tell the format: most floating-point weights are {dominant} "
+            f"(known: {', '.join(_FORMAT_OF_FLOAT_DTYPE)}) and there is no quantization_config",
+            folder,
+        )
+    return _FORMAT_OF_FLOAT_DTYPE[dominant]
+
+
+def _is_exl3_storage(path: Path) -> bool:
+    """Whether this is exllamav3's quantization_config.json (quantization_config plus tensor_storage)."""
+    if not path.is_file():
+        return False
+    content = _read_json(path)
+    if not isinstance(content, dict):
+        return False
+    storage = content.get("tensor_storage")
+    modules = storage.values() if isinstance(storage, dict) else ()
+    return content.get("quant_method") == "exl3" or any(
+        isinstance(m, dict) and m.get("quant_format") == "exl3" for m in modules
+    )
+
+
+def _check_inside(path: Path, roots: tuple[Path, ...]) -> None:
+    if not _resolves_inside(path, roots):
+        raise InputError("is a symlink that resolves outside the checkpoint folder", path)
+
+
+def _resolves_inside(path: Path, roots: tuple[Path, ...]) -> bool:
+    resolved = path.resolve()
+    return any(resolved.is_relative_to(root) for root in roots)
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of two equal keys; in a header or weight_map that would silently pick one
+    # of two claims about the same tensor.
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKeyError(key)
+        result[key] = value
+    return result
+
+
+def _read_json(path: Path, *, strict: bool = False) -> Any:
+    """Parse a JSON file; `strict` also rejects an object with two equal keys."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot be read: {exc.strerror}", path) from None
+    return _parse_json(raw, path, "file", strict=strict)
+
+
+def _parse_json(raw: bytes, path: Path, what: str, *, strict: bool) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{what} is not UTF-8 (byte {exc.start})", path) from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys if strict else None)
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"invalid JSON in {what} at line {exc.lineno}, column {exc.colno}: {exc.msg}", path
+        ) from None
+    except _DuplicateKeyError as exc:
+        raise InputError(
+            f"invalid JSON in {what}: key {exc.args[0]!r} appears twice in one object", path
+        ) from None
+
+
+def _canonical_json(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _hash_parts(hasher: Any, *parts: bytes) -> None:
+    # Length-prefixed, so that no two different sequences of parts hash the same bytes.
+    for part in parts:
+        hasher.update(len(part).to_bytes(8, "little"))
+        hasher.update(part)
