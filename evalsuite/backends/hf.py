@@ -1,0 +1,147 @@
+"""Backend `hf`: the checkpoint run by Transformers, the way its users run it."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.errors import DependencyError, InputError
+from evalsuite.side import BackendOptions
+
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+
+def _model_class(config: Any) -> type:
+    """Image-text-to-text where Transformers registers the architecture as such, causal LM otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "auto_map", None):
+        return AutoModelForCausalLM
+    raise InputError(
+        f"model type {config.model_type!r} is neither a causal LM nor an image-text-to-text model"
+    )
+
+
+def _device_map(device: str) -> str | None:
+    if device == "cpu":
+        return None
+    if device in ("cuda", "auto") or device.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise DependencyError(f"--device {device} needs CUDA, and this machine has none")
+        return device
+    raise InputError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class HFBackend:
+    """A Transformers model, loaded with no tolerance for missing or unexpected weights."""
+
+    def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
+        from transformers import AutoConfig
+        from transformers.utils import logging as hf_logging
+
+        if options.dtype not in DTYPES:
+            raise InputError(f"unknown dtype {options.dtype!r}; use {', '.join(DTYPES)}")
+        kwargs: dict[str, Any] = {"trust_remote_code": options.trust_remote_code}
+        if checkpoint.format == "gguf":
+            from transformers import GgufConfig
+
+            kwargs["gguf_file"] = checkpoint.gguf_file.name
+            kwargs["quantization_config"] = GgufConfig(gguf_file=checkpoint.gguf_file.name, dequantize=True)
+        path = str(checkpoint.path)
+        try:
+            config = AutoConfig.from_pretrained(path, **kwargs)
+        except Exception as exc:
+            raise InputError(
+                f"Transformers cannot read the config: {_first_line(exc)}", checkpoint.path
+            ) from None
+        cls = _model_class(config)
+        device_map = _device_map(options.device)
+        # The load report is printed by Transformers' logger; evalsuite turns it into an error instead.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()  # evalsuite shows its own progress
+        try:
+            model, info = cls.from_pretrained(
+                path, dtype=DTYPES[options.dtype], device_map=device_map, output_loading_info=True, **kwargs
+            )
+        except (DependencyError, InputError):
+            raise
+        except ImportError as exc:
+            raise DependencyError(f"loading {checkpoint.path} needs a package: {_first_line(exc)}") from None
+        except Exception as exc:
+            raise InputError(
+                f"Transformers cannot load the model: {_first_line(exc)}", checkpoint.path
+            ) from None
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        self._refuse_partial_load(checkpoint, info)
+        self.model = model
+        self.model.eval()
+        self.config = config
+        self.vocab_size = (
+            int(self.model.get_output_embeddings().weight.shape[0])
+            if self.model.get_output_embeddings() is not None
+            else int(config.get_text_config().vocab_size)
+        )
+
+    @staticmethod
+    def _refuse_partial_load(checkpoint: Checkpoint, info: dict[str, Any]) -> None:
+        """Missing weights would be initialised at random and the forward would still run: refuse that."""
+        problems = []
+        for kind in ("missing_keys", "unexpected_keys"):
+            keys = sorted(info.get(kind) or ())
+            if keys:
+                shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+                problems.append(f"{len(keys)} {kind.replace('_', ' ')} ({shown})")
+        mismatched = sorted(info.get("mismatched_keys") or ())
+        if mismatched:
+            name, stored, expected = mismatched[0]
+            problems.append(
+                f"{len(mismatched)} shape mismatches ({name}: {tuple(stored)} vs {tuple(expected)})"
+            )
+        if info.get("error_msgs"):
+            problems.append(f"load errors ({_first_line(Exception(info['error_msgs'][0]))})")
+        if problems:
+            raise InputError(
+                "Transformers would load this checkpoint with randomly initialised weights: "
+                + "; ".join(problems),
+                checkpoint.path,
+            )
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @torch.inference_mode()
+    def next_token_logprobs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(1, -1).to(self.device)
+        # logits_to_keep keeps the vocabulary-sized projection to the scored positions only.
+        out = self.model(input_ids=ids, logits_to_keep=positions.to(self.device), use_cache=False)
+        return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+    def close(self) -> None:
+        del self.model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,222 @@
+"""The command line: `run`, `fixtures`, `demo`, `tasks`, `inspect`.
+
+Exit codes: 0 every check passed, 1 a check failed (a regression), 2 the run could not be done (bad input, a
+missing dependency); the reason is one line on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tomllib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from typer.exceptions import TyperException
+
+from evalsuite.errors import EvalsuiteError, InputError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Validate a quantized checkpoint against its reference and write a diff report.",
+)
+console = Console(stderr=True)
+
+DEFAULT_FIXTURES = Path(
+    os.environ.get("EVALSUITE_FIXTURES", Path.home() / ".cache" / "evalsuite" / "fixtures")
+)
+DEMO_CKPT, DEMO_REF = "smollm2-135m-w4a8", "smollm2-135m-bf16"
+
+
+def resolve_source(source: str, fixtures: Path = DEFAULT_FIXTURES) -> str:
+    """A folder as given; a fixture name (`smollm2-135m-w4a8`) from the fixtures folder; else a hub id."""
+    if Path(source).exists():
+        return source
+    from evalsuite.fixtures import FIXTURE_NAMES
+
+    if source not in FIXTURE_NAMES:
+        return source
+    folder = fixtures / source
+    if not folder.is_dir():
+        raise InputError(
+            f"fixture {source!r} is not built; run `evalsuite fixtures --out {fixtures}`", folder
+        )
+    return str(folder)
+
+
+def read_thresholds(path: Path | None) -> dict:
+    """`--thresholds FILE`: TOML tables `[TASK]` of `metric = { min = …, max = … }`."""
+    if path is None:
+        return {}
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError("thresholds file does not exist", path) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"invalid TOML: {exc}", path) from None
+    if not all(isinstance(v, dict) for v in data.values()):
+        raise InputError("expected one table per task, e.g. [ppl] ppl_ratio = { max = 1.05 }", path)
+    return data
+
+
+def _progress_factory(progress):
+    def factory(description: str, total: int):
+        task_id = progress.add_task(description, total=total)
+        return lambda: progress.advance(task_id)
+
+    return factory
+
+
+def execute(request, quiet: bool = False) -> int:
+    """Run a request with progress bars, write the reports, print the table; return the exit code."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from evalsuite.report import print_summary, write_reports
+    from evalsuite.runner import run
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
+
+        def on_load(side):
+            console.print(f"loading {side.role}: {side.checkpoint.path} ({side.checkpoint.format})")
+
+        result = run(request, progress=_progress_factory(progress), on_load=on_load)
+    write_reports(result.results, result.folder)
+    print_summary(result.results, Console())
+    console.print(f"report: {result.folder.report_md}")
+    return result.exit_code
+
+
+Dtype = Annotated[str, typer.Option(help="Compute dtype: bfloat16, float16 or float32.")]
+Device = Annotated[str, typer.Option(help="cpu, cuda, cuda:N, or auto (accelerate's device_map).")]
+
+
+@app.command("run")
+def run_command(
+    ckpt: Annotated[
+        str, typer.Option(help="Candidate checkpoint: a folder, a cached hub id, or a fixture name.")
+    ],
+    ref: Annotated[str, typer.Option(help="Reference checkpoint (the BF16 source), same forms as --ckpt.")],
+    tasks: Annotated[str, typer.Option(help="Comma-separated tasks.")] = "ppl",
+    out: Annotated[Path | None, typer.Option(help="Run folder [default: reports/<ckpt name>].")] = None,
+    text_file: Annotated[Path | None, typer.Option(help="Score this UTF-8 text instead of a corpus.")] = None,
+    corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
+    allow_download: Annotated[bool, typer.Option(help="Let datasets fetch WikiText-2 from the hub.")] = False,
+    thresholds: Annotated[Path | None, typer.Option(help="TOML overriding spec thresholds.")] = None,
+    dtype: Dtype = "bfloat16",
+    device: Device = "cpu",
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow code from the checkpoint folders.")] = False,
+    resume: Annotated[bool, typer.Option(help="Reuse observations saved by an earlier run.")] = True,
+    fixtures: Annotated[Path, typer.Option(help="Where fixture names are looked up.")] = DEFAULT_FIXTURES,
+    quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+) -> int:
+    """Compare a candidate checkpoint with its reference and write reports/NAME/{results.json,report.md}."""
+    from evalsuite.runner import RunRequest
+    from evalsuite.side import BackendOptions
+    from evalsuite.task import RunContext
+
+    ckpt_source, ref_source = resolve_source(ckpt, fixtures), resolve_source(ref, fixtures)
+    options = BackendOptions(dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    request = RunRequest(
+        ckpt=ckpt_source,
+        ref=ref_source,
+        tasks=[t.strip() for t in tasks.split(",") if t.strip()],
+        out=out or Path("reports") / Path(ckpt_source.rstrip("/")).name,
+        context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
+        ckpt_options=options,
+        ref_options=options,
+        thresholds=read_thresholds(thresholds),
+        resume=resume,
+    )
+    return execute(request, quiet=quiet)
+
+
+@app.command("fixtures")
+def fixtures_command(
+    out: Annotated[
+        Path, typer.Option(help="Folder that receives one sub-folder per fixture.")
+    ] = DEFAULT_FIXTURES,
+    only: Annotated[list[str] | None, typer.Option(help="Build only these fixtures (repeatable).")] = None,
+) -> int:
+    """Build the offline test checkpoints (cached by a hash of their recipe)."""
+    from evalsuite.fixtures import build_fixtures
+
+    built = build_fixtures(out, only or None, progress=lambda msg: console.print(msg))
+    for name, path in built.items():
+        print(f"{name}\t{path}")
+    return 0
+
+
+@app.command("demo")
+def demo_command(
+    fixtures: Annotated[Path, typer.Option(help="Where the SmolLM2 pair is built.")] = DEFAULT_FIXTURES,
+    out: Annotated[Path, typer.Option(help="Run folder.")] = Path("reports") / DEMO_CKPT,
+    quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+) -> int:
+    """Build the SmolLM2-135M BF16 / W4A8 pair if needed, then run `ppl` on it."""
+    from evalsuite.fixtures import build_fixtures
+    from evalsuite.runner import RunRequest
+
+    built = build_fixtures(fixtures, [DEMO_REF, DEMO_CKPT], progress=lambda msg: console.print(msg))
+    request = RunRequest(ckpt=str(built[DEMO_CKPT]), ref=str(built[DEMO_REF]), tasks=["ppl"], out=out)
+    return execute(request, quiet=quiet)
+
+
+@app.command("tasks")
+def tasks_command() -> int:
+    """List the registered tasks and their spec files."""
+    from evalsuite.spec import default_spec_path
+    from evalsuite.task import registered_tasks
+
+    for name, cls in registered_tasks().items():
+        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        print(f"{name}\t{default_spec_path(name)}\t{doc}")
+    return 0
+
+
+@app.command("inspect")
+def inspect_command(
+    source: Annotated[str, typer.Argument(help="A checkpoint folder, cached hub id, or fixture name.")],
+    fixtures: Annotated[Path, typer.Option(help="Where fixture names are looked up.")] = DEFAULT_FIXTURES,
+) -> int:
+    """Show what the files of a checkpoint say: format, tensors by dtype, bytes, fingerprint."""
+    from collections import Counter
+
+    from evalsuite.checkpoint import Checkpoint
+
+    ckpt = Checkpoint.open(resolve_source(source, fixtures))
+    by_dtype = Counter(t.dtype for t in ckpt.tensors.values())
+    print(f"path\t{ckpt.path}\nformat\t{ckpt.format}\nmodel_type\t{ckpt.model_type}")
+    print(f"tensors\t{len(ckpt.tensors)}\t" + ", ".join(f"{k}: {v}" for k, v in sorted(by_dtype.items())))
+    print(f"bytes\t{ckpt.total_bytes:,}\nfingerprint\t{ckpt.fingerprint}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: map evalsuite errors to one line and exit code 2."""
+    args = sys.argv[1:] if argv is None else argv
+    # Hub libraries read these at import; without them a missing dataset or model retries the network for
+    # half a minute before failing. --allow-download lifts them for the one run that asks.
+    if "--allow-download" not in args:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    try:
+        code = app(args=args, prog_name="evalsuite", standalone_mode=False)
+    except EvalsuiteError as exc:
+        print(f"evalsuite: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        print("evalsuite: interrupted; run the same command again to resume", file=sys.stderr)
+        sys.exit(130)
+    except TyperException as exc:  # usage errors: typer vendors click, so its exceptions live here
+        exc.show()
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Statistics of the diff report, as pure functions on arrays.
+
+Every statistic is defined once here, with its uncertainty, in the conventions of llama.cpp's perplexity tool
+(`tools/perplexity/perplexity.cpp`): standard errors of means use the sample variance with n − 1, and a rate
+p over n trials has the binomial standard error sqrt(p (1 − p) / (n − 1)). Accumulation is in float64 so that
+identical inputs give exactly 0 and exactly 1 where they should. No model, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A mean with its standard error and the sample size it came from."""
+
+    value: float
+    stderr: float
+    n: int
+
+
+def _as_f64(x: ArrayLike) -> NDArray[np.float64]:
+    arr = np.asarray(x, dtype=np.float64).reshape(-1)
+    if arr.size == 0:
+        raise ValueError("a statistic of no samples is undefined")
+    return arr
+
+
+def mean_with_stderr(x: ArrayLike) -> Estimate:
+    """Mean of `x` and its standard error sqrt(var / (n − 1)), with var the population variance.
+
+    A single sample has no error estimate: its stderr is NaN rather than a misleading 0.
+    """
+    arr = _as_f64(x)
+    n = arr.size
+    mean = float(arr.mean())
+    if n < 2:
+        return Estimate(mean, float("nan"), n)
+    var = float(np.mean((arr - mean) ** 2))
+    return Estimate(mean, float(np.sqrt(var / (n - 1))), n)
+
+
+def perplexity(nll: ArrayLike) -> float:
+    """exp of the mean negative log-likelihood (natural log) of the scored tokens."""
+    return float(np.exp(_as_f64(nll).mean()))
+
+
+def ln_perplexity(nll: ArrayLike) -> Estimate:
+    """ln(PPL) = mean NLL, with its standard error; PPL ± PPL·stderr is llama.cpp's printed interval."""
+    return mean_with_stderr(nll)
+
+
+def paired_log_ratio(nll_ref: ArrayLike, nll_ckpt: ArrayLike) -> Estimate:
+    """ln(PPL_ckpt / PPL_ref) as the mean of per-token NLL differences, with the paired standard error.
+
+    Pairing by token cancels the variance the two sides share (the text's own difficulty), which makes the
+    error bar of the ratio far tighter than that of either PPL.
+    """
+    ref, ckpt = _as_f64(nll_ref), _as_f64(nll_ckpt)
+    if ref.shape != ckpt.shape:
+        raise ValueError(f"paired samples differ in length: {ref.size} vs {ckpt.size}")
+    return mean_with_stderr(ckpt - ref)
+
+
+def kl_divergence(logp_ref: ArrayLike, logp_ckpt: ArrayLike) -> NDArray[np.float64]:
+    """Per-row KL(P_ref ‖ P_ckpt) = Σ_v p_ref(v) (log p_ref(v) − log p_ckpt(v)), from log-probabilities.
+
+    Rows are positions, columns the vocabulary. Terms where p_ref is exactly 0 contribute 0.
+    """
+    ref = np.asarray(logp_ref, dtype=np.float64)
+    ckpt = np.asarray(logp_ckpt, dtype=np.float64)
+    if ref.shape != ckpt.shape:
+        raise ValueError(f"log-prob arrays differ in shape: {ref.shape} vs {ckpt.shape}")
+    p_ref = np.exp(ref)
+    terms = np.where(p_ref > 0, p_ref * (ref - ckpt), 0.0)
+    return terms.sum(axis=-1)
+
+
+def rate_with_stderr(hits: ArrayLike) -> Estimate:
+    """Fraction of true values in `hits`, with the binomial standard error sqrt(p (1 − p) / (n − 1))."""
+    arr = np.asarray(hits, dtype=bool).reshape(-1)
+    n = arr.size
+    if n == 0:
+        raise ValueError("a rate over no trials is undefined")
+    p = float(arr.mean())
+    if n < 2:
+        return Estimate(p, float("nan"), n)
+    return Estimate(p, float(np.sqrt(p * (1.0 - p) / (n - 1))), n)
+
+
+def same_top_rate(top_ref: ArrayLike, top_ckpt: ArrayLike) -> Estimate:
+    """How often the two sides put the same token first."""
+    a, b = np.asarray(top_ref).reshape(-1), np.asarray(top_ckpt).reshape(-1)
+    if a.shape != b.shape:
+        raise ValueError(f"top-token arrays differ in length: {a.size} vs {b.size}")
+    return rate_with_stderr(a == b)
+
+
+@dataclass(frozen=True)
+class DeltaP:
+    """Change of the probability given to the true token, candidate minus reference."""
+
+    mean: Estimate
+    rms: Estimate
+
+
+def delta_p(logp_true_ref: ArrayLike, logp_true_ckpt: ArrayLike) -> DeltaP:
+    """Δp = p_ckpt(true) − p_ref(true) per token: its mean and its RMS, each with a standard error.
+
+    The RMS error follows by error propagation from the stderr of the mean of Δp², as in llama.cpp.
+    """
+    ref, ckpt = _as_f64(logp_true_ref), _as_f64(logp_true_ckpt)
+    if ref.shape != ckpt.shape:
+        raise ValueError(f"paired samples differ in length: {ref.size} vs {ckpt.size}")
+    dp = np.exp(ckpt) - np.exp(ref)
+    mean = mean_with_stderr(dp)
+    sq = mean_with_stderr(dp * dp)
+    rms = float(np.sqrt(sq.value))
+    rms_err = 0.5 * sq.stderr / rms if rms > 0 else 0.0 if sq.n > 1 else float("nan")
+    return DeltaP(mean=mean, rms=Estimate(rms, rms_err, sq.n))
+
+
+def quantiles(x: ArrayLike, qs: tuple[float, ...]) -> tuple[float, ...]:
+    """Quantiles of `x` at the fractions `qs`, linear interpolation between order statistics."""
+    arr = _as_f64(x)
+    return tuple(float(v) for v in np.quantile(arr, qs, method="linear"))
+
+
+def first_divergence(a: ArrayLike, b: ArrayLike) -> int | None:
+    """Index of the first position where two token sequences differ; None when they are identical.
+
+    A sequence that is a strict prefix of the other diverges at its own length.
+    """
+    x, y = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
+    n = min(x.size, y.size)
+    diff = np.flatnonzero(x[:n] != y[:n])
+    if diff.size:
+        return int(diff[0])
+    return None if x.size == y.size else n

@@ -1,0 +1,3 @@
+"""Built-in task plugins; importing this package registers them."""
+
+from evalsuite.tasks import ppl  # noqa: F401

@@ -1,0 +1,90 @@
+"""Metric functions on cases worked by hand."""
+
+import math
+
+import numpy as np
+import pytest
+
+from evalsuite import metrics
+
+
+def test_mean_with_stderr_uses_n_minus_one():
+    # x = 1, 2, 3, 4: mean 2.5, population variance 1.25, stderr sqrt(1.25 / 3)
+    est = metrics.mean_with_stderr([1, 2, 3, 4])
+    assert est.value == 2.5
+    assert est.stderr == pytest.approx(math.sqrt(1.25 / 3), rel=1e-15)
+    assert est.n == 4
+
+
+def test_single_sample_has_no_stderr():
+    assert math.isnan(metrics.mean_with_stderr([3.0]).stderr)
+
+
+def test_perplexity_of_uniform_guess_over_four_tokens_is_four():
+    assert metrics.perplexity([math.log(4)] * 10) == pytest.approx(4.0, rel=1e-15)
+
+
+def test_paired_log_ratio_of_identical_sides_is_exactly_zero():
+    nll = np.array([0.3, 1.7, 2.2])
+    est = metrics.paired_log_ratio(nll, nll.copy())
+    assert est.value == 0.0 and est.stderr == 0.0
+
+
+def test_paired_log_ratio_by_hand():
+    # differences 0.1, 0.3: mean 0.2, population variance 0.01, stderr sqrt(0.01 / 1) = 0.1
+    est = metrics.paired_log_ratio([1.0, 2.0], [1.1, 2.3])
+    assert est.value == pytest.approx(0.2)
+    assert est.stderr == pytest.approx(0.1)
+
+
+def test_kl_divergence_by_hand():
+    # P = (1/2, 1/2), Q = (1/4, 3/4): KL = 1/2 ln 2 + 1/2 ln(2/3)
+    p = np.log([[0.5, 0.5]])
+    q = np.log([[0.25, 0.75]])
+    expected = 0.5 * math.log(2) + 0.5 * math.log(2 / 3)
+    assert metrics.kl_divergence(p, q)[0] == pytest.approx(expected, rel=1e-12)
+
+
+def test_kl_divergence_of_identical_rows_is_exactly_zero():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 7))
+    logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    assert np.all(metrics.kl_divergence(logp, logp) == 0.0)
+
+
+def test_kl_divergence_ignores_tokens_the_reference_never_gives():
+    p = np.log(np.array([[1.0, 0.0]]))  # log 0 = -inf
+    q = np.log(np.array([[0.5, 0.5]]))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        assert metrics.kl_divergence(p, q)[0] == pytest.approx(math.log(2))
+
+
+def test_same_top_rate_with_binomial_stderr():
+    # 3 of 4 agree: p = 0.75, stderr sqrt(0.75 * 0.25 / 3) = 0.25
+    est = metrics.same_top_rate([1, 2, 3, 4], [1, 2, 3, 5])
+    assert est.value == 0.75
+    assert est.stderr == pytest.approx(0.25)
+
+
+def test_delta_p_by_hand():
+    # p_ref = (0.5, 0.5), p_ckpt = (0.25, 0.75): Δp = (-0.25, 0.25); mean 0, RMS 0.25
+    dp = metrics.delta_p(np.log([0.5, 0.5]), np.log([0.25, 0.75]))
+    assert dp.mean.value == pytest.approx(0.0, abs=1e-15)
+    assert dp.rms.value == pytest.approx(0.25)
+
+
+def test_quantiles_interpolate_linearly():
+    assert metrics.quantiles([0, 10], (0.5, 0.9)) == pytest.approx((5.0, 9.0))
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [([1, 2, 3], [1, 2, 3], None), ([1, 2, 3], [1, 5, 3], 1), ([1, 2], [1, 2, 3], 2), ([9], [1], 0)],
+)
+def test_first_divergence(a, b, expected):
+    assert metrics.first_divergence(a, b) == expected
+
+
+def test_statistics_of_nothing_are_refused():
+    with pytest.raises(ValueError):
+        metrics.mean_with_stderr([])
