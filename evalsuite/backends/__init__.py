@@ -19,10 +19,10 @@ class Backend(Protocol):
 
     vocab_size: int
 
-    def next_token_logprobs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Log-softmax (float32, shape (len(positions), vocab)) of the logits at `positions` of one sequence.
+    def next_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits (shape (len(positions), vocab), the model's output dtype) at `positions` of one sequence.
 
-        Row i is the distribution of the token at `positions[i] + 1` given the tokens up to `positions[i]`.
+        Row i scores the token at `positions[i] + 1` given the tokens up to `positions[i]`.
         """
         ...
 

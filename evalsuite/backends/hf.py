@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from typing import Any
 
 import torch
@@ -81,6 +82,8 @@ class HFBackend:
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()  # evalsuite shows its own progress
+        tqdm_disable = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"  # compressed-tensors' decompression bars
         try:
             model, info = cls.from_pretrained(
                 path, dtype=DTYPES[options.dtype], device_map=device_map, output_loading_info=True, **kwargs
@@ -95,6 +98,10 @@ class HFBackend:
             ) from None
         finally:
             hf_logging.set_verbosity(verbosity)
+            if tqdm_disable is None:
+                os.environ.pop("TQDM_DISABLE", None)
+            else:
+                os.environ["TQDM_DISABLE"] = tqdm_disable
         self._refuse_partial_load(checkpoint, info)
         self.model = model
         self.model.eval()
@@ -134,11 +141,10 @@ class HFBackend:
         return self.model.get_input_embeddings().weight.device
 
     @torch.inference_mode()
-    def next_token_logprobs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def next_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(1, -1).to(self.device)
         # logits_to_keep keeps the vocabulary-sized projection to the scored positions only.
-        out = self.model(input_ids=ids, logits_to_keep=positions.to(self.device), use_cache=False)
-        return torch.log_softmax(out.logits[0].float(), dim=-1)
+        return self.model(input_ids=ids, logits_to_keep=positions.to(self.device), use_cache=False).logits[0]
 
     def close(self) -> None:
         del self.model

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
 import numpy as np
 import torch
@@ -36,7 +38,7 @@ class Protocol(StrictModel):
 
 
 class CompareOptions(StrictModel):
-    kld_chunk_rows: int = 64
+    kld_chunk_rows: int = 16
 
 
 class PplSpec(TaskSpec):
@@ -58,6 +60,92 @@ def window_starts(spec: PplSpec, n_tokens: int) -> list[int]:
     s, w = spec.protocol.starts, spec.protocol.window
     starts = [s.first + i * s.step for i in range(s.count)]
     return [start for start in starts if start + w <= n_tokens]
+
+
+# Logits are stored as the model produced them: bf16 logits as their raw 16 bits (numpy has no bfloat16).
+STORED_DTYPES = {torch.bfloat16: "<u2", torch.float16: "<f2", torch.float32: "<f4"}
+
+
+class LogitsFile:
+    """Full-vocabulary logit rows of the scored positions in a .npy file, written and read in blocks of rows.
+
+    The raw logits are stored, not log-probs: lossless at half the bytes of float32 for a bf16 model, and the
+    comparison normalises them in float64. Plain reads and writes rather than a memory map: mapped pages count
+    as resident memory, and on a 248 k vocabulary one side's file is 1 GB.
+    """
+
+    def __init__(self, fh: BinaryIO, shape: tuple[int, int], dtype: torch.dtype) -> None:
+        self.fh = fh
+        self.shape = shape
+        self.dtype = dtype
+        # Writes overlap the next window's forward pass; one write in flight bounds the memory held.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logits-writer")
+        self._pending: Future[int] | None = None
+
+    @classmethod
+    def create(cls, path: Path, rows: int, vocab: int, dtype: torch.dtype) -> LogitsFile:
+        if dtype not in STORED_DTYPES:
+            raise InputError(f"cannot store logits of dtype {dtype}", path)
+        fh = path.open("wb")
+        header = {"descr": STORED_DTYPES[dtype], "fortran_order": False, "shape": (rows, vocab)}
+        np.lib.format.write_array_header_1_0(fh, header)
+        return cls(fh, (rows, vocab), dtype)
+
+    @classmethod
+    def open(cls, path: Path, dtype: torch.dtype) -> LogitsFile:
+        fh = path.open("rb")
+        fmt = np.lib.format
+        version = fmt.read_magic(fh)
+        read_header = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}
+        shape, fortran, descr = read_header[version](fh) if version in read_header else ((), True, None)
+        if descr != np.dtype(STORED_DTYPES.get(dtype, "V1")) or fortran or len(shape) != 2:
+            fh.close()
+            raise InputError(f"not a row-major {dtype} logits array", path)
+        return cls(fh, shape, dtype)
+
+    def append(self, rows: torch.Tensor) -> None:
+        if rows.dtype != self.dtype or tuple(rows.shape[1:]) != self.shape[1:]:
+            raise ValueError(
+                f"rows of {rows.dtype} {tuple(rows.shape)} do not fit a {self.dtype} {self.shape} file"
+            )
+        raw = rows.contiguous().view(torch.uint16) if rows.dtype == torch.bfloat16 else rows.contiguous()
+        self.flush()
+        self._pending = self._writer.submit(self.fh.write, memoryview(raw.numpy()))  # a view, not a copy
+
+    def flush(self) -> None:
+        """Wait for the write in flight; re-raises its error."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._writer.shutdown()
+            self.fh.close()
+
+    def chunks(self, n_rows: int) -> Iterator[torch.Tensor]:
+        """Successive blocks of up to `n_rows` rows, read into one reused buffer (valid until the next)."""
+        buffer = torch.empty((n_rows, self.shape[1]), dtype=self.dtype)
+        raw = buffer.view(torch.uint16) if self.dtype == torch.bfloat16 else buffer
+        for start in range(0, self.shape[0], n_rows):
+            rows = min(n_rows, self.shape[0] - start)
+            block = raw[:rows].numpy()
+            if self.fh.readinto(memoryview(block).cast("B")) != block.nbytes:
+                raise InputError("logits file is shorter than its header says", Path(self.fh.name))
+            yield buffer[:rows]
+
+    def __enter__(self) -> LogitsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def log_softmax64(logits: torch.Tensor) -> np.ndarray:
+    """Log-probabilities in float64 from stored logits."""
+    return torch.log_softmax(logits.double(), dim=-1).numpy()
 
 
 def tokens_sha256(tokens: np.ndarray) -> str:
@@ -116,61 +204,71 @@ class Perplexity:
         }
 
     def observe(self, side: Side, inputs: dict[str, Any], folder: Path) -> Observation:
-        """Per scored token: NLL of the true next token, the top token, and the full log-prob row on disk."""
+        """Per scored token: NLL of the true next token, the top token, and the raw logits on disk."""
         p = self.spec.protocol.scored
         positions = torch.arange(p.first, p.last + 1)
         windows: np.ndarray = inputs["windows"]
         n_rows = len(windows) * len(positions)
         model = side.model
-        logprobs = np.lib.format.open_memmap(
-            folder / "logprobs.npy", mode="w+", dtype=np.float32, shape=(n_rows, model.vocab_size)
-        )
         nll = np.empty(n_rows, dtype=np.float64)
         top = np.empty(n_rows, dtype=np.int64)
         step = side.steps(f"{side.role}: ppl windows", len(windows))
-        for w, window in enumerate(windows):
-            ids = torch.from_numpy(window)
-            lp = side.model.next_token_logprobs(ids, positions).cpu()
-            if lp.shape[-1] != model.vocab_size:
-                raise InputError(
-                    f"the model returned {lp.shape[-1]} logits, not its vocabulary size {model.vocab_size}",
-                    side.checkpoint.path,
-                )
-            rows = slice(w * len(positions), (w + 1) * len(positions))
-            targets = ids[positions + 1]
-            logprobs[rows] = lp.numpy()
-            nll[rows] = -lp.gather(1, targets[:, None])[:, 0].double().numpy()
-            top[rows] = lp.argmax(dim=-1).numpy()
-            step()
-        logprobs.flush()
-        del logprobs
+        out: LogitsFile | None = None  # created at the first window, when the logits' dtype is known
+        try:
+            for w, window in enumerate(windows):
+                ids = torch.from_numpy(window)
+                logits = model.next_token_logits(ids, positions).cpu()
+                if logits.shape != (len(positions), model.vocab_size):
+                    raise InputError(
+                        f"the model returned logits of shape {tuple(logits.shape)}, expected "
+                        f"({len(positions)}, {model.vocab_size})",
+                        side.checkpoint.path,
+                    )
+                if out is None:
+                    out = LogitsFile.create(folder / "logits.npy", n_rows, model.vocab_size, logits.dtype)
+                out.append(logits)
+                lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+                rows = slice(w * len(positions), (w + 1) * len(positions))
+                targets = ids[positions + 1]
+                nll[rows] = -lp.gather(1, targets[:, None])[:, 0].double().numpy()
+                top[rows] = lp.argmax(dim=-1).numpy()
+                step()
+        finally:
+            if out is not None:
+                out.close()
         return Observation(
             task="ppl",
             key="",
             meta={
                 "vocab_size": model.vocab_size,
+                "logits_dtype": str(out.dtype).removeprefix("torch."),
                 "n_windows": len(windows),
                 "tokens_sha256": inputs["tokens_sha256"],
                 "corpus": inputs["corpus"],
                 "n_tokens_text": inputs["n_tokens_text"],
             },
             arrays={"nll": nll, "top": top},
-            files={"logprobs": folder / "logprobs.npy"},
+            files={"logits": folder / "logits.npy"},
         )
 
     def kld_per_token(self, ref: Observation, ckpt: Observation) -> np.ndarray:
         """Full-vocabulary KLD of every scored token, streamed in chunks of rows from the two files."""
-        a = np.load(ref.files["logprobs"], mmap_mode="r")
-        b = np.load(ckpt.files["logprobs"], mmap_mode="r")
-        if a.shape != b.shape:
-            raise InputError(
-                f"the sides' log-prob arrays differ in shape: {a.shape} vs {b.shape} "
-                "(different vocabularies?)"
+        with (
+            LogitsFile.open(ref.files["logits"], getattr(torch, ref.meta["logits_dtype"])) as a,
+            LogitsFile.open(ckpt.files["logits"], getattr(torch, ckpt.meta["logits_dtype"])) as b,
+        ):
+            if a.shape != b.shape:
+                raise InputError(
+                    f"the sides' log-prob arrays differ in shape: {a.shape} vs {b.shape} "
+                    "(different vocabularies?)"
+                )
+            step = self.spec.compare.kld_chunk_rows
+            return np.concatenate(
+                [
+                    metrics.kl_divergence(log_softmax64(x), log_softmax64(y))
+                    for x, y in zip(a.chunks(step), b.chunks(step), strict=True)
+                ]
             )
-        step = self.spec.compare.kld_chunk_rows
-        return np.concatenate(
-            [metrics.kl_divergence(a[i : i + step], b[i : i + step]) for i in range(0, len(a), step)]
-        )
 
     def compare(self, ref: Observation, ckpt: Observation, artifacts: Path) -> TaskResult:
         for key in ("tokens_sha256", "vocab_size"):

@@ -1,0 +1,132 @@
+"""Benchmark of the `ppl` task on the SmolLM2 pair: overhead over bare forward passes, and peak memory.
+
+Prints ratios measured in this one run (these machines are noisy; compare ratios, not seconds):
+  time    the task's observe + compare over bare forward passes of the same windows, computing the same
+          scored logits, by the same loaded models in the same process (goal <= 1.15);
+  memory  peak resident memory of a whole run (a child process), above its footprint before the first model
+          loads, over the same figure for observing the larger side alone (goal <= 1.3: it holds only if one
+          model is resident at a time). Also printed over the bytes of the larger model's parameters.
+
+    python bench/ppl.py [--fixtures DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.cli import DEFAULT_FIXTURES
+from evalsuite.fixtures import build_fixtures
+from evalsuite.runner import build_tasks, resident
+from evalsuite.side import BackendOptions, Side
+from evalsuite.task import RunContext
+
+# A child process per measurement, so each peak is its own. argv: mode (run | ref | ckpt), ckpt, ref, out.
+CHILD = r"""
+import json, resource, sys
+from pathlib import Path
+import psutil
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.runner import RunFolder, RunRequest, build_tasks, observe_side, run
+from evalsuite.side import BackendOptions, Side
+from evalsuite.task import RunContext
+mode, ckpt, ref, out = sys.argv[1:5]
+first_load = []
+def on_load(side):
+    first_load.append(psutil.Process().memory_info().rss)
+    params.append(0)
+params = []
+context = RunContext(corpus_name="python-docs")
+if mode == "run":
+    request = RunRequest(ckpt=ckpt, ref=ref, tasks=["ppl"], out=Path(out), context=context, resume=False)
+    run(request, on_load=on_load)
+else:
+    side = Side(mode, Checkpoint.open(ckpt if mode == "ckpt" else ref), BackendOptions())
+    tasks = build_tasks(["ppl"], context, {})
+    inputs = {"ppl": tasks[0].prepare(side, side)}
+    observe_side(side, tasks, inputs, RunFolder(Path(out)), resume=False, on_load=on_load)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"above_baseline": peak - first_load[0]}))
+"""
+
+
+def child_peak(mode: str, ckpt: Path, ref: Path, out: Path) -> int:
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, mode, str(ckpt), str(ref), str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])["above_baseline"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
+    args = parser.parse_args()
+    pair = build_fixtures(args.fixtures, ["smollm2-135m-bf16", "smollm2-135m-w4a8"])
+    ref_path, ckpt_path = pair["smollm2-135m-bf16"], pair["smollm2-135m-w4a8"]
+    (task,) = build_tasks(["ppl"], RunContext(corpus_name="python-docs"), {})
+    ref = Side("ref", Checkpoint.open(ref_path), BackendOptions())
+    ckpt = Side("ckpt", Checkpoint.open(ckpt_path), BackendOptions())
+    inputs = task.prepare(ref, ckpt)
+    windows = torch.from_numpy(inputs["windows"])
+    scored = task.spec.protocol.scored
+    positions = torch.arange(scored.first, scored.last + 1)
+
+    bare = observe = 0.0
+    param_bytes = 0
+    observations = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for side in (ref, ckpt):
+            with resident(side):
+                model = side.model.model
+                with torch.inference_mode():
+                    model(
+                        input_ids=windows[:1], logits_to_keep=positions
+                    )  # compressed-tensors decompresses here
+                    t0 = time.perf_counter()
+                    for window in windows:
+                        model(input_ids=window[None], logits_to_keep=positions, use_cache=False)
+                    bare += time.perf_counter() - t0
+                param_bytes = max(param_bytes, sum(p.numel() * p.element_size() for p in model.parameters()))
+                folder = Path(tmp) / side.role
+                folder.mkdir()
+                t0 = time.perf_counter()
+                observations[side.role] = task.observe(side, inputs, folder)
+                observe += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        task.compare(observations["ref"], observations["ckpt"], Path(tmp) / "artifacts")
+        compare = time.perf_counter() - t0
+
+        peaks = {
+            mode: child_peak(mode, ckpt_path, ref_path, Path(tmp) / mode) for mode in ("ref", "ckpt", "run")
+        }
+    single = max(peaks["ref"], peaks["ckpt"])
+    mib = 2**20
+    print(f"windows: {len(windows)} x {windows.shape[1]} tokens per side, {len(positions)} scored each")
+    print(f"bare forward: {bare:.2f} s   task observe: {observe:.2f} s   compare: {compare:.2f} s")
+    print(
+        f"time ratio (observe + compare) / bare forward = {(observe + compare) / bare:.3f}   (goal <= 1.15)"
+    )
+    print(
+        f"peak above baseline: run {peaks['run'] / mib:.0f} MiB, ref alone {peaks['ref'] / mib:.0f} MiB, "
+        f"ckpt alone {peaks['ckpt'] / mib:.0f} MiB; larger model's parameters {param_bytes / mib:.0f} MiB"
+    )
+    print(f"memory ratio run / larger side alone = {peaks['run'] / single:.3f}   (goal <= 1.3)")
+    print(
+        f"memory ratio run / larger model's parameters = {peaks['run'] / param_bytes:.3f}   "
+        "(includes activations, logits and compressed-tensors' decompression)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Session fixtures: the project's own offline test checkpoints, built once and cached by recipe hash."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from evalsuite.fixtures import build_fixtures
+
+FIXTURES = Path(
+    os.environ.get("EVALSUITE_TEST_FIXTURES", Path.home() / ".cache" / "evalsuite" / "test-fixtures")
+)
+TINY = ("tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8")
+SMOLLM2 = ("smollm2-135m-bf16", "smollm2-135m-w4a8")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair() -> dict[str, Path]:
+    """The tiny MiniCPM-V 4.7 BF16 source and its W4A8 copy (read-only: copy before changing)."""
+    return build_fixtures(FIXTURES, list(TINY))
+
+
+@pytest.fixture(scope="session")
+def smollm2_pair() -> dict[str, Path]:
+    """SmolLM2-135M-Instruct in BF16 and its W4A8 copy (read-only: copy before changing)."""
+    return build_fixtures(FIXTURES, list(SMOLLM2))
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("evalsuite: error:")]
+
+
+def run_cli(*args: str | Path, cwd: Path | None = None, timeout: float = 1200) -> CliResult:
+    """Run `evalsuite ARGS` as a subprocess, the way users and CI run it."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "evalsuite.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """A writable copy of a fixture checkpoint, for building a broken variant of it."""
+    shutil.copytree(src, dst)
+    return dst

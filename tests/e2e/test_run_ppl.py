@@ -1,0 +1,133 @@
+"""`evalsuite run --tasks ppl` as a subprocess on the tiny MiniCPM-V 4.7 pair."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from evalsuite.corpus import python_docs_text
+from tests.conftest import run_cli
+
+CONTRACT = (
+    "n_windows",
+    "n_scored_tokens",
+    "tokens_sha256",
+    "ppl_ref",
+    "ppl_ckpt",
+    "ppl_ratio",
+    "ln_ppl_ratio",
+    "ln_ppl_ratio_stderr",
+    "kld_mean",
+    "kld_mean_stderr",
+    "kld_median",
+    "kld_p99",
+    "kld_max",
+    "same_top_p",
+    "delta_p_mean",
+    "rms_delta_p",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-run")
+    res = run_cli(
+        "run",
+        "--ckpt",
+        tiny_pair["tiny-minicpmv47-w4a8"],
+        "--ref",
+        tiny_pair["tiny-minicpmv47-bf16"],
+        "--tasks",
+        "ppl",
+        "--corpus",
+        "python-docs",
+        "--out",
+        out,
+        "--quiet",
+    )
+    return res, out
+
+
+def test_tiny_pair_writes_the_results_contract(tiny_run):
+    res, out = tiny_run
+    assert res.returncode in (0, 1), res.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["schema"] == "evalsuite.results/1"
+    assert results["verdict"] in ("pass", "fail")
+    assert results["ckpt"]["format"] == "compressed-tensors" and results["ref"]["format"] == "bf16"
+    ppl = results["tasks"]["ppl"]
+    for name in CONTRACT:
+        assert name in ppl["metrics"], name
+    assert ppl["metrics"]["n_scored_tokens"] == 2040 and ppl["metrics"]["n_windows"] == 8
+    assert all(math.isfinite(ppl["metrics"][k]) for k in ("ppl_ref", "ppl_ckpt", "kld_mean"))
+    assert ppl["metrics"]["kld_mean"] > 0  # the W4A8 copy really differs from its source
+    assert {c["name"] for c in ppl["checks"]} >= {"ppl_ratio", "same_top_p"}
+    assert (res.returncode == 0) == (results["verdict"] == "pass")
+    assert "| ppl | ppl |" in (out / "report.md").read_text()
+
+
+def test_checkpoint_against_itself_is_exactly_identical(tiny_pair, tmp_path):
+    ref = tiny_pair["tiny-minicpmv47-bf16"]
+    res = run_cli("run", "--ckpt", ref, "--ref", ref, "--corpus", "python-docs", "--out", tmp_path, "--quiet")
+    assert res.returncode == 0, res.stderr
+    m = json.loads((tmp_path / "results.json").read_text())["tasks"]["ppl"]["metrics"]
+    assert m["ppl_ratio"] == 1.0
+    assert m["kld_mean"] == 0.0 and m["kld_max"] == 0.0
+    assert m["same_top_p"] == 1.0
+
+
+def test_reference_ppl_agrees_with_an_independent_loop(tiny_pair, tiny_run):
+    """Forward each window with full logits, log-softmax, gather the scored positions."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    _, out = tiny_run
+    reported = json.loads((out / "results.json").read_text())["tasks"]["ppl"]["metrics"]["ppl_ref"]
+    path = tiny_pair["tiny-minicpmv47-bf16"]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = tok(python_docs_text(), add_special_tokens=False)["input_ids"]
+    nll = []
+    with torch.no_grad():
+        for start in range(0, 8 * 4096, 4096):
+            window = torch.tensor(ids[start : start + 512])[None]
+            logp = torch.log_softmax(model(input_ids=window).logits[0].float(), dim=-1)
+            for pos in range(256, 511):
+                nll.append(-logp[pos, window[0, pos + 1]].item())
+    assert len(nll) == 2040
+    assert reported == pytest.approx(math.exp(np.mean(nll)), rel=1e-6)
+
+
+def test_an_interrupted_run_resumes_from_saved_observations(tiny_pair, tiny_run, tmp_path):
+    _, out = tiny_run
+    before = (out / "observations" / "ref" / "ppl" / "observation.json").stat().st_mtime_ns
+    res = run_cli(
+        "run",
+        "--ckpt",
+        tiny_pair["tiny-minicpmv47-w4a8"],
+        "--ref",
+        tiny_pair["tiny-minicpmv47-bf16"],
+        "--corpus",
+        "python-docs",
+        "--out",
+        out,
+        "--quiet",
+    )
+    assert res.returncode in (0, 1), res.stderr
+    assert "loading" not in res.stderr  # no model was loaded: both observations were reused
+    assert (out / "observations" / "ref" / "ppl" / "observation.json").stat().st_mtime_ns == before
+
+
+def test_short_text_scores_the_windows_that_fit_and_says_so(tiny_pair, tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text(python_docs_text()[:40_000])
+    ref = tiny_pair["tiny-minicpmv47-bf16"]
+    res = run_cli("run", "--ckpt", ref, "--ref", ref, "--text-file", text, "--out", tmp_path / "r", "--quiet")
+    assert res.returncode == 0, res.stderr
+    m = json.loads((tmp_path / "r" / "results.json").read_text())["tasks"]["ppl"]["metrics"]
+    assert 1 <= m["n_windows"] < 8
+    assert m["n_scored_tokens"] == 255 * m["n_windows"]
+    assert "too short" in m["protocol_note"]
