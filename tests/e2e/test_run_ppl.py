@@ -131,3 +131,30 @@ def test_short_text_scores_the_windows_that_fit_and_says_so(tiny_pair, tmp_path)
     assert 1 <= m["n_windows"] < 8
     assert m["n_scored_tokens"] == 255 * m["n_windows"]
     assert "too short" in m["protocol_note"]
+
+
+def test_wrong_scales_fail_both_checks_that_the_good_copy_passes(tiny_pair, tmp_path):
+    """A W4A8 copy whose weight scales are all ×4: the ppl checks must catch it."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import copy_checkpoint
+
+    broken = copy_checkpoint(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "wrong-scale")
+    shard = broken / "model.safetensors"
+    with safe_open(str(shard), "pt") as fh:
+        metadata = fh.metadata()
+    tensors = load_file(str(shard))
+    tensors = {k: v * 4 if k.endswith("weight_scale") else v for k, v in tensors.items()}
+    save_file(tensors, str(shard), metadata=metadata)
+    # Bounds the good tiny copy meets (it measures ppl_ratio 1.0008, same_top_p 0.91).
+    thresholds = tmp_path / "tiny.toml"
+    thresholds.write_text("[ppl]\nppl_ratio = { max = 1.01 }\nsame_top_p = { min = 0.85 }\n")
+    ref = tiny_pair["tiny-minicpmv47-bf16"]
+    args = ("--ref", ref, "--corpus", "python-docs", "--thresholds", thresholds, "--quiet")
+    good = run_cli("run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], "--out", tmp_path / "good", *args)
+    bad = run_cli("run", "--ckpt", broken, "--out", tmp_path / "bad", *args)
+    assert good.returncode == 0, good.stderr
+    assert bad.returncode == 1, bad.stderr
+    checks = json.loads((tmp_path / "bad" / "results.json").read_text())["tasks"]["ppl"]["checks"]
+    assert {c["name"]: c["passed"] for c in checks} == {"ppl_ratio": False, "same_top_p": False}
