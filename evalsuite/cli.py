@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     # Hub libraries read these at import; without them a missing dataset or model retries the network for
     # half a minute before failing. --allow-download lifts them for the one run that asks.
+    os.environ.setdefault("TQDM_DISABLE", "1")  # third-party tqdm bars would interleave with evalsuite's own
     if "--allow-download" not in args:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
