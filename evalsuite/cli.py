@@ -17,6 +17,7 @@ from rich.console import Console
 from typer.exceptions import TyperException
 
 from evalsuite.errors import EvalsuiteError, InputError
+from evalsuite.run_folder import write_atomic
 
 app = typer.Typer(
     add_completion=False,
@@ -71,21 +72,38 @@ def _progress_factory(progress):
     return factory
 
 
-def execute(request, quiet: bool = False) -> int:
-    """Run a request with progress bars, write the reports, print the table; return the exit code."""
+def _progress_columns():
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    return Progress, (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+
+
+def _announce_load(side) -> None:
+    console.print(f"loading {side.role}: {side.checkpoint.path} ({side.checkpoint.format})")
+
+
+def execute(request, quiet: bool = False, junit: Path | None = None, model_card: bool = False) -> int:
+    """Run a request with progress bars, write the reports, print the table; return the exit code."""
     from evalsuite.report import print_summary, write_reports
     from evalsuite.runner import run
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
-
-        def on_load(side):
-            console.print(f"loading {side.role}: {side.checkpoint.path} ({side.checkpoint.format})")
-
-        result = run(request, progress=_progress_factory(progress), on_load=on_load)
+    Progress, columns = _progress_columns()
+    with Progress(*columns, console=console, disable=quiet) as progress:
+        result = run(request, progress=_progress_factory(progress), on_load=_announce_load)
     write_reports(result.results, result.folder)
+    if junit is not None:
+        from evalsuite.junit import render_junit
+
+        write_atomic(junit, render_junit(result.results))
+    if model_card:
+        from evalsuite.model_card import render_model_card
+
+        write_atomic(result.folder.root / "model-card.md", render_model_card(result.results))
     print_summary(result.results, Console())
     console.print(f"report: {result.folder.report_md}")
     return result.exit_code
@@ -107,6 +125,12 @@ def run_command(
     corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
     allow_download: Annotated[bool, typer.Option(help="Let datasets fetch WikiText-2 from the hub.")] = False,
     thresholds: Annotated[Path | None, typer.Option(help="TOML overriding spec thresholds.")] = None,
+    baseline: Annotated[
+        Path | None, typer.Option(help="An accepted earlier results.json: fail on metrics that worsened.")
+    ] = None,
+    junit: Annotated[
+        Path | None, typer.Option(help="Also write JUnit XML (one test case per check).")
+    ] = None,
     dtype: Dtype = "bfloat16",
     device: Device = "cpu",
     trust_remote_code: Annotated[bool, typer.Option(help="Allow code from the checkpoint folders.")] = False,
@@ -130,9 +154,71 @@ def run_command(
         ckpt_options=options,
         ref_options=options,
         thresholds=read_thresholds(thresholds),
+        baseline=baseline,
         resume=resume,
     )
-    return execute(request, quiet=quiet)
+    return execute(request, quiet=quiet, junit=junit)
+
+
+@app.command("record")
+def record_command(
+    ckpt: Annotated[str, typer.Option(help="The checkpoint to record (the BF16 reference).")],
+    out: Annotated[Path, typer.Option(help="Recording folder, e.g. reference_outputs/NAME.")],
+    tasks: Annotated[str, typer.Option(help="Comma-separated tasks.")] = "ppl",
+    text_file: Annotated[Path | None, typer.Option(help="Score this UTF-8 text instead of a corpus.")] = None,
+    corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
+    allow_download: Annotated[bool, typer.Option(help="Let datasets fetch WikiText-2 from the hub.")] = False,
+    dtype: Dtype = "bfloat16",
+    device: Device = "cpu",
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow code from the checkpoint folder.")] = False,
+    fixtures: Annotated[Path, typer.Option(help="Where fixture names are looked up.")] = DEFAULT_FIXTURES,
+    quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+) -> int:
+    """Observe one checkpoint and save a compact recording that `run --ref` accepts instead of the model."""
+    from evalsuite.runner import RecordRequest, record
+    from evalsuite.side import BackendOptions
+    from evalsuite.task import RunContext
+
+    request = RecordRequest(
+        ckpt=resolve_source(ckpt, fixtures),
+        tasks=[t.strip() for t in tasks.split(",") if t.strip()],
+        out=out,
+        context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
+        options=BackendOptions(dtype=dtype, device=device, trust_remote_code=trust_remote_code),
+    )
+    Progress, columns = _progress_columns()
+    with Progress(*columns, console=console, disable=quiet) as progress:
+        path = record(request, progress=_progress_factory(progress), on_load=_announce_load)
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    console.print(f"recording: {path} ({size:,} bytes)")
+    return 0
+
+
+@app.command("report")
+def report_command(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder holding results.json.")],
+    format: Annotated[str, typer.Option(help="model-card, md or json.")] = "md",
+) -> int:
+    """Re-render a run from its results.json alone: report.md, model-card.md or results.json."""
+    import json
+
+    from evalsuite.report import render_markdown
+    from evalsuite.runner import load_results
+
+    results = load_results(run_dir / "results.json")
+    if format == "model-card":
+        from evalsuite.model_card import render_model_card
+
+        target, text = run_dir / "model-card.md", render_model_card(results)
+    elif format == "md":
+        target, text = run_dir / "report.md", render_markdown(results)
+    elif format == "json":
+        target, text = run_dir / "results.json", json.dumps(results, indent=2) + "\n"
+    else:
+        raise InputError(f"unknown format {format!r}; use model-card, md or json")
+    write_atomic(target, text)
+    print(target)
+    return 0
 
 
 @app.command("fixtures")
@@ -155,15 +241,36 @@ def fixtures_command(
 def demo_command(
     fixtures: Annotated[Path, typer.Option(help="Where the SmolLM2 pair is built.")] = DEFAULT_FIXTURES,
     out: Annotated[Path, typer.Option(help="Run folder.")] = Path("reports") / DEMO_CKPT,
+    corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
+    record: Annotated[
+        Path | None, typer.Option(help="Also (re)record the reference into this folder first.")
+    ] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
-    """Build the SmolLM2-135M BF16 / W4A8 pair if needed, then run `ppl` on it."""
+    """Build the SmolLM2-135M BF16 / W4A8 pair if needed, run `ppl` on it, and write the model card.
+
+    The committed examples are regenerated, from the repository root, by
+    `evalsuite demo --corpus python-docs --record reference_outputs/smollm2-135m-bf16`.
+    """
     from evalsuite.fixtures import build_fixtures
-    from evalsuite.runner import RunRequest
+    from evalsuite.runner import RecordRequest, RunRequest
+    from evalsuite.runner import record as record_reference
+    from evalsuite.task import RunContext
 
     built = build_fixtures(fixtures, [DEMO_REF, DEMO_CKPT], progress=lambda msg: console.print(msg))
-    request = RunRequest(ckpt=str(built[DEMO_CKPT]), ref=str(built[DEMO_REF]), tasks=["ppl"], out=out)
-    return execute(request, quiet=quiet)
+    if record is not None:
+        request = RecordRequest(
+            ckpt=str(built[DEMO_REF]), tasks=["ppl"], out=record, context=RunContext(corpus_name=corpus)
+        )
+        console.print(f"recording: {record_reference(request)}")
+    request = RunRequest(
+        ckpt=str(built[DEMO_CKPT]),
+        ref=str(built[DEMO_REF]),
+        tasks=["ppl"],
+        out=out,
+        context=RunContext(corpus_name=corpus),
+    )
+    return execute(request, quiet=quiet, model_card=True)
 
 
 @app.command("tasks")

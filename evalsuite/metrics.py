@@ -80,6 +80,39 @@ def kl_divergence(logp_ref: ArrayLike, logp_ckpt: ArrayLike) -> NDArray[np.float
     return terms.sum(axis=-1)
 
 
+def kl_divergence_top_k_tail(
+    top_logp_ref: ArrayLike,
+    top_logp_ckpt: ArrayLike,
+    tail_mass_ref: ArrayLike,
+    tail_logp_ref: ArrayLike,
+    tail_logp_ckpt: ArrayLike,
+) -> NDArray[np.float64]:
+    """Per-row KL(P_ref ‖ P_ckpt) from a recording of the reference: exact over its top-k T, sampled beyond.
+
+    KL = Σ_T p_ref·δ + Σ_tail p_ref·δ with δ = log p_ref − log p_ckpt. With r = p_ckpt / p_ref, the tail part
+    equals Σ_tail p_ref (r − 1 − log r) − Σ_tail (p_ckpt − p_ref), and the last sum is P_ref(T) − P_ckpt(T),
+    known exactly from the top-k. So the tail contributes tail_mass × E_q[r − 1 − log r] − (P_ref(T) −
+    P_ckpt(T)), with q = P_ref restricted to the tail; the mean over the ids drawn from q (`tail_logp_*`,
+    shape (rows, m)) estimates E_q without bias. Each r − 1 − log r is ≥ 0 and of second order in log r, so
+    the estimate is far less noisy than the mean of δ itself, whose first-order terms only cancel on
+    average. With no tail samples the top-k part alone is returned (a lower bound, like one tail bucket).
+    """
+    top_ref = np.asarray(top_logp_ref, dtype=np.float64)
+    top_ckpt = np.asarray(top_logp_ckpt, dtype=np.float64)
+    tail_ref = np.asarray(tail_logp_ref, dtype=np.float64)
+    tail_ckpt = np.asarray(tail_logp_ckpt, dtype=np.float64)
+    mass = np.asarray(tail_mass_ref, dtype=np.float64).reshape(-1)
+    if top_ref.shape != top_ckpt.shape or tail_ref.shape != tail_ckpt.shape:
+        raise ValueError("reference and candidate log-probs must be gathered at the same ids")
+    p_top_ref = np.exp(top_ref)
+    top = (p_top_ref * (top_ref - top_ckpt)).sum(axis=-1)
+    if tail_ref.shape[-1] == 0:
+        return top
+    log_r = tail_ckpt - tail_ref
+    tail = mass * (np.expm1(log_r) - log_r).mean(axis=-1)
+    return top + tail - (p_top_ref.sum(axis=-1) - np.exp(top_ckpt).sum(axis=-1))
+
+
 def rate_with_stderr(hits: ArrayLike) -> Estimate:
     """Fraction of true values in `hits`, with the binomial standard error sqrt(p (1 − p) / (n − 1))."""
     arr = np.asarray(hits, dtype=bool).reshape(-1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from evalsuite import __version__
 from evalsuite.backends import load_backend
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import EvalsuiteError, InputError
+from evalsuite.recording import Recording, inputs_digest, is_recording, write_recording
 from evalsuite.run_folder import RunFolder
 from evalsuite.side import BackendOptions, Side
 from evalsuite.spec import default_spec_path, load_spec
@@ -52,6 +54,7 @@ class RunRequest:
     ckpt_options: BackendOptions = field(default_factory=BackendOptions)
     ref_options: BackendOptions = field(default_factory=BackendOptions)
     thresholds: dict[str, dict[str, Any]] = field(default_factory=dict)  # task -> {metric: {min|max}}
+    baseline: Path | None = None  # an accepted earlier results.json: fail on metrics that worsened
     resume: bool = True
 
 
@@ -109,18 +112,13 @@ def build_tasks(names: list[str], context: RunContext, thresholds: dict[str, dic
     return tasks
 
 
-def _inputs_digest(inputs: dict[str, Any]) -> dict[str, Any]:
-    """The JSON-able scalar part of a task's inputs: hashes and counts, not arrays."""
-    return {k: v for k, v in sorted(inputs.items()) if isinstance(v, str | int | float | bool)}
-
-
 def observation_key(task: Task, side: Side, inputs: dict[str, Any]) -> str:
     """Identity of an observation: the task and its spec, the side's files and execution, the inputs."""
     doc = {
         "task": task.name,
-        "spec": task.spec.sha256,
+        "spec": task.spec.observation_sha256,
         "side": side.fingerprint(),
-        "inputs": _inputs_digest(inputs),
+        "inputs": inputs_digest(inputs),
         "evalsuite": __version__,
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
@@ -145,8 +143,16 @@ def observe_side(
     resume: bool,
     on_load: Callable[[Side], Any] | None = None,
 ) -> dict[str, Observation]:
-    """Observe every task on one side, loading its model only if some observation is not already saved."""
+    """Observe every task on one side, loading its model only if some observation is not already saved.
+
+    A recorded side is read from its recording, after checking it was made with the same specs and inputs.
+    """
     observations: dict[str, Observation] = {}
+    if side.recording is not None:
+        for t in tasks:
+            side.recording.check(t, inputs[t.name])
+            observations[t.name] = side.recording.observation(t.name)
+        return observations
     todo = []
     for t in tasks:
         key = observation_key(t, side, inputs[t.name])
@@ -172,23 +178,47 @@ def observe_side(
     return observations
 
 
-def run(
-    request: RunRequest, progress: ProgressFactory | None = None, on_load: Callable[[Side], Any] | None = None
-) -> RunResult:
-    """Run the request end to end and return results.json's document (not yet written)."""
-    ref_ckpt = Checkpoint.open(request.ref)
-    ckpt_ckpt = Checkpoint.open(request.ckpt)
-    tasks = build_tasks(request.tasks, request.context, request.thresholds)
-    ref = Side("ref", ref_ckpt, request.ref_options, progress=progress)
-    ckpt = Side("ckpt", ckpt_ckpt, request.ckpt_options, progress=progress)
-    folder = RunFolder(request.out)
+def open_side(role: str, source: str, options: BackendOptions, progress: ProgressFactory | None) -> Side:
+    """A checkpoint side, or for the reference a recording of one."""
+    if is_recording(source):
+        if role != "ref":
+            raise InputError("a recording can only be the reference (--ref), not the candidate", source)
+        return Side(role, None, options, recording=Recording.open(source), progress=progress)
+    return Side(role, Checkpoint.open(source), options, progress=progress)
+
+
+def describe(side: Side) -> dict[str, Any]:
+    """results.json's description of a side."""
+    if side.recording is not None:
+        return side.recording.to_json()
+    ckpt = side.checkpoint
+    return {"path": str(ckpt.path), "format": ckpt.format, "fingerprint": ckpt.fingerprint}
+
+
+def prepare_all(
+    tasks: list[Task], ref: Side, ckpt: Side
+) -> tuple[dict[str, dict[str, Any]], dict[str, TaskResult]]:
+    """Each task's shared inputs; tasks that cannot run here come back as `skipped` results."""
     inputs: dict[str, dict[str, Any]] = {}
-    results: dict[str, TaskResult] = {}
+    skipped: dict[str, TaskResult] = {}
     for t in tasks:
         try:
             inputs[t.name] = t.prepare(ref, ckpt)
         except TaskSkipped as skip:
-            results[t.name] = TaskResult(status="skipped", reason=str(skip))
+            skipped[t.name] = TaskResult(status="skipped", reason=str(skip))
+    return inputs, skipped
+
+
+def run(
+    request: RunRequest, progress: ProgressFactory | None = None, on_load: Callable[[Side], Any] | None = None
+) -> RunResult:
+    """Run the request end to end and return results.json's document (not yet written)."""
+    ref = open_side("ref", request.ref, request.ref_options, progress)
+    ckpt = open_side("ckpt", request.ckpt, request.ckpt_options, progress)
+    tasks = build_tasks(request.tasks, request.context, request.thresholds)
+    baseline = load_results(request.baseline) if request.baseline is not None else None
+    folder = RunFolder(request.out)
+    inputs, results = prepare_all(tasks, ref, ckpt)
     runnable = [t for t in tasks if t.name in inputs]
     observed = {
         side.role: observe_side(side, runnable, inputs, folder, request.resume, on_load)
@@ -196,28 +226,94 @@ def run(
     }
     for t in runnable:
         try:
-            results[t.name] = t.compare(observed["ref"][t.name], observed["ckpt"][t.name], folder.artifacts)
+            result = t.compare(observed["ref"][t.name], observed["ckpt"][t.name], folder.artifacts)
         except EvalsuiteError as exc:
-            results[t.name] = TaskResult(status="error", reason=str(exc))
+            result = TaskResult(status="error", reason=str(exc))
+        if baseline is not None and result.status in ("pass", "fail"):
+            result = with_regression_checks(t, result, baseline, request.baseline)
+        results[t.name] = result
     statuses = {r.status for r in results.values()}
     # A run in which nothing was compared has not shown anything: that is not a pass.
-    verdict = (
-        "error"
-        if "error" in statuses or statuses <= {"skipped"}
-        else "fail"
-        if "fail" in statuses
-        else "pass"
-    )
+    if "error" in statuses or statuses <= {"skipped"}:
+        verdict = "error"
+    else:
+        verdict = "fail" if "fail" in statuses else "pass"
     doc = {
         "schema": SCHEMA,
-        "ckpt": {
-            "path": str(ckpt_ckpt.path),
-            "format": ckpt_ckpt.format,
-            "fingerprint": ckpt_ckpt.fingerprint,
-        },
-        "ref": {"path": str(ref_ckpt.path), "format": ref_ckpt.format, "fingerprint": ref_ckpt.fingerprint},
+        "ckpt": describe(ckpt),
+        "ref": describe(ref),
         "environment": environment(request.ckpt_options),
         "verdict": verdict,
         "tasks": {t.name: results[t.name].to_json() for t in tasks},
     }
+    if request.baseline is not None:
+        doc["baseline"] = str(request.baseline)
     return RunResult(results=doc, folder=folder)
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    """A results.json document (an accepted baseline, or a run to re-render), checked for its schema."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError("results file does not exist", path) from None
+    except ValueError as exc:
+        raise InputError(f"invalid JSON: {exc}", path) from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("tasks"), dict):
+        raise InputError(f"not an evalsuite results file (schema {SCHEMA})", path)
+    return doc
+
+
+def with_regression_checks(
+    task: Task, result: TaskResult, baseline: dict[str, Any], path: Path
+) -> TaskResult:
+    """Add one check per metric of the spec's `[regression]` table: no worse than the baseline's value.
+
+    A baseline measured on other inputs (any `*_sha256` metric differs) cannot be compared: refused.
+    """
+    entry = baseline["tasks"].get(task.name)
+    if entry is None or not entry.get("metrics"):
+        raise InputError(f"the baseline has no `{task.name}` metrics to compare with", path)
+    before = entry["metrics"]
+    for name, value in result.metrics.items():
+        if name.endswith("_sha256") and name in before and before[name] != value:
+            raise InputError(f"the baseline was measured on other inputs ({task.name}.{name} differs)", path)
+    checks = list(result.checks)
+    for name, tolerance in task.spec.regression.items():
+        if isinstance(before.get(name), int | float) and not isinstance(before.get(name), bool):
+            checks.append(tolerance.check(name, result.metrics.get(name), float(before[name])))
+    return TaskResult.from_checks(result.metrics, checks, artifacts=result.artifacts)
+
+
+@dataclass
+class RecordRequest:
+    """Everything `evalsuite record` was asked to do."""
+
+    ckpt: str
+    tasks: list[str]
+    out: Path
+    context: RunContext = field(default_factory=RunContext)
+    options: BackendOptions = field(default_factory=BackendOptions)
+
+
+def record(
+    request: RecordRequest,
+    progress: ProgressFactory | None = None,
+    on_load: Callable[[Side], Any] | None = None,
+) -> Path:
+    """Observe one checkpoint and save what later comparisons against it need (see `evalsuite.recording`)."""
+    side = open_side("ref", request.ckpt, request.options, progress)
+    if side.recording is not None:
+        raise InputError("is already a recording; record a checkpoint", request.ckpt)
+    tasks = build_tasks(request.tasks, request.context, {})
+    inputs, skipped = prepare_all(tasks, side, side)
+    if skipped:
+        name, result = next(iter(skipped.items()))
+        raise InputError(
+            f"task `{name}` cannot be recorded from this checkpoint: {result.reason}", request.ckpt
+        )
+    with tempfile.TemporaryDirectory(prefix=".evalsuite-record-", dir=Path(request.out).parent) as work:
+        observations = observe_side(side, tasks, inputs, RunFolder(Path(work)), False, on_load)
+        return write_recording(
+            Path(request.out), side.checkpoint, tasks, inputs, observations, environment(request.options)
+        )

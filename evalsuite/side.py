@@ -15,6 +15,7 @@ from evalsuite.errors import EvalsuiteError, InputError
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
     from evalsuite.checkpoint import Checkpoint
+    from evalsuite.recording import Recording
 
 Role = Literal["ref", "ckpt"]
 
@@ -39,18 +40,26 @@ class BackendOptions:
 
 @dataclass
 class Side:
-    """One side of a run."""
+    """One side of a run: a checkpoint to execute, or (reference only) a recording of one."""
 
     role: Role
-    checkpoint: Checkpoint
+    checkpoint: Checkpoint | None
     options: BackendOptions
+    recording: Recording | None = None
     backend: Backend | None = None
     progress: Callable[[str, int], Callable[[], None]] | None = field(default=None, repr=False)
     _tokenizer: Any = field(default=None, repr=False)
 
     @property
+    def is_recorded(self) -> bool:
+        """Whether this side is read from a recording rather than executed."""
+        return self.recording is not None
+
+    @property
     def tokenizer(self) -> Any:
         """The side's own tokenizer, loaded from its files (no model)."""
+        if self.checkpoint is None:
+            raise RuntimeError(f"the {self.role} side is a recording and has no tokenizer")
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -84,5 +93,6 @@ class Side:
         import hashlib
         import json
 
-        doc = {"checkpoint": self.checkpoint.fingerprint, "options": self.options.to_json()}
+        fingerprint = self.recording.fingerprint if self.recording else self.checkpoint.fingerprint
+        doc = {"checkpoint": fingerprint, "options": self.options.to_json()}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()

@@ -12,7 +12,7 @@ import re
 import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -77,17 +77,66 @@ def apply_threshold(name: str, value: float | None, threshold: Threshold) -> lis
     return checks
 
 
+class Tolerance(StrictModel):
+    """How far a metric may worsen against an accepted baseline run before it is a regression.
+
+    The allowance is the larger of `abs` and `rel` × |baseline value|; `worse` says which direction is worse.
+    """
+
+    worse: Literal["higher", "lower"]
+    abs: float = 0.0
+    rel: float = 0.0
+
+    def check(self, name: str, value: float | None, baseline: float) -> Check:
+        """The regression check of `value` against `baseline`; a missing or NaN value never passes."""
+        allowance = max(self.abs, self.rel * abs(baseline))
+        ok = value is not None and value == value
+        if self.worse == "higher":
+            bound = baseline + allowance
+            return Check(
+                name=f"{name}_vs_baseline",
+                value=value,
+                op="<=",
+                threshold=bound,
+                passed=bool(ok and value <= bound),
+            )
+        bound = baseline - allowance
+        return Check(
+            name=f"{name}_vs_baseline",
+            value=value,
+            op=">=",
+            threshold=bound,
+            passed=bool(ok and value >= bound),
+        )
+
+
 class TaskSpec(StrictModel):
-    """Fields every task spec has."""
+    """Fields every task spec has.
+
+    `thresholds` and `regression` are used only when comparing; changing them never invalidates a saved
+    observation or a recording. A task's own `compare` section, if it has one, is compare-only too.
+    """
 
     description: str = ""
     thresholds: dict[str, Threshold] = {}
+    regression: dict[str, Tolerance] = {}
+
+    COMPARE_ONLY: ClassVar[frozenset[str]] = frozenset({"description", "thresholds", "regression", "compare"})
 
     @property
     def sha256(self) -> str:
         """Identity of the validated spec (not of its file's formatting)."""
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        return _canonical_sha256(self.model_dump(mode="json"))
+
+    @property
+    def observation_sha256(self) -> str:
+        """Identity of what the spec asks an observation to be: everything but the compare-only fields."""
+        return _canonical_sha256(self.model_dump(mode="json", exclude=set(self.COMPARE_ONLY)))
+
+
+def _canonical_sha256(doc: Any) -> str:
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 S = TypeVar("S", bound=TaskSpec)

@@ -9,6 +9,7 @@ the `evalsuite.tasks` entry-point group.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -49,6 +50,9 @@ class Observation:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / "arrays.safetensors.tmp"
         save_file({k: np.ascontiguousarray(v) for k, v in self.arrays.items()}, str(tmp))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o666 & ~umask)  # safetensors writes 0600; a recording is meant to be shared
         tmp.replace(folder / "arrays.safetensors")
         doc = {
             "task": self.task,

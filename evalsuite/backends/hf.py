@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import os
+import io
 from typing import Any
 
 import torch
@@ -82,12 +83,16 @@ class HFBackend:
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()  # evalsuite shows its own progress
-        tqdm_disable = os.environ.get("TQDM_DISABLE")
-        os.environ["TQDM_DISABLE"] = "1"  # compressed-tensors' decompression bars
         try:
-            model, info = cls.from_pretrained(
-                path, dtype=DTYPES[options.dtype], device_map=device_map, output_loading_info=True, **kwargs
-            )
+            # compressed-tensors draws tqdm bars with an explicit disable=False, which no setting reaches.
+            with contextlib.redirect_stderr(io.StringIO()):
+                model, info = cls.from_pretrained(
+                    path,
+                    dtype=DTYPES[options.dtype],
+                    device_map=device_map,
+                    output_loading_info=True,
+                    **kwargs,
+                )
         except (DependencyError, InputError):
             raise
         except ImportError as exc:
@@ -98,13 +103,13 @@ class HFBackend:
             ) from None
         finally:
             hf_logging.set_verbosity(verbosity)
-            if tqdm_disable is None:
-                os.environ.pop("TQDM_DISABLE", None)
-            else:
-                os.environ["TQDM_DISABLE"] = tqdm_disable
         self._refuse_partial_load(checkpoint, info)
         self.model = model
         self.model.eval()
+        # compressed-tensors decompresses at the first forward: do it here, quietly, so that it is part of
+        # loading and not of the first measured window.
+        with contextlib.redirect_stderr(io.StringIO()), torch.inference_mode():
+            self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), use_cache=False)
         self.config = config
         self.vocab_size = (
             int(self.model.get_output_embeddings().weight.shape[0])

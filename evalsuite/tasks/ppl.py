@@ -11,9 +11,10 @@ from typing import Any, BinaryIO, ClassVar
 import numpy as np
 import torch
 
-from evalsuite import metrics
+from evalsuite import metrics, plots
 from evalsuite.corpus import Corpus
 from evalsuite.errors import InputError
+from evalsuite.recording import tokenizer_sha256
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec, apply_threshold
 from evalsuite.task import Observation, RunContext, TaskResult, task
@@ -37,12 +38,19 @@ class Protocol(StrictModel):
     add_special_tokens: bool = False
 
 
+class RecordOptions(StrictModel):
+    top_k: int = 64
+    tail_samples: int = 64
+    seed: int = 0
+
+
 class CompareOptions(StrictModel):
     kld_chunk_rows: int = 16
 
 
 class PplSpec(TaskSpec):
     protocol: Protocol = Protocol()
+    record: RecordOptions = RecordOptions()
     compare: CompareOptions = CompareOptions()
 
     def model_post_init(self, _: Any) -> None:
@@ -175,9 +183,14 @@ class Perplexity:
         return np.asarray(ids, dtype=np.int64)
 
     def prepare(self, ref: Side, ckpt: Side) -> dict[str, Any]:
-        """Tokenize once with the ref tokenizer; the candidate's tokenizer must give the same ids."""
-        tokens = self.tokenize(ref)
-        if ckpt is not ref:
+        """Tokenize once with the ref tokenizer; the candidate's tokenizer must give the same ids.
+
+        A recorded reference has no tokenizer: the candidate's tokens are used, and the runner checks them
+        against the recording's hash.
+        """
+        tokens = self.tokenize(ckpt if ref.is_recorded else ref)
+        # Byte-identical tokenizer files give identical ids: the second tokenization would only cost time.
+        if not ref.is_recorded and tokenizer_sha256(ref.checkpoint) != tokenizer_sha256(ckpt.checkpoint):
             other = self.tokenize(ckpt)
             if other.shape != tokens.shape or not np.array_equal(other, tokens):
                 where = metrics.first_divergence(tokens, other)
@@ -243,6 +256,7 @@ class Perplexity:
                 "vocab_size": model.vocab_size,
                 "logits_dtype": str(out.dtype).removeprefix("torch."),
                 "n_windows": len(windows),
+                "window_starts": list(inputs["starts"]),
                 "tokens_sha256": inputs["tokens_sha256"],
                 "corpus": inputs["corpus"],
                 "n_tokens_text": inputs["n_tokens_text"],
@@ -250,6 +264,62 @@ class Perplexity:
             arrays={"nll": nll, "top": top},
             files={"logits": folder / "logits.npy"},
         )
+
+    def record(self, obs: Observation, folder: Path) -> Observation:
+        """The compact form of a reference observation that a later comparison needs (no full logits).
+
+        Per scored token: the true token's NLL, the top-k ids and log-probs, the probability mass outside the
+        top-k, and `tail_samples` ids drawn (seeded) from the distribution restricted to that tail, with their
+        log-probs: enough for an unbiased KL divergence against any candidate.
+        """
+        opts = self.spec.record
+        generator = torch.Generator().manual_seed(opts.seed)
+        parts: dict[str, list[torch.Tensor]] = {
+            k: [] for k in ("top_ids", "top_logp", "tail_mass", "tail_ids", "tail_logp")
+        }
+        with LogitsFile.open(obs.files["logits"], getattr(torch, obs.meta["logits_dtype"])) as logits:
+            for block in logits.chunks(self.spec.compare.kld_chunk_rows):
+                lp = torch.log_softmax(block.double(), dim=-1)
+                top_logp, top_ids = lp.topk(min(opts.top_k, lp.shape[-1]), dim=-1)
+                tail = lp.scatter(1, top_ids, float("-inf"))
+                tail_log_mass = torch.logsumexp(tail, dim=-1)
+                parts["top_ids"].append(top_ids.int())
+                parts["top_logp"].append(top_logp.float())
+                parts["tail_mass"].append(tail_log_mass.exp())
+                if opts.tail_samples and lp.shape[-1] > opts.top_k:
+                    q = (tail - tail_log_mass[:, None]).exp()
+                    ids = torch.multinomial(q, opts.tail_samples, replacement=True, generator=generator)
+                else:
+                    ids = torch.empty((len(lp), 0), dtype=torch.long)
+                parts["tail_ids"].append(ids.int())
+                parts["tail_logp"].append(lp.gather(1, ids).float())
+        arrays = {k: torch.cat(v).numpy() for k, v in parts.items()}
+        arrays.update(nll=obs.arrays["nll"], top=obs.arrays["top"])
+        meta = {**obs.meta, "kind": "recorded", "top_k": opts.top_k, "tail_samples": opts.tail_samples}
+        meta.pop("logits_dtype", None)
+        return Observation(task="ppl", key=obs.key, meta=meta, arrays=arrays)
+
+    def kld_from_recording(self, ref: Observation, ckpt: Observation) -> np.ndarray:
+        """Per-token KLD against a recorded reference: exact over its top-k, an unbiased estimate beyond."""
+        a = ref.arrays
+        out = []
+        step = self.spec.compare.kld_chunk_rows
+        with LogitsFile.open(ckpt.files["logits"], getattr(torch, ckpt.meta["logits_dtype"])) as logits:
+            for i, block in zip(range(0, logits.shape[0], step), logits.chunks(step), strict=True):
+                rows = slice(i, i + len(block))
+                lp = torch.log_softmax(block.double(), dim=-1)
+                top_ids = torch.from_numpy(a["top_ids"][rows]).long()
+                tail_ids = torch.from_numpy(a["tail_ids"][rows]).long()
+                out.append(
+                    metrics.kl_divergence_top_k_tail(
+                        a["top_logp"][rows],
+                        lp.gather(1, top_ids).numpy(),
+                        a["tail_mass"][rows],
+                        a["tail_logp"][rows],
+                        lp.gather(1, tail_ids).numpy(),
+                    )
+                )
+        return np.concatenate(out)
 
     def kld_per_token(self, ref: Observation, ckpt: Observation) -> np.ndarray:
         """Full-vocabulary KLD of every scored token, streamed in chunks of rows from the two files."""
@@ -279,7 +349,14 @@ class Perplexity:
                 )
         nll_ref, nll_ckpt = ref.arrays["nll"], ckpt.arrays["nll"]
         ln_ratio = metrics.paired_log_ratio(nll_ref, nll_ckpt)
-        kld = self.kld_per_token(ref, ckpt)
+        if ref.meta.get("kind") == "recorded":
+            kld = self.kld_from_recording(ref, ckpt)
+            estimator = (
+                f"top-{ref.meta['top_k']} exact + {ref.meta['tail_samples']} sampled tail ids (recording)"
+            )
+        else:
+            kld = self.kld_per_token(ref, ckpt)
+            estimator = "full-vocabulary"
         kld_mean = metrics.mean_with_stderr(kld)
         kld_q = metrics.quantiles(kld, (0.5, 0.9, 0.99, 0.999))
         same_top = metrics.same_top_rate(ref.arrays["top"], ckpt.arrays["top"])
@@ -287,6 +364,10 @@ class Perplexity:
         ln_ppl_ref, ln_ppl_ckpt = metrics.ln_perplexity(nll_ref), metrics.ln_perplexity(nll_ckpt)
         values: dict[str, Any] = {
             "corpus": ref.meta["corpus"],
+            "window_tokens": self.spec.protocol.window,
+            "window_starts": ",".join(str(s) for s in ref.meta["window_starts"]),
+            "scored_first": self.spec.protocol.scored.first,
+            "scored_last": self.spec.protocol.scored.last,
             "n_windows": ref.meta["n_windows"],
             "n_scored_tokens": len(nll_ref),
             "tokens_sha256": ref.meta["tokens_sha256"],
@@ -304,7 +385,7 @@ class Perplexity:
             "kld_p99": kld_q[2],
             "kld_p999": kld_q[3],
             "kld_max": float(kld.max()),
-            "kld_estimator": "full-vocabulary",
+            "kld_estimator": estimator,
             "same_top_p": same_top.value,
             "same_top_p_stderr": same_top.stderr,
             "delta_p_mean": dp.mean.value,
@@ -320,4 +401,19 @@ class Perplexity:
         checks = [
             c for name, t in self.spec.thresholds.items() for c in apply_threshold(name, values.get(name), t)
         ]
-        return TaskResult.from_checks(values, checks)
+        return TaskResult.from_checks(
+            values, checks, artifacts=self.plot(ref, nll_ckpt, kld, estimator, artifacts)
+        )
+
+    def plot(
+        self, ref: Observation, nll_ckpt: np.ndarray, kld: np.ndarray, estimator: str, folder: Path
+    ) -> dict:
+        """The KLD histogram and the per-window PPL of both sides; paths relative to the run folder."""
+        ppl_ref = [metrics.perplexity(w) for w in np.split(ref.arrays["nll"], ref.meta["n_windows"])]
+        ppl_ckpt = [metrics.perplexity(w) for w in np.split(nll_ckpt, ref.meta["n_windows"])]
+        plots.kld_histogram(kld, folder / "ppl_kld_histogram.png", estimator)
+        plots.window_ppl(ppl_ref, ppl_ckpt, ref.meta["window_starts"], folder / "ppl_window_ppl.png")
+        return {
+            "kld_histogram": f"{folder.name}/ppl_kld_histogram.png",
+            "window_ppl": f"{folder.name}/ppl_window_ppl.png",
+        }

@@ -88,3 +88,20 @@ def test_first_divergence(a, b, expected):
 def test_statistics_of_nothing_are_refused():
     with pytest.raises(ValueError):
         metrics.mean_with_stderr([])
+
+
+def test_top_k_tail_kl_is_exact_when_the_tail_samples_cover_the_tail_evenly():
+    # P = (0.5, 0.25, 0.125, 0.125), Q = (0.25, 0.25, 0.25, 0.25); top-2 of P, tail {2, 3} of mass 0.25.
+    # Drawing each tail id once is the mean under q = (0.5, 0.5): the estimate equals the full KL.
+    p = np.log([0.5, 0.25, 0.125, 0.125])
+    q = np.log([0.25] * 4)
+    full = metrics.kl_divergence(p[None], q[None])[0]
+    est = metrics.kl_divergence_top_k_tail(p[None, :2], q[None, :2], [0.25], p[None, 2:], q[None, 2:])[0]
+    assert est == pytest.approx(full, rel=1e-12)
+    assert full == pytest.approx(0.5 * math.log(2) + 0 + 2 * 0.125 * math.log(0.5))
+
+
+def test_top_k_tail_kl_without_tail_samples_is_the_top_k_part():
+    p, q = np.log([[0.5, 0.5]]), np.log([[0.25, 0.75]])
+    est = metrics.kl_divergence_top_k_tail(p, q, [0.0], np.empty((1, 0)), np.empty((1, 0)))
+    assert est[0] == pytest.approx(metrics.kl_divergence(p, q)[0])

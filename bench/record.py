@@ -1,0 +1,76 @@
+"""Benchmark of recorded references on the SmolLM2 pair.
+
+Prints, measured in this one run (compare ratios, not seconds; these machines are noisy):
+  (a) wall time of `run` against the recording over `run` against the live BF16 reference, both in this
+      process with nothing reused (goal <= 0.55: the reference side is no longer computed);
+  (b) the recording's bytes per scored token over 2 x vocabulary size, the bytes llama.cpp's full-vocabulary
+      uint16 logits file spends per token (goal <= 0.02 on SmolLM2's 49 k vocabulary);
+  and how close the recording's KLD estimate comes to the full-vocabulary KLD of the live run.
+
+    python bench/record.py [--fixtures DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from evalsuite.cli import DEFAULT_FIXTURES
+from evalsuite.fixtures import build_fixtures
+from evalsuite.runner import RecordRequest, RunRequest, record, run
+from evalsuite.task import RunContext
+
+
+def timed_run(ckpt: Path, ref: Path, out: Path) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    result = run(
+        RunRequest(
+            ckpt=str(ckpt),
+            ref=str(ref),
+            tasks=["ppl"],
+            out=out,
+            context=RunContext(corpus_name="python-docs"),
+            resume=False,
+        )
+    )
+    return time.perf_counter() - t0, result.results["tasks"]["ppl"]["metrics"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
+    args = parser.parse_args()
+    pair = build_fixtures(args.fixtures, ["smollm2-135m-bf16", "smollm2-135m-w4a8"])
+    ref, ckpt = pair["smollm2-135m-bf16"], pair["smollm2-135m-w4a8"]
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = record(
+            RecordRequest(
+                ckpt=str(ref),
+                tasks=["ppl"],
+                out=Path(tmp) / "rec",
+                context=RunContext(corpus_name="python-docs"),
+            )
+        )
+        live_s, live = timed_run(ckpt, ref, Path(tmp) / "live")
+        replay_s, replay = timed_run(ckpt, rec, Path(tmp) / "replay")
+        rec_bytes = sum(f.stat().st_size for f in rec.rglob("*") if f.is_file())
+    vocab = json.loads((ref / "config.json").read_text())["vocab_size"]
+    per_token = rec_bytes / live["n_scored_tokens"]
+    print(f"run against live ref {live_s:.1f} s, against the recording {replay_s:.1f} s")
+    print(f"(a) time ratio recording / live = {replay_s / live_s:.3f}   (goal <= 0.55)")
+    print(
+        f"recording {rec_bytes:,} bytes, {live['n_scored_tokens']} scored tokens: {per_token:.0f} bytes/token"
+    )
+    print(f"(b) bytes per token / (2 x vocab {vocab:,}) = {per_token / (2 * vocab):.4f}   (goal <= 0.02)")
+    for name in ("kld_mean", "kld_median", "kld_p99"):
+        print(
+            f"{name}: live {live[name]:.6g}, recording {replay[name]:.6g}, "
+            f"relative difference {replay[name] / live[name] - 1:+.4%}"
+        )
+
+
+if __name__ == "__main__":
+    main()

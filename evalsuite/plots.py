@@ -1,0 +1,71 @@
+"""PNG plots for report.md, drawn with matplotlib's Agg backend (no display needed).
+
+Each function takes arrays and a path and writes one figure atomically; none keeps state between calls.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from evalsuite.run_folder import write_atomic
+
+
+def _figure(width: float = 6.4, height: float = 3.6):
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    # A bare Figure: no pyplot global state, so plots from concurrent runs never mix.
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def _save(fig, path: Path) -> None:
+    buf = io.BytesIO()
+    # No timestamps or software tags in the PNG: the same data gives the same bytes.
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    write_atomic(path, buf.getvalue())
+
+
+def kld_histogram(kld: np.ndarray, path: Path, estimator: str) -> None:
+    """Histogram of per-token KL divergence on a log-spaced axis, with the mean and the p99 marked."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    values = np.asarray(kld, dtype=np.float64)
+    positive = values[values > 0]
+    if positive.size:
+        lo, hi = positive.min(), positive.max()
+        bins = np.geomspace(lo, hi if hi > lo else lo * 10, 60)
+        ax.hist(positive, bins=bins, color="#4c72b0")
+        ax.set_xscale("log")
+        for q, label, style in ((values.mean(), "mean", "-"), (np.quantile(values, 0.99), "p99", "--")):
+            if q > 0:
+                ax.axvline(q, color="#c44e52", linestyle=style, label=f"{label} {q:.3g}")
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "KLD is 0 at every token", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel(f"KL divergence per token (nats, {estimator})")
+    ax.set_ylabel("tokens")
+    ax.set_title(f"Per-token KLD from the reference ({values.size} tokens)")
+    _save(fig, path)
+
+
+def window_ppl(
+    ppl_ref: Sequence[float], ppl_ckpt: Sequence[float], starts: Sequence[int], path: Path
+) -> None:
+    """Per-window perplexity of both sides, side by side."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    x = np.arange(len(starts))
+    ax.bar(x - 0.2, ppl_ref, width=0.4, label="ref", color="#4c72b0")
+    ax.bar(x + 0.2, ppl_ckpt, width=0.4, label="ckpt", color="#dd8452")
+    ax.set_xticks(x, [str(s) for s in starts], rotation=45)
+    ax.set_xlabel("window start (token)")
+    ax.set_ylabel("perplexity")
+    ax.set_title("Perplexity per window")
+    ax.legend(loc="lower right", framealpha=0.9)
+    _save(fig, path)
