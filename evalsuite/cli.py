@@ -6,6 +6,7 @@ missing dependency); the reason is one line on stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tomllib
@@ -131,6 +132,9 @@ def run_command(
     junit: Annotated[
         Path | None, typer.Option(help="Also write JUnit XML (one test case per check).")
     ] = None,
+    backend: Annotated[
+        str, typer.Option(help="How the candidate is executed: hf (Transformers) or intref (integer W4A8).")
+    ] = "hf",
     dtype: Dtype = "bfloat16",
     device: Device = "cpu",
     trust_remote_code: Annotated[bool, typer.Option(help="Allow code from the checkpoint folders.")] = False,
@@ -148,10 +152,10 @@ def run_command(
     request = RunRequest(
         ckpt=ckpt_source,
         ref=ref_source,
+        ckpt_options=dataclasses.replace(options, backend=backend),
         tasks=[t.strip() for t in tasks.split(",") if t.strip()],
         out=out or Path("reports") / Path(ckpt_source.rstrip("/")).name,
         context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
-        ckpt_options=options,
         ref_options=options,
         thresholds=read_thresholds(thresholds),
         baseline=baseline,

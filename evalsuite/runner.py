@@ -7,6 +7,7 @@ everything it depends on, so an interrupted run resumes where it stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import platform
@@ -137,45 +138,89 @@ def resident(side: Side) -> Iterator[Side]:
 
 def observe_side(
     side: Side,
-    tasks: list[Task],
+    jobs: list[tuple[Task, str]],
     inputs: dict[str, dict[str, Any]],
     folder: RunFolder,
     resume: bool,
     on_load: Callable[[Side], Any] | None = None,
-) -> dict[str, Observation]:
-    """Observe every task on one side, loading its model only if some observation is not already saved.
+) -> dict[tuple[str, str], Observation]:
+    """Observe each (task, role) job on one side, loading its model only if some observation is not saved.
 
-    A recorded side is read from its recording, after checking it was made with the same specs and inputs.
+    Several roles may share a side (`ckpt` and `ckpt@hf` when the candidate already runs on `hf`): the model
+    is loaded once for all of them. A recorded side is read from its recording, after checking that it was
+    made with the same specs and inputs.
     """
-    observations: dict[str, Observation] = {}
+    observations: dict[tuple[str, str], Observation] = {}
     if side.recording is not None:
-        for t in tasks:
+        for t, role in jobs:
             side.recording.check(t, inputs[t.name])
-            observations[t.name] = side.recording.observation(t.name)
+            observations[t.name, role] = side.recording.observation(t.name)
         return observations
     todo = []
-    for t in tasks:
+    for t, role in jobs:
         key = observation_key(t, side, inputs[t.name])
-        saved = folder.observation(side.role, t.name)
+        saved = folder.observation(role, t.name)
         if resume and (saved / "observation.json").is_file():
             obs = Observation.load(saved)
             if obs.key == key:
-                observations[t.name] = obs
+                observations[t.name, role] = obs
                 continue
-        todo.append((t, key))
+        todo.append((t, role, key))
     if not todo:
         return observations
     if on_load is not None:
         on_load(side)
     with resident(side):
-        for t, key in todo:
-            scratch = folder.scratch(side.role, t.name)
+        for t, role, key in todo:
+            scratch = folder.scratch(role, t.name)
             obs = t.observe(side, inputs[t.name], scratch)
             obs.key = obs.key or key
             obs.save(scratch)
-            final = folder.commit_observation(side.role, t.name, scratch)
-            observations[t.name] = Observation.load(final)
+            final = folder.commit_observation(role, t.name, scratch)
+            observations[t.name, role] = Observation.load(final)
     return observations
+
+
+def role_sides(tasks: list[Task], ref: Side, ckpt: Side) -> dict[str, Side]:
+    """The side of every role the tasks observe. `ckpt@BACKEND` is the candidate run by BACKEND; it shares
+    the candidate's side (and its loaded model) when that already runs on BACKEND."""
+    sides = {"ref": ref, "ckpt": ckpt}
+    for t in tasks:
+        for role in getattr(t, "roles", ("ref", "ckpt")):
+            if role in sides:
+                continue
+            base, _, backend = role.partition("@")
+            if base != "ckpt" or not backend:
+                raise ValueError(f"task {t.name!r} observes unknown role {role!r}")
+            if ckpt.checkpoint is None:
+                raise InputError(f"task `{t.name}` needs the candidate's files, not a recording")
+            options = dataclasses.replace(ckpt.options, backend=backend)
+            sides[role] = (
+                ckpt
+                if options == ckpt.options
+                else Side("ckpt", ckpt.checkpoint, options, progress=ckpt.progress)
+            )
+    return sides
+
+
+def observe_all(
+    tasks: list[Task],
+    sides: dict[str, Side],
+    inputs: dict[str, dict[str, Any]],
+    folder: RunFolder,
+    resume: bool,
+    on_load: Callable[[Side], Any] | None,
+) -> dict[tuple[str, str], Observation]:
+    """Observe every (task, role) pair, one side resident at a time, the reference first."""
+    jobs: dict[int, tuple[Side, list[tuple[Task, str]]]] = {}
+    for role, side in sides.items():  # insertion order: ref, ckpt, then extra roles
+        for t in tasks:
+            if role in getattr(t, "roles", ("ref", "ckpt")):
+                jobs.setdefault(id(side), (side, []))[1].append((t, role))
+    observed: dict[tuple[str, str], Observation] = {}
+    for side, side_jobs in jobs.values():
+        observed |= observe_side(side, side_jobs, inputs, folder, resume, on_load)
+    return observed
 
 
 def open_side(role: str, source: str, options: BackendOptions, progress: ProgressFactory | None) -> Side:
@@ -219,19 +264,28 @@ def run(
     baseline = load_results(request.baseline) if request.baseline is not None else None
     folder = RunFolder(request.out)
     inputs, results = prepare_all(tasks, ref, ckpt)
-    runnable = [t for t in tasks if t.name in inputs]
-    observed = {
-        side.role: observe_side(side, runnable, inputs, folder, request.resume, on_load)
-        for side in (ref, ckpt)
-    }
-    for t in runnable:
+    # Files before models: file-only tasks compare the two checkpoints directly, before any model loads.
+    for t in tasks:
+        if t.name in inputs and not t.needs_model:
+            try:
+                results[t.name] = t.compare_files(ref, ckpt, inputs[t.name], folder.artifacts)
+            except TaskSkipped as skip:
+                results[t.name] = TaskResult(status="skipped", reason=str(skip))
+    model_tasks = [t for t in tasks if t.name in inputs and t.needs_model]
+    sides = role_sides(model_tasks, ref, ckpt)
+    observed = observe_all(model_tasks, sides, inputs, folder, request.resume, on_load)
+    for t in tasks:
+        if t.name in results:
+            continue
         try:
-            result = t.compare(observed["ref"][t.name], observed["ckpt"][t.name], folder.artifacts)
+            roles = getattr(t, "roles", ("ref", "ckpt"))
+            result = t.compare(*(observed[t.name, role] for role in roles), folder.artifacts)
         except EvalsuiteError as exc:
             result = TaskResult(status="error", reason=str(exc))
-        if baseline is not None and result.status in ("pass", "fail"):
-            result = with_regression_checks(t, result, baseline, request.baseline)
         results[t.name] = result
+    for t in tasks:
+        if baseline is not None and results[t.name].status in ("pass", "fail"):
+            results[t.name] = with_regression_checks(t, results[t.name], baseline, request.baseline)
     statuses = {r.status for r in results.values()}
     # A run in which nothing was compared has not shown anything: that is not a pass.
     if "error" in statuses or statuses <= {"skipped"}:
@@ -312,8 +366,13 @@ def record(
         raise InputError(
             f"task `{name}` cannot be recorded from this checkpoint: {result.reason}", request.ckpt
         )
+    unrecordable = [t.name for t in tasks if not t.needs_model or getattr(t, "record", None) is None]
+    if unrecordable:
+        raise InputError(f"these tasks have nothing to record: {', '.join(unrecordable)}")
     with tempfile.TemporaryDirectory(prefix=".evalsuite-record-", dir=Path(request.out).parent) as work:
-        observations = observe_side(side, tasks, inputs, RunFolder(Path(work)), False, on_load)
+        jobs = [(t, "ref") for t in tasks]
+        observed = observe_side(side, jobs, inputs, RunFolder(Path(work)), False, on_load)
+        observations = {name: obs for (name, _), obs in observed.items()}
         return write_recording(
             Path(request.out), side.checkpoint, tasks, inputs, observations, environment(request.options)
         )

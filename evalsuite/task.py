@@ -110,7 +110,16 @@ class TaskSkipped(Exception):
 
 
 class Task(Protocol):
-    """The shape of a task plugin. `name`, `needs_model` and `spec_model` are class attributes."""
+    """The shape of a task plugin. `name`, `needs_model` and `spec_model` are class attributes.
+
+    A model task (`needs_model = True`) implements `observe` and `compare`. It observes the roles in its
+    optional `roles` attribute, in order (default `("ref", "ckpt")`); `ckpt@BACKEND` is the candidate executed
+    by another backend, e.g. `ckpt@intref`. `compare` receives one observation per role, then the artifacts
+    folder. A model task that can be recorded also implements `record(observation, folder) -> Observation`.
+
+    A file-only task (`needs_model = False`) implements `compare_files(ref, ckpt, inputs, artifacts)` instead:
+    it streams both checkpoints' files and no model is ever loaded for it.
+    """
 
     name: ClassVar[str]
     needs_model: ClassVar[bool]
@@ -118,7 +127,8 @@ class Task(Protocol):
     spec: TaskSpec
 
     def prepare(self, ref: Side, ckpt: Side) -> dict[str, Any]:
-        """Inputs both sides share (with their hashes); raise InputError when the sides cannot be compared."""
+        """Inputs both sides share (with their hashes); raise InputError when the sides cannot be compared,
+        TaskSkipped when the task cannot run on them or on this machine."""
         ...
 
     def observe(self, side: Side, inputs: dict[str, Any], folder: Path) -> Observation:
@@ -126,7 +136,7 @@ class Task(Protocol):
         ...
 
     def compare(self, ref: Observation, ckpt: Observation, artifacts: Path) -> TaskResult:
-        """Metrics and checks from two observations; plots and tables go into `artifacts`."""
+        """Metrics and checks from the observations of its roles; plots and tables go into `artifacts`."""
         ...
 
 
