@@ -55,29 +55,57 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def transformers_config(checkpoint: Checkpoint, options: BackendOptions) -> tuple[Any, dict[str, Any]]:
+    """The checkpoint's Transformers config, and the keyword arguments every `from_pretrained` needs."""
+    from transformers import AutoConfig
+
+    kwargs: dict[str, Any] = {"trust_remote_code": options.trust_remote_code}
+    if checkpoint.format == "gguf":
+        from transformers import GgufConfig
+
+        kwargs["gguf_file"] = checkpoint.gguf_file.name
+        kwargs["quantization_config"] = GgufConfig(gguf_file=checkpoint.gguf_file.name, dequantize=True)
+    try:
+        config = AutoConfig.from_pretrained(str(checkpoint.path), **kwargs)
+    except Exception as exc:
+        raise InputError(
+            f"Transformers cannot read the config: {_first_line(exc)}", checkpoint.path
+        ) from None
+    return config, kwargs
+
+
 class HFBackend:
-    """A Transformers model, loaded with no tolerance for missing or unexpected weights."""
+    """A Transformers model, loaded with no tolerance for missing or unexpected weights.
+
+    Subclasses change how the model is built (`load_model`) and inherit every primitive, since they all run
+    the same Transformers model classes.
+    """
 
     def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
-        from transformers import AutoConfig
-        from transformers.utils import logging as hf_logging
-
         if options.dtype not in DTYPES:
             raise InputError(f"unknown dtype {options.dtype!r}; use {', '.join(DTYPES)}")
-        kwargs: dict[str, Any] = {"trust_remote_code": options.trust_remote_code}
-        if checkpoint.format == "gguf":
-            from transformers import GgufConfig
+        self.checkpoint = checkpoint
+        self.options = options
+        self.config, kwargs = transformers_config(checkpoint, options)
+        self.model = self.load_model(kwargs)
+        self.model.eval()
+        # compressed-tensors decompresses at the first forward: do it here, quietly, so that it is part of
+        # loading and not of the first measured window.
+        with contextlib.redirect_stderr(io.StringIO()), torch.inference_mode():
+            self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), use_cache=False)
+        output_embeddings = self.model.get_output_embeddings()
+        self.vocab_size = (
+            int(output_embeddings.weight.shape[0])
+            if output_embeddings is not None
+            else int(self.config.get_text_config().vocab_size)
+        )
 
-            kwargs["gguf_file"] = checkpoint.gguf_file.name
-            kwargs["quantization_config"] = GgufConfig(gguf_file=checkpoint.gguf_file.name, dequantize=True)
-        path = str(checkpoint.path)
-        try:
-            config = AutoConfig.from_pretrained(path, **kwargs)
-        except Exception as exc:
-            raise InputError(
-                f"Transformers cannot read the config: {_first_line(exc)}", checkpoint.path
-            ) from None
-        cls = _model_class(config)
+    def load_model(self, kwargs: dict[str, Any]) -> Any:
+        """`from_pretrained` by the config's model class; refuses a load that leaves weights random."""
+        from transformers.utils import logging as hf_logging
+
+        checkpoint, options = self.checkpoint, self.options
+        cls = _model_class(self.config)
         device_map = _device_map(options.device)
         # The load report is printed by Transformers' logger; evalsuite turns it into an error instead.
         verbosity = hf_logging.get_verbosity()
@@ -87,7 +115,7 @@ class HFBackend:
             # compressed-tensors draws tqdm bars with an explicit disable=False, which no setting reaches.
             with contextlib.redirect_stderr(io.StringIO()):
                 model, info = cls.from_pretrained(
-                    path,
+                    str(checkpoint.path),
                     dtype=DTYPES[options.dtype],
                     device_map=device_map,
                     output_loading_info=True,
@@ -104,18 +132,7 @@ class HFBackend:
         finally:
             hf_logging.set_verbosity(verbosity)
         self._refuse_partial_load(checkpoint, info)
-        self.model = model
-        self.model.eval()
-        # compressed-tensors decompresses at the first forward: do it here, quietly, so that it is part of
-        # loading and not of the first measured window.
-        with contextlib.redirect_stderr(io.StringIO()), torch.inference_mode():
-            self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), use_cache=False)
-        self.config = config
-        self.vocab_size = (
-            int(self.model.get_output_embeddings().weight.shape[0])
-            if self.model.get_output_embeddings() is not None
-            else int(config.get_text_config().vocab_size)
-        )
+        return model
 
     @staticmethod
     def _refuse_partial_load(checkpoint: Checkpoint, info: dict[str, Any]) -> None:
