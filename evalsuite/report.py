@@ -86,6 +86,12 @@ def _verdict(check: dict[str, Any] | None) -> str:
     return "" if check is None else ("pass" if check["passed"] else "FAIL")
 
 
+def _cell(value: Any) -> str:
+    """A value as one markdown table cell: pipes escaped, newlines as <br>."""
+    text = "" if value is None else format_number(value)
+    return text.replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """report.md: the verdict, the summary table, then every metric of every task."""
     lines = [
@@ -108,6 +114,11 @@ def render_markdown(results: dict[str, Any]) -> str:
         if metrics:
             lines += ["| metric | value |", "| --- | --- |"]
             lines += [f"| {name} | {format_number(value)} |" for name, value in metrics.items()]
+        details = entry.get("details") or []
+        if details:
+            columns = list(dict.fromkeys(k for row in details for k in row))
+            lines += ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+            lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in details]
         for name, path in entry.get("artifacts", {}).items():
             lines += ["", f"![{name}]({path})" if path.endswith(".png") else f"- {name}: [{path}]({path})"]
     env = results["environment"]

@@ -150,11 +150,40 @@ def default_spec_path(task_name: str) -> Path:
     return Path(__file__).resolve().parent.parent / "tasks" / f"{task_name}.toml"
 
 
-def _line_of(text: str, key: str) -> int | None:
-    """First line where `key` is assigned or opens a table, for error messages."""
-    pattern = re.compile(rf"^\s*(\[+\s*)?([\w.]*\.)?{re.escape(key)}\s*[=\].]", re.MULTILINE)
-    match = pattern.search(text)
-    return None if match is None else text.count("\n", 0, match.start()) + 1
+def _line_of(text: str, loc: tuple[Any, ...]) -> int | None:
+    """The line of the TOML text that a validation error's location points at, or None.
+
+    Follows the location as far as the text shows it: a table or key assignment for each name, and for an
+    index into an array of tables (`[[prompts]]`), that entry's header. A missing field points at the table
+    that lacks it.
+    """
+    lines = text.splitlines()
+    start, end, found = 0, len(lines), None
+    path: list[str] = []
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            if not path:
+                return found
+            header = re.compile(rf"^\s*\[\[\s*{re.escape('.'.join(path))}\s*\]\]")
+            entries = [n for n in range(start, end) if header.match(lines[n])]
+            if part >= len(entries):
+                return found
+            start = entries[part]
+            following = [n for n in range(start + 1, end) if lines[n].lstrip().startswith("[")]
+            end = following[0] if following else end
+            found = start + 1
+            path = []
+            continue
+        path.append(str(part))
+        key = re.compile(rf"^\s*(\[+\s*)?([\w.]*\.)?{re.escape(str(part))}\s*[=\].]")
+        hit = next((n for n in range(start, end) if key.match(lines[n])), None)
+        if hit is not None:
+            found = hit + 1
+            if i + 1 < len(loc) and not isinstance(loc[i + 1], int):
+                start = hit
+        elif found is not None and i == len(loc) - 1:
+            return found
+    return found
 
 
 def load_spec(model: type[S], path: Path, overrides: dict | None = None) -> S:
@@ -177,7 +206,6 @@ def load_spec(model: type[S], path: Path, overrides: dict | None = None) -> S:
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(part) for part in err["loc"])
-        keys = [str(p) for p in err["loc"] if not isinstance(p, int)]
-        line = next((n for k in reversed(keys) if (n := _line_of(text, k)) is not None), None)
+        line = _line_of(text, tuple(err["loc"]))
         where = f" (line {line})" if line is not None else ""
         raise InputError(f"field `{loc}`{where}: {err['msg']}", path) from None

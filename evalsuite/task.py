@@ -88,6 +88,9 @@ class TaskResult:
     checks: list[Check] = field(default_factory=list)
     artifacts: dict[str, str] = field(default_factory=dict)
     reason: str | None = None
+    # Rows a person reads in report.md (one per prompt, say); kept in results.json so that the report can be
+    # re-rendered from it alone. Values are strings, numbers or booleans.
+    details: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_checks(cls, metrics: dict[str, MetricValue], checks: list[Check], **kw: Any) -> TaskResult:
@@ -102,6 +105,8 @@ class TaskResult:
         doc["metrics"] = self.metrics
         doc["checks"] = [c.model_dump() for c in self.checks]
         doc["artifacts"] = self.artifacts
+        if self.details:
+            doc["details"] = self.details
         return doc
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from evalsuite.checkpoint import Checkpoint
@@ -53,6 +55,17 @@ def _device_map(device: str) -> str | None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+@dataclass
+class Generation:
+    """A greedy generation: the new tokens and, per step, the top-k ids and log-probs (and optionally the
+    full log-prob rows of the first steps)."""
+
+    tokens: list[int]
+    top_ids: np.ndarray  # (steps, k) int64
+    top_logp: np.ndarray  # (steps, k) float32
+    full_logp: np.ndarray  # (min(full_steps, steps), vocab) float32
 
 
 def transformers_config(checkpoint: Checkpoint, options: BackendOptions) -> tuple[Any, dict[str, Any]]:
@@ -167,6 +180,58 @@ class HFBackend:
         ids = input_ids.reshape(1, -1).to(self.device)
         # logits_to_keep keeps the vocabulary-sized projection to the scored positions only.
         return self.model(input_ids=ids, logits_to_keep=positions.to(self.device), use_cache=False).logits[0]
+
+    @torch.inference_mode()
+    def generate_greedy(
+        self, inputs: dict[str, torch.Tensor], max_new_tokens: int, top_k: int = 5, full_steps: int = 0
+    ) -> Generation:
+        """Greedy decoding of one prompt, with the top-k log-probs of every step.
+
+        A fresh GenerationConfig: the checkpoint's own generation_config.json (sampling, repetition penalty)
+        must not change what "greedy" means between two sides. The log-probs are of the raw logits, which
+        greedy decoding takes the argmax of. `full_steps` keeps the whole distribution of the first steps.
+        """
+        from transformers import GenerationConfig
+
+        eos = self.model.generation_config.eos_token_id
+        config = GenerationConfig(
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=self.model.generation_config.pad_token_id or (eos if isinstance(eos, int) else None),
+        )
+        batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        out = self.model.generate(
+            **batch, generation_config=config, output_logits=True, return_dict_in_generate=True
+        )
+        prompt_length = batch["input_ids"].shape[1]
+        tokens = out.sequences[0, prompt_length:].tolist()
+        logp = torch.log_softmax(torch.cat(out.logits).float(), dim=-1).cpu()  # (steps, vocab)
+        top_logp, top_ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+        return Generation(
+            tokens=tokens,
+            top_ids=top_ids.numpy(),
+            top_logp=top_logp.numpy(),
+            full_logp=logp[:full_steps].numpy().copy(),
+        )
+
+    @torch.inference_mode()
+    def image_features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The vision tower and merger's output for the image inputs, float32, one row per visual token."""
+        if not hasattr(self.model, "get_image_features"):
+            raise InputError("this model has no vision tower", self.checkpoint.path)
+        image_inputs = {
+            k: v.to(self.device) for k, v in inputs.items() if k not in ("input_ids", "attention_mask")
+        }
+        image_inputs.pop("mm_token_type_ids", None)
+        out = self.model.get_image_features(**image_inputs)
+        pooled = (
+            out.pooler_output if getattr(out, "pooler_output", None) is not None else out.last_hidden_state
+        )
+        if isinstance(pooled, list | tuple):
+            pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
+        return pooled.reshape(-1, pooled.shape[-1]).float().cpu()
 
     def close(self) -> None:
         del self.model

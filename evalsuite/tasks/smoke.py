@@ -1,0 +1,226 @@
+"""Greedy smoke prompts with expected answers, compared side by side, with the first divergence explained."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from pydantic import field_validator
+
+from evalsuite import metrics
+from evalsuite.errors import InputError
+from evalsuite.recording import tokenizer_sha256
+from evalsuite.side import Side
+from evalsuite.spec import StrictModel, TaskSpec, apply_threshold
+from evalsuite.task import Observation, RunContext, TaskResult, task
+
+DIVERGENCE_MARK = "⟦"  # where the two answers part, inside each answer in report.md
+Category = Literal["factual", "code", "arithmetic", "chinese", "instruction"]
+
+
+class Prompt(StrictModel):
+    id: str
+    category: Category
+    prompt: str
+    max_new_tokens: int
+    expect: str
+
+    @field_validator("expect")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if not 1 <= value <= 4096:
+            raise ValueError("must be between 1 and 4096")
+        return value
+
+    def matches(self, answer: str) -> bool:
+        return re.search(self.expect, answer, flags=re.IGNORECASE) is not None
+
+
+class GenerationOptions(StrictModel):
+    top_k: int = 5
+    near_tie: float = 1.0
+
+
+class SmokeSpec(TaskSpec):
+    generation: GenerationOptions = GenerationOptions()
+    prompts: list[Prompt]
+
+    def model_post_init(self, _: Any) -> None:
+        ids = [p.id for p in self.prompts]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"prompt ids must be unique: {sorted({i for i in ids if ids.count(i) > 1})}")
+
+
+def prompt_ids(side: Side, prompt: str) -> list[int]:
+    """The prompt through the side's chat template (generation prompt on), or plain text without one."""
+    tokenizer = side.tokenizer
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def ids_sha256(prompts: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+
+
+@task("smoke")
+class Smoke:
+    """Greedy answers of both sides to the spec's prompts: pass/fail per side and where they diverge."""
+
+    needs_model: ClassVar[bool] = True
+    spec_model: ClassVar[type[TaskSpec]] = SmokeSpec
+
+    def __init__(self, spec: SmokeSpec, context: RunContext) -> None:
+        self.spec = spec
+        self.context = context
+
+    def prepare(self, ref: Side, ckpt: Side) -> dict[str, Any]:
+        """Prompt ids made once (with the reference tokenizer), hashed; the candidate must agree."""
+        source = ckpt if ref.is_recorded else ref
+        ids = [prompt_ids(source, p.prompt) for p in self.spec.prompts]
+        if not ref.is_recorded and tokenizer_sha256(ref.checkpoint) != tokenizer_sha256(ckpt.checkpoint):
+            other = [prompt_ids(ckpt, p.prompt) for p in self.spec.prompts]
+            for prompt, a, b in zip(self.spec.prompts, ids, other, strict=True):
+                if a != b:
+                    raise InputError(
+                        f"its tokenizer or chat template disagrees with the reference's on prompt "
+                        f"{prompt.id!r}; the sides cannot be compared",
+                        ckpt.checkpoint.path,
+                    )
+        return {"prompt_ids": ids, "prompts_sha256": ids_sha256(ids), "n_prompts": len(ids)}
+
+    def observe(self, side: Side, inputs: dict[str, Any], folder: Path) -> Observation:
+        """Each prompt's greedy answer: its tokens, text, and the top-k log-probs of every step."""
+        k = self.spec.generation.top_k
+        step = side.steps(f"{side.role}: smoke prompts", len(self.spec.prompts))
+        tokens, offsets, top_ids, top_logp, texts, top_text, char_ends = [], [0], [], [], [], [], []
+        for prompt, ids in zip(self.spec.prompts, inputs["prompt_ids"], strict=True):
+            batch = {
+                "input_ids": torch.tensor([ids]),
+                "attention_mask": torch.ones((1, len(ids)), dtype=torch.long),
+            }
+            gen = side.model.generate_greedy(batch, prompt.max_new_tokens, top_k=k)
+            tokens += gen.tokens
+            offsets.append(len(tokens))
+            top_ids.append(gen.top_ids)
+            top_logp.append(gen.top_logp)
+            texts.append(side.tokenizer.decode(gen.tokens, skip_special_tokens=True))
+            # Where each token ends in the text, so the report can mark the divergence inside the answer.
+            char_ends.append(
+                [
+                    len(side.tokenizer.decode(gen.tokens[: j + 1], skip_special_tokens=True))
+                    for j in range(len(gen.tokens))
+                ]
+            )
+            # The top-k as text, so a report can say which words the reference hesitated between.
+            top_text.append([[side.tokenizer.decode([t]) for t in row] for row in gen.top_ids.tolist()])
+            step()
+        return Observation(
+            task="smoke",
+            key="",
+            meta={
+                "texts": texts,
+                "top_text": top_text,
+                "char_ends": char_ends,
+                "prompts_sha256": inputs["prompts_sha256"],
+            },
+            arrays={
+                "tokens": np.asarray(tokens, dtype=np.int64),
+                "offsets": np.asarray(offsets, dtype=np.int64),
+                "top_ids": np.concatenate(top_ids).astype(np.int64),
+                "top_logp": np.concatenate(top_logp).astype(np.float32),
+            },
+        )
+
+    def record(self, obs: Observation, folder: Path) -> Observation:
+        """A smoke observation is already compact: it is its own recording."""
+        return obs
+
+    def compare(self, ref: Observation, ckpt: Observation, artifacts: Path) -> TaskResult:
+        if ref.meta["prompts_sha256"] != ckpt.meta["prompts_sha256"]:
+            raise InputError("the sides were given different prompt tokens")
+        rows, n = [], len(self.spec.prompts)
+        counts = {
+            "ref_pass": 0,
+            "ckpt_pass": 0,
+            "identical": 0,
+            "diverged_outside_top5": 0,
+            "ref_pass_ckpt_fail": 0,
+        }
+        for i, prompt in enumerate(self.spec.prompts):
+            row = self.compare_prompt(i, prompt, ref, ckpt)
+            counts["ref_pass"] += row["ref_pass"]
+            counts["ckpt_pass"] += row["ckpt_pass"]
+            counts["identical"] += row["identical"]
+            counts["diverged_outside_top5"] += row["ckpt_token_in_ref_top5"] is False
+            counts["ref_pass_ckpt_fail"] += row["ref_pass"] and not row["ckpt_pass"]
+            rows.append(row)
+        values: dict[str, Any] = {"n_prompts": n, **counts}
+        checks = [
+            c for name, t in self.spec.thresholds.items() for c in apply_threshold(name, values.get(name), t)
+        ]
+        return TaskResult.from_checks(values, checks, details=rows)
+
+    def compare_prompt(self, i: int, prompt: Prompt, ref: Observation, ckpt: Observation) -> dict[str, Any]:
+        """One prompt: both answers, pass/fail, and the reference's view at the first differing token."""
+
+        def span(obs: Observation) -> slice:
+            return slice(int(obs.arrays["offsets"][i]), int(obs.arrays["offsets"][i + 1]))
+
+        a, b = ref.arrays["tokens"][span(ref)], ckpt.arrays["tokens"][span(ckpt)]
+        ref_text, ckpt_text = ref.meta["texts"][i], ckpt.meta["texts"][i]
+        d = metrics.first_divergence(a, b)
+        row: dict[str, Any] = {
+            "id": prompt.id,
+            "category": prompt.category,
+            "ref_answer": ref_text,
+            "ckpt_answer": ckpt_text,
+            "ref_pass": prompt.matches(ref_text),
+            "ckpt_pass": prompt.matches(ckpt_text),
+            "identical": d is None,
+            "first_diff_token": d,
+            "ckpt_token_in_ref_top5": None,
+            "ref_logp_gap": None,
+            "divergence": "",
+        }
+        if d is None or d >= min(len(a), len(b)):
+            return row
+        for side, obs, text in (("ref_answer", ref, ref_text), ("ckpt_answer", ckpt, ckpt_text)):
+            cut = obs.meta["char_ends"][i][d - 1] if d > 0 else 0
+            row[side] = f"{text[:cut]}{DIVERGENCE_MARK}{text[cut:]}"
+        step = span(ref).start + d
+        top_ids, top_logp = ref.arrays["top_ids"][step], ref.arrays["top_logp"][step]
+        chosen = int(b[d])
+        inside = bool(chosen in top_ids)
+        # The reference's preference for its own token over the candidate's: small is a near tie, large an
+        # error. Outside the top-k only a lower bound is known (the gap to the k-th token).
+        gap = float(top_logp[0] - (top_logp[list(top_ids).index(chosen)] if inside else top_logp[-1]))
+        near = inside and gap < self.spec.generation.near_tie
+        row.update(
+            ckpt_token_in_ref_top5=inside,
+            ref_logp_gap=gap if inside else f">= {gap:.4g}",
+            divergence=("near tie" if near else "real divergence") + f" at token {d}",
+            ref_top5=", ".join(
+                f"{text!r} {float(lp):.3g}"
+                for text, lp in zip(ref.meta["top_text"][i][d], top_logp, strict=True)
+            ),
+            ckpt_token=repr(ckpt.meta["top_text"][i][d][0]),
+        )
+        return row
