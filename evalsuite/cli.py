@@ -65,6 +65,22 @@ def read_thresholds(path: Path | None) -> dict:
     return data
 
 
+def parse_specs(items: list[str] | None) -> dict[str, Path]:
+    """`--spec TASK=PATH` (repeatable): a spec file that replaces the shipped tasks/TASK.toml."""
+    specs = {}
+    for item in items or []:
+        task, sep, path = item.partition("=")
+        if not sep or not task or not path:
+            raise InputError(f"--spec takes TASK=PATH, not {item!r}")
+        specs[task.strip()] = Path(path)
+    return specs
+
+
+SpecOption = Annotated[
+    list[str] | None, typer.Option("--spec", help="TASK=PATH: use this spec file for TASK (repeatable).")
+]
+
+
 def _progress_factory(progress):
     def factory(description: str, total: int):
         task_id = progress.add_task(description, total=total)
@@ -126,6 +142,7 @@ def run_command(
     corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
     allow_download: Annotated[bool, typer.Option(help="Let datasets fetch WikiText-2 from the hub.")] = False,
     thresholds: Annotated[Path | None, typer.Option(help="TOML overriding spec thresholds.")] = None,
+    spec: SpecOption = None,
     baseline: Annotated[
         Path | None, typer.Option(help="An accepted earlier results.json: fail on metrics that worsened.")
     ] = None,
@@ -158,6 +175,7 @@ def run_command(
         context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
         ref_options=options,
         thresholds=read_thresholds(thresholds),
+        specs=parse_specs(spec),
         baseline=baseline,
         resume=resume,
     )
@@ -172,6 +190,7 @@ def record_command(
     text_file: Annotated[Path | None, typer.Option(help="Score this UTF-8 text instead of a corpus.")] = None,
     corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
     allow_download: Annotated[bool, typer.Option(help="Let datasets fetch WikiText-2 from the hub.")] = False,
+    spec: SpecOption = None,
     dtype: Dtype = "bfloat16",
     device: Device = "cpu",
     trust_remote_code: Annotated[bool, typer.Option(help="Allow code from the checkpoint folder.")] = False,
@@ -189,6 +208,7 @@ def record_command(
         out=out,
         context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
         options=BackendOptions(dtype=dtype, device=device, trust_remote_code=trust_remote_code),
+        specs=parse_specs(spec),
     )
     Progress, columns = _progress_columns()
     with Progress(*columns, console=console, disable=quiet) as progress:

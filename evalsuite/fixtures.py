@@ -356,44 +356,11 @@ def tiny_test_image() -> Any:
 def tiny_image_inputs(model_dir: Path, image: Any, question: str = "What is in it?") -> dict[str, Any]:
     """Model inputs for one image and a question, with the image processor and tokenizer only.
 
-    The MiniCPM-V 4.7 processor needs torchvision (for its video half), which this platform may lack, so the
-    placeholder expansion it does is done here the same way: the image id `<image_id>0</image_id>`, a
-    thumbnail `<image>…</image>`, then one `<slice>…</slice>` per crop, rows separated by a newline, each crop
-    worth (h·w)/16 patches in tokens. The result equals what the processor returns for the same prompt.
+    The same path the `vision` task takes where the MiniCPM-V 4.7 processor cannot be built (no torchvision).
     """
-    from transformers import AutoImageProcessor, AutoTokenizer
+    from evalsuite.multimodal import minicpmv_inputs
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
-    pixels = image_processor(image, return_tensors="pt")
-    tokens_per_crop = (pixels["target_sizes"].prod(-1) // 16).tolist()
-    rows, cols = pixels["grids"][0]
-    thumbnail = tokenizer.image_token * tokens_per_crop[0]
-    placeholder = tokenizer.image_start_token + thumbnail + tokenizer.image_end_token
-    if image_processor.use_image_id:  # the processor numbers the images of a prompt from 0
-        placeholder = f"{tokenizer.image_id_start_token}0{tokenizer.image_id_end_token}{placeholder}"
-    crops = iter(tokens_per_crop[1:])
-    placeholder += "\n".join(
-        "".join(
-            tokenizer.slice_start_token + tokenizer.image_token * next(crops) + tokenizer.slice_end_token
-            for _ in range(cols)
-        )
-        for _ in range(rows)
-    )
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    prompt = prompt.replace(tokenizer.image_token, placeholder, 1)
-    encoded = tokenizer(prompt, return_tensors="pt")
-    return {
-        "input_ids": encoded["input_ids"],
-        "attention_mask": encoded["attention_mask"],
-        "mm_token_type_ids": (encoded["input_ids"] == tokenizer.image_token_id).int(),
-        "pixel_values": pixels["pixel_values"],
-        "target_sizes": pixels["target_sizes"],
-    }
+    return minicpmv_inputs(model_dir, image, question)
 
 
 def _check_tiny_runs(model_dir: Path) -> dict[str, Any]:

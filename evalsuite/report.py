@@ -89,7 +89,9 @@ def _verdict(check: dict[str, Any] | None) -> str:
 def _cell(value: Any) -> str:
     """A value as one markdown table cell: pipes escaped, newlines as <br>."""
     text = "" if value is None else format_number(value)
-    return text.replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+    text = text.replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+    # Generated text can hold control characters (a random model's bytes): show them, never emit them.
+    return "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in text)
 
 
 def render_markdown(results: dict[str, Any]) -> str:

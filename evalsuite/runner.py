@@ -56,6 +56,7 @@ class RunRequest:
     ref_options: BackendOptions = field(default_factory=BackendOptions)
     thresholds: dict[str, dict[str, Any]] = field(default_factory=dict)  # task -> {metric: {min|max}}
     baseline: Path | None = None  # an accepted earlier results.json: fail on metrics that worsened
+    specs: dict[str, Path] = field(default_factory=dict)  # task -> spec file replacing tasks/TASK.toml
     resume: bool = True
 
 
@@ -99,16 +100,22 @@ def environment(options: BackendOptions) -> dict[str, Any]:
     }
 
 
-def build_tasks(names: list[str], context: RunContext, thresholds: dict[str, dict[str, Any]]) -> list[Task]:
+def build_tasks(
+    names: list[str],
+    context: RunContext,
+    thresholds: dict[str, dict[str, Any]],
+    specs: dict[str, Path] | None = None,
+) -> list[Task]:
     """Instantiate the requested tasks with their validated specs; a bad spec fails here, before any model."""
-    unknown = set(thresholds) - set(names)
-    if unknown:
-        raise InputError(f"thresholds given for tasks that are not run: {', '.join(sorted(unknown))}")
+    for what, given in (("thresholds", thresholds), ("specs", specs or {})):
+        unknown = set(given) - set(names)
+        if unknown:
+            raise InputError(f"{what} given for tasks that are not run: {', '.join(sorted(unknown))}")
     tasks = []
     for name in dict.fromkeys(names):
         cls = get_task(name)
         overrides = {"thresholds": thresholds[name]} if name in thresholds else None
-        spec = load_spec(cls.spec_model, default_spec_path(name), overrides)
+        spec = load_spec(cls.spec_model, (specs or {}).get(name) or default_spec_path(name), overrides)
         tasks.append(cls(spec, context))
     return tasks
 
@@ -260,7 +267,7 @@ def run(
     """Run the request end to end and return results.json's document (not yet written)."""
     ref = open_side("ref", request.ref, request.ref_options, progress)
     ckpt = open_side("ckpt", request.ckpt, request.ckpt_options, progress)
-    tasks = build_tasks(request.tasks, request.context, request.thresholds)
+    tasks = build_tasks(request.tasks, request.context, request.thresholds, request.specs)
     baseline = load_results(request.baseline) if request.baseline is not None else None
     folder = RunFolder(request.out)
     inputs, results = prepare_all(tasks, ref, ckpt)
@@ -348,6 +355,7 @@ class RecordRequest:
     out: Path
     context: RunContext = field(default_factory=RunContext)
     options: BackendOptions = field(default_factory=BackendOptions)
+    specs: dict[str, Path] = field(default_factory=dict)
 
 
 def record(
@@ -359,7 +367,7 @@ def record(
     side = open_side("ref", request.ckpt, request.options, progress)
     if side.recording is not None:
         raise InputError("is already a recording; record a checkpoint", request.ckpt)
-    tasks = build_tasks(request.tasks, request.context, {})
+    tasks = build_tasks(request.tasks, request.context, {}, request.specs)
     inputs, skipped = prepare_all(tasks, side, side)
     if skipped:
         name, result = next(iter(skipped.items()))

@@ -200,11 +200,11 @@ class HFBackend:
             max_new_tokens=max_new_tokens,
             eos_token_id=eos,
             pad_token_id=self.model.generation_config.pad_token_id or (eos if isinstance(eos, int) else None),
+            output_logits=True,
+            return_dict_in_generate=True,
         )
         batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        out = self.model.generate(
-            **batch, generation_config=config, output_logits=True, return_dict_in_generate=True
-        )
+        out = self.model.generate(**batch, generation_config=config)
         prompt_length = batch["input_ids"].shape[1]
         tokens = out.sequences[0, prompt_length:].tolist()
         logp = torch.log_softmax(torch.cat(out.logits).float(), dim=-1).cpu()  # (steps, vocab)
