@@ -174,3 +174,34 @@ def first_divergence(a: ArrayLike, b: ArrayLike) -> int | None:
     if diff.size:
         return int(diff[0])
     return None if x.size == y.size else n
+
+
+def relative_frobenius_error(reference: ArrayLike, candidate: ArrayLike) -> float:
+    """‖candidate − reference‖_F / ‖reference‖_F, in float64; exactly 0 for identical arrays."""
+    ref, cand = np.asarray(reference, dtype=np.float64), np.asarray(candidate, dtype=np.float64)
+    if ref.shape != cand.shape:
+        raise ValueError(f"arrays differ in shape: {ref.shape} vs {cand.shape}")
+    norm = float(np.linalg.norm(ref))
+    err = float(np.linalg.norm(cand - ref))
+    return err / norm if norm else (0.0 if err == 0 else float("inf"))
+
+
+def cosine_similarity(reference: ArrayLike, candidate: ArrayLike) -> float:
+    """Cosine of the angle between two arrays taken as vectors, in float64; exactly 1 for identical arrays.
+
+    Written as a·b / sqrt(‖a‖²·‖b‖²): for a = b that is x / sqrt(x·x), which IEEE arithmetic makes exactly 1.
+    """
+    a = np.asarray(reference, dtype=np.float64).reshape(-1)
+    b = np.asarray(candidate, dtype=np.float64).reshape(-1)
+    if a.shape != b.shape:
+        raise ValueError(f"arrays differ in size: {a.size} vs {b.size}")
+    denominator = float(np.sqrt(np.dot(a, a) * np.dot(b, b)))
+    return float(np.dot(a, b)) / denominator if denominator else float("nan")
+
+
+def max_abs_error(reference: ArrayLike, candidate: ArrayLike) -> float:
+    """Largest absolute elementwise difference."""
+    ref, cand = np.asarray(reference, dtype=np.float64), np.asarray(candidate, dtype=np.float64)
+    if ref.shape != cand.shape:
+        raise ValueError(f"arrays differ in shape: {ref.shape} vs {cand.shape}")
+    return float(np.abs(cand - ref).max()) if ref.size else 0.0

@@ -105,3 +105,17 @@ def test_top_k_tail_kl_without_tail_samples_is_the_top_k_part():
     p, q = np.log([[0.5, 0.5]]), np.log([[0.25, 0.75]])
     est = metrics.kl_divergence_top_k_tail(p, q, [0.0], np.empty((1, 0)), np.empty((1, 0)))
     assert est[0] == pytest.approx(metrics.kl_divergence(p, q)[0])
+
+
+def test_error_metrics_by_hand():
+    a, b = np.array([3.0, 4.0]), np.array([3.0, 5.0])
+    assert metrics.relative_frobenius_error(a, b) == pytest.approx(1 / 5)
+    assert metrics.max_abs_error(a, b) == 1.0
+    assert metrics.cosine_similarity(a, b) == pytest.approx((9 + 20) / (5 * math.sqrt(34)))
+
+
+def test_identical_arrays_have_cosine_exactly_one_and_no_error():
+    x = np.random.default_rng(1).normal(size=(20, 64)).astype(np.float32)
+    assert metrics.cosine_similarity(x, x.copy()) == 1.0
+    assert metrics.relative_frobenius_error(x, x.copy()) == 0.0
+    assert metrics.max_abs_error(x, x.copy()) == 0.0
