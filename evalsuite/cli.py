@@ -283,8 +283,12 @@ def demo_command(
 
     built = build_fixtures(fixtures, [DEMO_REF, DEMO_CKPT], progress=lambda msg: console.print(msg))
     if record is not None:
+        # The recording holds every task a nightly run of a text model can replay, not only the demo's.
         request = RecordRequest(
-            ckpt=str(built[DEMO_REF]), tasks=["ppl"], out=record, context=RunContext(corpus_name=corpus)
+            ckpt=str(built[DEMO_REF]),
+            tasks=["ppl", "smoke"],
+            out=record,
+            context=RunContext(corpus_name=corpus),
         )
         console.print(f"recording: {record_reference(request)}")
     request = RunRequest(
