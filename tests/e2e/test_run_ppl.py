@@ -158,3 +158,30 @@ def test_wrong_scales_fail_both_checks_that_the_good_copy_passes(tiny_pair, tmp_
     assert bad.returncode == 1, bad.stderr
     checks = json.loads((tmp_path / "bad" / "results.json").read_text())["tasks"]["ppl"]["checks"]
     assert {c["name"]: c["passed"] for c in checks} == {"ppl_ratio": False, "same_top_p": False}
+
+
+def test_the_same_inputs_give_bit_identical_metrics(tiny_pair, tiny_run, tmp_path):
+    _, out = tiny_run
+    res = run_cli(
+        "run",
+        "--ckpt",
+        tiny_pair["tiny-minicpmv47-w4a8"],
+        "--ref",
+        tiny_pair["tiny-minicpmv47-bf16"],
+        "--corpus",
+        "python-docs",
+        "--out",
+        tmp_path,
+        "--no-resume",
+        "--quiet",
+    )
+    assert res.returncode in (0, 1), res.stderr
+    first = json.loads((out / "results.json").read_text())["tasks"]["ppl"]["metrics"]
+    again = json.loads((tmp_path / "results.json").read_text())["tasks"]["ppl"]["metrics"]
+    assert again == first
+
+
+def test_inspect_reads_the_files_only(tiny_pair):
+    res = run_cli("inspect", tiny_pair["tiny-minicpmv47-w4a8"])
+    assert res.returncode == 0, res.stderr
+    assert "format\tcompressed-tensors" in res.stdout and "fingerprint\t" in res.stdout
