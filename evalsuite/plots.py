@@ -69,3 +69,41 @@ def window_ppl(
     ax.set_title("Perplexity per window")
     ax.legend(loc="lower right", framealpha=0.9)
     _save(fig, path)
+
+
+def relative_error_by_layer(
+    layers: Sequence[int | None], projections: Sequence[str], rel_err: Sequence[float], path: Path
+) -> None:
+    """Relative error of each quantized tensor as a map of projection × layer.
+
+    One cell per (projection, layer), holding the worst tensor of the cell (the experts of a layer share one);
+    tensors outside the layer stacks (the head) go in a last column, "—". The colour scale is logarithmic.
+    """
+    from matplotlib.colors import LogNorm
+
+    names = sorted(set(projections))
+    numbered = sorted({layer for layer in layers if layer is not None})
+    columns = [str(layer) for layer in numbered] + (["—"] if any(layer is None for layer in layers) else [])
+    column_of = {layer: i for i, layer in enumerate(numbered)}
+    grid = np.full((len(names), len(columns)), np.nan)
+    for layer, projection, err in zip(layers, projections, rel_err, strict=True):
+        i, j = names.index(projection), column_of.get(layer, len(numbered))
+        grid[i, j] = err if np.isnan(grid[i, j]) else max(grid[i, j], err)
+    fig = _figure(
+        width=min(16.0, max(6.4, 2.5 + 0.25 * len(columns))), height=min(12.0, 1.6 + 0.3 * len(names))
+    )
+    ax = fig.add_subplot()
+    finite = grid[np.isfinite(grid)]
+    if finite.size:
+        positive = finite[finite > 0]
+        norm = LogNorm(positive.min(), max(positive.max(), positive.min() * 1.01)) if positive.size else None
+        image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis", norm=norm)
+        fig.colorbar(image, ax=ax, label="‖Ŵ − W‖ / ‖W‖")
+        step = max(1, len(columns) // 40)
+        ax.set_xticks(range(0, len(columns), step), columns[::step])
+        ax.set_yticks(range(len(names)), names, fontsize=8 if len(names) > 12 else 10)
+    else:
+        ax.text(0.5, 0.5, "no decoded tensor", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("layer")
+    ax.set_title(f"Relative error per layer and projection ({len(rel_err)} tensors)")
+    _save(fig, path)
