@@ -3,3 +3,4 @@
 from evalsuite.tasks import ppl
 from evalsuite.tasks import smoke
 from evalsuite.tasks import vision
+from evalsuite.tasks import tensors

@@ -1,0 +1,130 @@
+"""What was quantized, how well, and that nothing else changed: proved from the files of both checkpoints.
+
+A file-only task: it streams the source and the candidate tensor by tensor (no model is built) through
+`evalsuite.formats.verify_tensors`, then turns the rows into metrics, checks, `tensors.json` and a plot.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from evalsuite import plots
+from evalsuite.errors import InputError
+from evalsuite.formats import ModuleRules, verify_tensors
+from evalsuite.run_folder import write_atomic
+from evalsuite.side import Side
+from evalsuite.spec import Check, StrictModel, TaskSpec, apply_threshold
+from evalsuite.task import RunContext, TaskResult, TaskSkipped, task
+
+SOURCE_FORMATS = ("bf16", "fp16", "fp32")
+
+
+class Modules(StrictModel):
+    """How modules are told apart by name (see `evalsuite.formats.ModuleRules`)."""
+
+    embedding: tuple[str, ...] = ()
+    router: tuple[str, ...] = ()
+    state: tuple[str, ...] = ()
+    head: tuple[str, ...] = ()
+    vision: tuple[str, ...] = ()
+    mtp: tuple[str, ...] = ()
+
+
+class CompareOptions(StrictModel):
+    # metric → the metric it must equal (by name) or the literal it must equal
+    equal: dict[str, str | bool | int] = Field(default_factory=dict)
+    details_limit: int = 50
+
+
+class TensorsSpec(TaskSpec):
+    modules: Modules = Modules()
+    compare: CompareOptions = CompareOptions()
+
+
+def _vocab_size(config: dict[str, Any]) -> Any:
+    return config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+
+
+@task("tensors")
+class Tensors:
+    """Each source tensor quantized, protected or missing; decoded, measured and checked with the config."""
+
+    needs_model: ClassVar[bool] = False
+    spec_model: ClassVar[type[TaskSpec]] = TensorsSpec
+
+    def __init__(self, spec: TensorsSpec, context: RunContext) -> None:
+        self.spec = spec
+        self.context = context
+
+    def prepare(self, ref: Side, ckpt: Side) -> dict[str, Any]:
+        """Refuse sides that are not a source and a candidate of the same model; skip a recorded reference."""
+        if ref.is_recorded:
+            raise TaskSkipped("the reference is a recording, which holds no tensors: pass the source folder")
+        source, candidate = ref.checkpoint, ckpt.checkpoint
+        if candidate.format == "gguf":
+            raise TaskSkipped("GGUF candidates are not read tensor by tensor")
+        if source.format not in SOURCE_FORMATS:
+            raise InputError(f"the reference is {source.format}, not an unquantized source", source.path)
+        for what, get in (
+            ("architecture", lambda c: (c.get("architectures"), c.get("model_type"))),
+            ("vocabulary size", _vocab_size),
+        ):
+            a, b = get(source.config), get(candidate.config)
+            if a != b:
+                raise InputError(
+                    f"its {what} ({b}) differs from the reference's ({a}): not a copy of that source",
+                    candidate.path,
+                )
+        return {"source_fingerprint": source.fingerprint, "candidate_fingerprint": candidate.fingerprint}
+
+    def compare_files(self, ref: Side, ckpt: Side, inputs: dict[str, Any], artifacts: Path) -> TaskResult:
+        """Stream both checkpoints, then metrics, checks, tensors.json and the error plot."""
+        rules = ModuleRules(**dict(self.spec.modules))
+        found = verify_tensors(ref.checkpoint, ckpt.checkpoint, rules)
+        values = found.summary()
+        checks, unchecked = [], []
+        # A statistic the candidate's format has nothing to measure for (None or absent, e.g. decode_exact of
+        # an EXL3 pack, bpw_claim_error without a bits claim) is listed as not measured, never passed.
+        for name, threshold in self.spec.thresholds.items():
+            if values.get(name) is None:
+                unchecked.append(name)
+            else:
+                checks += apply_threshold(name, values[name], threshold)
+        for name, expected in self.spec.compare.equal.items():
+            if values.get(name) is None:
+                unchecked.append(name)
+                continue
+            want = values.get(expected) if isinstance(expected, str) else expected
+            value = values.get(name)
+            checks.append(Check(name=name, value=value, op="==", threshold=want, passed=value == want))
+        if unchecked:
+            values["not_measured"] = ", ".join(unchecked)  # e.g. no decoded tensor in an EXL3 candidate
+        details = [p.to_json() for p in found.problems[: self.spec.compare.details_limit]]
+        if len(found.problems) > len(details):
+            more = len(found.problems) - len(details)
+            details.append({"check": "…", "tensor": f"{more} more", "detail": "see tensors.json"})
+        artifact_paths = self.write(found, values, artifacts)
+        return TaskResult.from_checks(values, checks, artifacts=artifact_paths, details=details)
+
+    def write(self, found: Any, values: dict[str, Any], folder: Path) -> dict[str, str]:
+        """tensors.json (every row, the problems, the summary) and the error map, relative to the run."""
+        doc = {
+            "schema": "evalsuite.tensors/1",
+            "summary": values,
+            "claims": found.claims,
+            "problems": [p.to_json() for p in found.problems],
+            "tensors": found.rows,
+        }
+        write_atomic(folder / "tensors.json", json.dumps(doc, indent=1, allow_nan=True) + "\n")
+        measured = [r for r in found.rows if r.get("rel_err") is not None]
+        plots.relative_error_by_layer(
+            [r["layer"] for r in measured],
+            [r["projection"] for r in measured],
+            [r["rel_err"] for r in measured],
+            folder / "tensors_rel_err.png",
+        )
+        return {"tensors": f"{folder.name}/tensors.json", "rel_err_map": f"{folder.name}/tensors_rel_err.png"}
