@@ -31,7 +31,7 @@ class Backend(Protocol):
         ...
 
 
-BACKENDS = ("hf",)
+BACKENDS = ("hf", "intref")
 
 
 def load_backend(checkpoint, options: BackendOptions) -> Backend:
@@ -40,4 +40,8 @@ def load_backend(checkpoint, options: BackendOptions) -> Backend:
         from evalsuite.backends.hf import HFBackend
 
         return HFBackend(checkpoint, options)
+    if options.backend == "intref":
+        from evalsuite.backends.intref import IntrefBackend
+
+        return IntrefBackend(checkpoint, options)
     raise InputError(f"unknown backend {options.backend!r}; known backends: {', '.join(BACKENDS)}")

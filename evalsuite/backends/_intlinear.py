@@ -1,0 +1,226 @@
+"""Integer modules of backend `intref`: W4A8 / W8A8 Linear layers and routed experts in integer arithmetic.
+
+The arithmetic, written once here and emulated independently in float64 by the exactness tests:
+
+- activations, per token (row) `x` of K values in the compute dtype, taken to FP32 (exact from bf16/fp16):
+  `s = fp32(max|x| / divisor)`, `q = clamp(round(fp32(x / s)), -128, 127)` as int8. The divisor (127.5 for
+  compressed-tensors' symmetric INT8, whose scale is max / ((127 - (-128)) / 2); 127 elsewhere) and the
+  rounding (half to even, or half away from zero) are parameters. A row of zeros has s = 0 and q = 0.
+- weights: int8 in [-8, 7] (INT4, unpacked from compressed-tensors' `pack-quantized` int32 words) or in
+  [-128, 127] (INT8 `int-quantized`), with one scale per output channel as stored (bf16).
+- `acc = q @ w.T` accumulated in INT32 (`torch._int_mm`, or an exact float64 product where `_int_mm` does not
+  take the shapes). No overflow is possible: |acc| <= K * 128 * 128, and K is checked against that at load.
+- `y = (fp32(acc) * s_x) * s_w` in FP32 (two roundings to FP32, in this order), plus the bias in FP32 if there
+  is one, then cast to the model's compute dtype.
+
+Routed experts (`IntExperts`) run each expert's gate, up and down projections this way, in a fixed expert
+order (0, 1, …), multiply the FP32 output of the down projection by the routing weight and reduce into an FP32
+buffer, cast to the compute dtype once at the end: the sum never depends on thread scheduling.
+
+Packed weights stay packed in memory: a layer unpacks its INT4 words into a transient int8 matrix as it runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+Rounding = Literal["half_even", "half_away_from_zero"]
+QMIN, QMAX = -128, 127
+# The largest K whose INT32 accumulator cannot overflow with int8 activations and int8 weights.
+MAX_IN_FEATURES = (2**31 - 1) // (128 * 128)
+
+
+@dataclass(frozen=True)
+class ActivationQuant:
+    """How activations become int8: the per-token scale is max|x| / `divisor`, values round by `rounding`."""
+
+    divisor: float = 127.5
+    rounding: Rounding = "half_even"
+
+
+def round_to_int(r: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+    """Round FP32 values to integers (still FP32), ties to even or away from zero; exact for any input."""
+    if rounding == "half_even":
+        return torch.round(r)  # IEEE round-half-even
+    if rounding == "half_away_from_zero":
+        # floor(|r| + 0.5) would take r = 0.5 - 2^-25 to 1 (the sum rounds in FP32); the fraction is exact.
+        t = torch.trunc(r)
+        return t + torch.sign(r) * ((r - t).abs() >= 0.5)
+    raise ValueError(f"unknown rounding {rounding!r}")
+
+
+def quantize_activations(x: torch.Tensor, act: ActivationQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric INT8 quantization of a 2-D activation: (q int8 (M, K), scale FP32 (M,))."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / act.divisor
+    # A row of zeros quantizes to zeros whatever its scale; 1 avoids 0/0 and its output is 0 × anything.
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = round_to_int(xf / safe[:, None], act.rounding).clamp_(QMIN, QMAX).to(torch.int8)
+    return q, scale
+
+
+def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """compressed-tensors `pack-quantized` words (out, ceil(in/8)) int32 → int8 weights (out, in) in [-8, 7].
+
+    Each int32 holds eight 4-bit values, offset-binary (q + 8), least significant nibble first: read as
+    little-endian bytes, byte j holds value 2j in its low nibble and 2j + 1 in its high nibble.
+    """
+    if sys.byteorder != "little":  # pragma: no cover - every platform torch ships on is little-endian
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+        nibbles = (packed[..., None] >> shifts) & 0xF
+        return (nibbles.to(torch.int8).reshape(packed.shape[0], -1)[:, :in_features]) - 8
+    raw = packed.contiguous().view(torch.uint8)  # (out, 4 * words)
+    nibbles = torch.stack((raw & 0xF, raw >> 4), dim=-1).reshape(packed.shape[0], -1)
+    return nibbles[:, :in_features].view(torch.int8) - 8
+
+
+def int_matmul(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Exact INT32 `q @ w.T` of int8 q (M, K) and int8 w (N, K).
+
+    `torch._int_mm` where it takes the shapes (CPU: any; CUDA: M > 16, K and N multiples of 8); otherwise a
+    float64 product, exact because every partial sum is an integer below 2^53 (K * 128 * 128 < 2^31).
+    """
+    m, k = q.shape
+    n = w.shape[0]
+    if m == 0:
+        return torch.zeros((0, n), dtype=torch.int32, device=q.device)
+    if q.device.type == "cpu" or (q.device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0):
+        return torch._int_mm(q, w.t())
+    return (q.double() @ w.double().t()).to(torch.int32)
+
+
+def int_linear_fp32(
+    q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(INT32 accumulator (M, N), FP32 output (M, N)) of quantized activations and int8 weights."""
+    acc = int_matmul(q, w)
+    y = acc.float().mul_(x_scale[:, None]).mul_(w_scale.float().reshape(1, -1))
+    return acc, y
+
+
+class IntLinear(nn.Module):
+    """A compressed-tensors quantized Linear executed in integer arithmetic, weights as stored in the file.
+
+    Buffers carry the checkpoint's own names, so the module's state dict is the checkpoint's tensors:
+    INT4 `weight_packed` (int32 words) or INT8 `weight` (int8), and `weight_scale` (out, 1), stored dtype.
+    `calls` counts forwards, so a run can show which layers went through the integer path.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bits: int,
+        act: ActivationQuant,
+        out_dtype: torch.dtype,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"integer weights are 4 or 8 bits, not {bits}")
+        if in_features > MAX_IN_FEATURES:
+            raise ValueError(f"{in_features} input features could overflow the INT32 accumulator")
+        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.act, self.out_dtype = act, out_dtype
+        # Placeholders on the meta device: the loader replaces each with the tensor read from the file, and
+        # one still on meta afterwards is a tensor the file did not provide.
+        meta = {"device": "meta"}
+        if bits == 4:
+            words = (in_features + 7) // 8
+            self.register_buffer(
+                "weight_packed", torch.empty((out_features, words), dtype=torch.int32, **meta)
+            )
+        else:
+            self.register_buffer("weight", torch.empty((out_features, in_features), dtype=torch.int8, **meta))
+        self.register_buffer("weight_scale", torch.empty((out_features, 1), dtype=torch.bfloat16, **meta))
+        self.bias = nn.Parameter(torch.empty(out_features, **meta), requires_grad=False) if bias else None
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> torch.Tensor | nn.Module:
+        # Code that only reads `lm_head.weight.shape` (Transformers, HFBackend's vocabulary size) sees the
+        # logical INT4 shape on the meta device: the values exist only packed.
+        if name == "weight" and "weight_packed" in self.__dict__.get("_buffers", {}):
+            return torch.empty((self.out_features, self.in_features), dtype=torch.int8, device="meta")
+        return super().__getattr__(name)
+
+    def int8_weight(self) -> torch.Tensor:
+        """The weights as int8 (out, in): unpacked now for INT4 (transient), the stored tensor for INT8."""
+        if self.bits == 4:
+            return unpack_int4(self._buffers["weight_packed"], self.in_features)
+        return self._buffers["weight"]
+
+    def forward_fp32(self, q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """FP32 output (M, out) of already quantized activations (shared by layers that read one input)."""
+        self.calls += 1
+        _, y = int_linear_fp32(q, x_scale, self.int8_weight(), self.weight_scale)
+        if self.bias is not None:
+            y += self.bias.float()
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        q, x_scale = quantize_activations(rows, self.act)
+        y = self.forward_fp32(q, x_scale)
+        return y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, W{self.bits}A8, "
+            f"divisor={self.act.divisor}, rounding={self.act.rounding}"
+        )
+
+
+class IntExpert(nn.Module):
+    """One routed expert: gate, up and down projections (the checkpoint's `experts.N.*_proj` modules)."""
+
+    def __init__(self, gate_proj: IntLinear, up_proj: IntLinear, down_proj: IntLinear) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+
+class IntExperts(nn.Module):
+    """Routed experts in integer arithmetic; a drop-in for Transformers' fused experts modules.
+
+    Called as Transformers calls its experts (`hidden_states (T, H)`, `top_k_index (T, k)`, `top_k_weights
+    (T, k)`) and returns (T, H) in the compute dtype. The experts are children named `0`, `1`, … as in the
+    checkpoint (`experts.N.gate_proj…`). `tokens[e]` counts the tokens expert e has processed.
+    """
+
+    def __init__(self, experts: list[IntExpert], act_fn: nn.Module, out_dtype: torch.dtype) -> None:
+        super().__init__()
+        for e, expert in enumerate(experts):
+            self.add_module(str(e), expert)
+        self.num_experts = len(experts)
+        self.act_fn = act_fn
+        self.out_dtype = out_dtype
+        self.tokens = [0] * len(experts)
+
+    def experts(self) -> list[IntExpert]:
+        """The experts in their fixed order."""
+        return [self._modules[str(e)] for e in range(self.num_experts)]  # type: ignore[misc]
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        for e, expert in enumerate(self.experts()):  # fixed order: the FP32 sum is deterministic
+            token_idx, slot = torch.where(top_k_index == e)
+            if token_idx.numel() == 0:
+                continue
+            self.tokens[e] += int(token_idx.numel())
+            q, x_scale = quantize_activations(hidden_states[token_idx], expert.gate_proj.act)
+            # gate and up read the same input: quantized once. Their outputs are cast to the compute dtype and
+            # combined there, as Transformers' MLPs do with the outputs of two Linear layers.
+            gate = expert.gate_proj.forward_fp32(q, x_scale).to(self.out_dtype)
+            up = expert.up_proj.forward_fp32(q, x_scale).to(self.out_dtype)
+            h = self.act_fn(gate) * up
+            hq, h_scale = quantize_activations(h, expert.down_proj.act)
+            y = expert.down_proj.forward_fp32(hq, h_scale)
+            y *= top_k_weights[token_idx, slot].float()[:, None]
+            out.index_add_(0, token_idx, y)  # one row per token for a given expert: no two writes collide
+        return out.to(self.out_dtype)
