@@ -42,8 +42,6 @@ mode, ckpt, ref, out = sys.argv[1:5]
 first_load = []
 def on_load(side):
     first_load.append(psutil.Process().memory_info().rss)
-    params.append(0)
-params = []
 context = RunContext(corpus_name="python-docs")
 if mode == "run":
     request = RunRequest(ckpt=ckpt, ref=ref, tasks=["ppl"], out=Path(out), context=context, resume=False)
@@ -52,7 +50,7 @@ else:
     side = Side(mode, Checkpoint.open(ckpt if mode == "ckpt" else ref), BackendOptions())
     tasks = build_tasks(["ppl"], context, {})
     inputs = {"ppl": tasks[0].prepare(side, side)}
-    observe_side(side, tasks, inputs, RunFolder(Path(out)), resume=False, on_load=on_load)
+    observe_side(side, [(tasks[0], mode)], inputs, RunFolder(Path(out)), resume=False, on_load=on_load)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"above_baseline": peak - first_load[0]}))
 """
