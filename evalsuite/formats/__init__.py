@@ -15,8 +15,12 @@ into buffers that are reused, so the largest tensor of the checkpoint never has 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, Protocol
@@ -178,11 +182,20 @@ class ShardReader:
         return out
 
     def buffer(self, slot: str, nbytes: int) -> np.ndarray:
-        """A reused uint8 buffer of at least `nbytes` (valid until the next call for the same slot)."""
+        """A reused uint8 buffer of `nbytes` (valid until the next call for the same slot).
+
+        Reuse is what makes block arithmetic cheap: a fresh multi-megabyte array costs more in page faults
+        than the arithmetic done in it.
+        """
         buf = self._buffers.get(slot)
         if buf is None or buf.size < nbytes:
             buf = self._buffers[slot] = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
         return buf[:nbytes]
+
+    def scratch(self, slot: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A reused array of `shape` and `dtype` (contents undefined; valid until the slot's next use)."""
+        dtype = np.dtype(dtype)
+        return self.buffer(slot, int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
 
     def tensor_bytes(self, info: TensorInfo, begin: int, n: int) -> np.ndarray:
         """`n` bytes of the tensor's data from `begin` (a new array)."""
@@ -224,18 +237,24 @@ def row_blocks(rows: int, cols: int, align: int = 1) -> Iterator[tuple[int, int]
         yield r0, min(rows, r0 + step)
 
 
-def as_float32(values: np.ndarray, dtype: str) -> np.ndarray:
-    """Stored floating-point values as float32; bf16 (kept as raw uint16) is widened exactly by a shift."""
+def as_float32(values: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    """Stored floating-point values as float32 (into `out` when given); bf16, kept as its raw uint16 bits,
+    is widened exactly by a shift."""
+    if out is None:
+        out = np.empty(values.shape, dtype=np.float32)
     if dtype == "BF16":
-        return (values.astype(np.uint32) << 16).view(np.float32)
-    return values.astype(np.float32, copy=False)
+        np.left_shift(values, 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        out[...] = values
+    return out
 
 
 class ErrorAccumulator:
     """Error statistics of a decoded tensor against its source, added up block by block of rows.
 
-    Besides the tensor's `metrics.ErrorSums`, it keeps the worst output channel (row): the largest
-    ‖x_r − w_r‖ / ‖w_r‖. A channel above 1 decodes further from its source than zeros would.
+    It adds up the sums of `metrics.error_sums` (computed here per row, in reused buffers), and keeps the
+    worst output channel (row): the largest ‖x_r − w_r‖ / ‖w_r‖. A channel above 1 decodes further from its
+    source than zeros would.
     """
 
     def __init__(self) -> None:
@@ -243,12 +262,23 @@ class ErrorAccumulator:
         self.worst_channel = -1
         self.worst_channel_rel_err = 0.0
 
-    def add(self, r0: int, ref: np.ndarray, cand: np.ndarray) -> None:
-        """Add rows r0.. of the source (`ref`) and of the decoded tensor (`cand`), float32 (rows, cols)."""
-        self.sums = self.sums + metrics.error_sums(ref, cand)
-        d = cand - ref
-        err = np.einsum("ij,ij->i", d, d, dtype=np.float64)
-        norm = np.einsum("ij,ij->i", ref, ref, dtype=np.float64)
+    def add(self, r0: int, ref: np.ndarray, cand: np.ndarray, work: np.ndarray | None = None) -> None:
+        """Add rows r0.. of the source (`ref`) and of the decoded tensor (`cand`), float32 (rows, cols);
+        `work` is a float32 buffer of the same shape for the difference."""
+        d = np.subtract(cand, ref, out=work)
+        # float32 sums over one row, float64 across rows: the rounding stays near 1e-6 relative.
+        err = np.einsum("ij,ij->i", d, d).astype(np.float64)
+        norm = np.einsum("ij,ij->i", ref, ref).astype(np.float64)
+        flat_ref, flat_cand = ref.reshape(-1), cand.reshape(-1)
+        block = metrics.ErrorSums(
+            n=d.size,
+            ref_sq=float(norm.sum()),
+            err_sq=float(err.sum()),
+            cand_sq=float(np.dot(flat_cand, flat_cand)),
+            dot=float(np.dot(flat_ref, flat_cand)),
+            max_abs=float(max(d.max(), -d.min())) if d.size else 0.0,
+        )
+        self.sums = self.sums + block
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(err == 0, 0.0, np.sqrt(err / norm))
         i = int(np.argmax(rel))
@@ -379,9 +409,13 @@ def _measure_cast(
     rows, cols = rows_and_cols(source.shape)
     errors = ErrorAccumulator()
     for r0, r1 in row_blocks(rows, cols):
-        ref = as_float32(reader.rows(source, r0, r1, "cast-source"), source.dtype)
-        cand = as_float32(reader.rows(candidate, r0, r1, "cast-candidate"), candidate.dtype)
-        errors.add(r0, ref, cand)
+        shape = (r1 - r0, cols)
+        ref = as_float32(
+            reader.rows(source, r0, r1, "source"), source.dtype, reader.scratch("ref", shape, "f4")
+        )
+        cand = reader.rows(candidate, r0, r1, "candidate")
+        cand = as_float32(cand, candidate.dtype, reader.scratch("decoded", shape, "f4"))
+        errors.add(r0, ref, cand, reader.scratch("difference", shape, "f4"))
     errors.fill(row)
 
 
@@ -474,6 +508,8 @@ def _base_row(pair: Pair, info: TensorInfo, rules: ModuleRules) -> dict[str, Any
         "candidate_tensors": sorted(pair.candidate.values()),
         "payload_bytes": 0,
         "format": None,
+        "group": None,
+        "strategy": None,
         "bits": None,
         "bits_per_weight": None,
         "identical": None,
@@ -486,35 +522,83 @@ def _base_row(pair: Pair, info: TensorInfo, rules: ModuleRules) -> dict[str, Any
         "max_abs_err": None,
         "worst_channel": None,
         "worst_channel_rel_err": None,
+        "note": None,
         "problems": [],
     }
 
 
-def verify_tensors(source: Checkpoint, candidate: Checkpoint, rules: ModuleRules) -> Verification:
+@contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    # The blocks are small: a second OpenMP thread adds a barrier to every operation, which costs
+    # milliseconds whenever the other core is busy, far more than it saves.
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure_pair(
+    pair: Pair,
+    source: Checkpoint,
+    candidate: Checkpoint,
+    handler: FormatHandler | None,
+    rules: ModuleRules,
+    reader: ShardReader,
+) -> tuple[dict[str, Any], list[Problem]]:
+    info = source.tensors[pair.source]
+    row = _base_row(pair, info, rules)
+    if pair.how == "same":
+        problems = compare_same(info, candidate.tensors[pair.candidate[""]], reader, row)
+    elif pair.how == "quantized":
+        row["tensor_class"] = "quantized"
+        tensors = {param: candidate.tensors[name] for param, name in pair.candidate.items()}
+        problems = handler.measure(info, tensors, reader, row)
+    else:
+        problems = [Problem("missing", pair.source, "not in the candidate under any stored form")]
+    row["payload_bytes"] = sum(candidate.tensors[n].nbytes for n in row["candidate_tensors"])
+    return row, problems
+
+
+def verify_tensors(
+    source: Checkpoint, candidate: Checkpoint, rules: ModuleRules, workers: int | None = None
+) -> Verification:
     """Stream the source tensor by tensor (shard by shard, in file order) with the candidate tensors each one
-    pairs with; classify and measure every pair, then check the candidate's config against the tensors."""
+    pairs with; classify and measure every pair, then check the candidate's config against the tensors.
+
+    `workers` threads (default: the CPU count, at most 4) measure consecutive tensors at once, each with its
+    own reader and buffers, so memory grows by a few blocks per worker, never by a tensor. The arithmetic
+    (numpy, torch, hashlib, file reads) releases the GIL.
+    """
     handler = handler_for(candidate, rules)
     pairs, unexpected = pair_tensors(source.tensors, candidate.tensors, handler)
     shard_order = {shard: i for i, shard in enumerate(source.shards)}
     # Source order: each shard read once, front to back.
     where = {name: (shard_order[info.shard], info.data_begin) for name, info in source.tensors.items()}
     pairs.sort(key=lambda p: where[p.source])
+    workers = workers or min(4, os.cpu_count() or 1)
+    local, readers = threading.local(), []
+
+    def measure(pair: Pair) -> tuple[dict[str, Any], list[Problem]]:
+        reader = getattr(local, "reader", None)
+        if reader is None:
+            reader = local.reader = ShardReader()
+            readers.append(reader)
+        return _measure_pair(pair, source, candidate, handler, rules, reader)
+
     rows: list[dict[str, Any]] = []
     problems: list[Problem] = []
-    with ShardReader() as reader:
-        for pair in pairs:
-            info = source.tensors[pair.source]
-            row = _base_row(pair, info, rules)
-            if pair.how == "same":
-                problems += compare_same(info, candidate.tensors[pair.candidate[""]], reader, row)
-            elif pair.how == "quantized":
-                row["tensor_class"] = "quantized"
-                tensors = {param: candidate.tensors[name] for param, name in pair.candidate.items()}
-                problems += handler.measure(info, tensors, reader, row)
-            else:
-                problems.append(Problem("missing", pair.source, "not in the candidate under any stored form"))
-            row["payload_bytes"] = sum(candidate.tensors[n].nbytes for n in row["candidate_tensors"])
-            rows.append(row)
+    try:
+        with _one_torch_thread(), ThreadPoolExecutor(workers, thread_name_prefix="tensors") as pool:
+            for row, found in pool.map(measure, pairs):
+                rows.append(row)
+                problems += found
+    finally:
+        for reader in readers:
+            reader.__exit__()
     rows.sort(key=lambda r: r["name"])
     for name in unexpected:
         info = candidate.tensors[name]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -284,27 +285,39 @@ def scheme_mismatches(stored: StoredQuantization, coverage: Coverage) -> list[st
 # ----------------------------------------------------------------------------------------------------------
 
 
-def unpack_offset_binary(words: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """Unpack `count` values per row of b-bit offset-binary codes packed densely into 32-bit words, least
-    significant bits first (value i occupies bits i·b … i·b + b − 1 of the row's bit stream), as int16 q."""
+Scratch = Callable[[str, tuple[int, ...], Any], np.ndarray]
+
+
+def _fresh(slot: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    return np.empty(shape, dtype=dtype)
+
+
+def unpack_codes(words: np.ndarray, bits: int, count: int, scratch: Scratch = _fresh) -> np.ndarray:
+    """The first `count` b-bit codes of each row of 32-bit words packed densely, least significant bits first
+    (code i occupies bits i·b … i·b + b − 1 of the row's little-endian bit stream), as uint8 (rows, count)."""
     rows = words.shape[0]
-    little = np.ascontiguousarray(words, dtype="<u4").view(np.uint8).reshape(rows, -1)
+    if words.dtype not in (np.dtype("<i4"), np.dtype("<u4")):
+        words = words.astype("<u4")
+    little = np.ascontiguousarray(words).view(np.uint8).reshape(rows, -1)
     if bits == 4:
         # Two codes per byte, the low nibble first: the common case, done without a bit stream.
-        codes = np.empty((rows, little.shape[1], 2), dtype=np.uint8)
+        codes = scratch("codes", (rows, little.shape[1], 2), np.uint8)
         np.bitwise_and(little, 0x0F, out=codes[..., 0])
         np.right_shift(little, 4, out=codes[..., 1])
-        codes = codes.reshape(rows, -1)[:, :count]
-    elif bits == 8:
-        codes = little[:, :count]
-    else:
-        stream = np.unpackbits(little, axis=1, bitorder="little")[:, : count * bits]
-        weights = (1 << np.arange(bits, dtype=np.uint16)).astype(np.uint16)
-        codes = stream.reshape(rows, count, bits).astype(np.uint16) @ weights
-    return codes.astype(np.int16) - np.int16(1 << (bits - 1))
+        return codes.reshape(rows, -1)[:, :count]
+    if bits == 8:
+        return little[:, :count]
+    stream = np.unpackbits(little, axis=1, bitorder="little")[:, : count * bits]
+    weights = (1 << np.arange(bits, dtype=np.uint16)).astype(np.uint16)
+    return (stream.reshape(rows, count, bits).astype(np.uint16) @ weights).astype(np.uint8)
 
 
-def round_to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
+def unpack_offset_binary(words: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """The signed values q of `unpack_codes`: each code minus 2^(b−1) (offset binary), as int16."""
+    return unpack_codes(words, bits, count).astype(np.int16) - np.int16(1 << (bits - 1))
+
+
+def round_to_dtype(values: np.ndarray, dtype: str, scratch: Scratch = _fresh) -> np.ndarray:
     """float32 values rounded to nearest-even in `dtype` (BF16, F16 or F32), as their raw bits."""
     if dtype == "F32":
         return values.view(np.uint32)
@@ -313,25 +326,32 @@ def round_to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype != "BF16":
         raise ValueError(f"no rounding to {dtype}")
     u = values.view(np.uint32)
-    out = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    # Add 0x7FFF plus the lowest kept bit, then drop the low 16 bits: round half to even.
+    w = scratch("round", values.shape, np.uint32)
+    np.right_shift(u, 16, out=w)
+    np.bitwise_and(w, 1, out=w)
+    np.add(w, u, out=w)
+    np.add(w, 0x7FFF, out=w)
+    np.right_shift(w, 16, out=w)
+    out = scratch("rounded", values.shape, np.uint16)
+    np.copyto(out, w, casting="unsafe")
     nan = np.isnan(values)
     if nan.any():
         out[nan] = 0x7FC0  # torch's canonical bf16 NaN
     return out
 
 
-def _expand_scale(
-    scale: np.ndarray, stored: StoredQuantization, rows: int, cols: int, g_idx: Any
-) -> np.ndarray:
-    """Per-element float32 scales (or a broadcastable array) for a block of `rows` rows."""
-    s = scale.reshape(-1, scale.shape[-1] if scale.ndim else 1)
+def _expand(values: np.ndarray, stored: StoredQuantization, rows: int, cols: int, g_idx: Any) -> np.ndarray:
+    """Per-row scales or zero points broadcastable against a (rows, cols) block."""
+    s = values.reshape(-1, values.shape[-1] if values.ndim else 1)
     if stored.strategy == "tensor":
         return s.reshape(1, 1)
     if stored.strategy == "channel":
         return s
     if stored.strategy == "group":
-        columns = g_idx if g_idx is not None else np.arange(cols) // stored.group_size
-        return s[:, columns]
+        if g_idx is None:
+            return np.repeat(s, stored.group_size, axis=1)
+        return s[:, g_idx]
     bh, bw = stored.block
     return np.repeat(np.repeat(s, bh, axis=0), bw, axis=1)[:rows, :cols]
 
@@ -344,22 +364,30 @@ def reference_decode(
     cols: int,
     zero_point: np.ndarray | None = None,
     g_idx: np.ndarray | None = None,
+    scratch: Scratch = _fresh,
 ) -> np.ndarray:
-    """The weight rows decoded by evalsuite: (q − zero_point) × scale in float32, exact for integer q and a
+    """Rows of a weight decoded by evalsuite: (q − zero_point) × scale in float32, exact for integer q and a
     16-bit scale, then rounded once to the scale's dtype; returns the raw bits of that dtype.
 
     `weight` holds the stored rows (int32 words for pack-quantized, int8 otherwise), `scale` the matching
-    scale rows as float32, `zero_point` the unpacked zero points (q units) in the scale's layout.
+    scale rows as float32, `zero_point` the zero points (q units) in the scale's layout, `g_idx` the group of
+    each input column when the weight was quantized in activation order.
     """
     rows = weight.shape[0]
+    q = scratch("q", (rows, cols), np.float32)
     if stored.format == "pack-quantized":
-        q = unpack_offset_binary(weight, stored.num_bits, cols).astype(np.float32)
+        codes = unpack_codes(weight, stored.num_bits, cols, scratch)
+        np.subtract(codes, np.float32(1 << (stored.num_bits - 1)), out=q)
     else:
-        q = weight.astype(np.float32)
+        q[...] = weight
     if zero_point is not None:
-        q -= _expand_scale(zero_point.astype(np.float32), stored, rows, cols, g_idx)
-    q *= _expand_scale(scale, stored, rows, cols, g_idx)
-    return round_to_dtype(q, scale_dtype)
+        q -= _expand(zero_point.astype(np.float32), stored, rows, cols, g_idx)
+    if stored.strategy == "group" and g_idx is None:
+        groups = q.reshape(rows, -1, stored.group_size)  # in place: no per-element scale array
+        np.multiply(groups, scale.reshape(rows, -1, 1), out=groups)
+    else:
+        np.multiply(q, _expand(scale, stored, rows, cols, g_idx), out=q)
+    return round_to_dtype(q, scale_dtype, scratch)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -385,10 +413,10 @@ def _bits_view(tensor: Any) -> np.ndarray:
     return tensor.contiguous().view(torch.int32).numpy().view(np.uint32)
 
 
-def _float32_of_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
+def _float32_of_bits(bits: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
     if dtype == "BF16":
-        return as_float32(bits, "BF16")
-    return bits.view(np.float16 if dtype == "F16" else np.float32).astype(np.float32, copy=False)
+        return as_float32(bits, "BF16", out)
+    return as_float32(bits.view(np.float16 if dtype == "F16" else np.float32), dtype, out)
 
 
 class CompressedTensors:
@@ -423,7 +451,7 @@ class CompressedTensors:
             symmetric=stored.symmetric,
         )
         if stored.format not in DECODED_FORMATS:
-            row["decode"] = f"{stored.format} is not decoded here"
+            row["note"] = f"{stored.format} is not decoded here"
             return found
         mismatch = self._decode(source, tensors, stored, reader, row)
         if mismatch:
@@ -458,7 +486,7 @@ class CompressedTensors:
         align = stored.block[0] if stored.block else 32 if packed_zp else 1
         errors, mismatch = ErrorAccumulator(), None
         for r0, r1 in row_blocks(rows, cols, align):
-            block = reader.rows(weight, r0, r1, "ct-weight")
+            block = reader.rows(weight, r0, r1, "weight")
             s0, s1 = (0, 1) if stored.strategy == "tensor" else (r0, r1)
             if stored.block:
                 s0, s1 = r0 // stored.block[0], math.ceil(r1 / stored.block[0])
@@ -479,7 +507,9 @@ class CompressedTensors:
             else:
                 theirs_in["weight"] = torch.from_numpy(block)
             theirs = _bits_view(compressor.decompress(theirs_in, scheme)["weight"].reshape(r1 - r0, cols))
-            ours = reference_decode(stored, block, scale32[s0:s1], scale_info.dtype, cols, ours_zp, g_idx)
+            ours = reference_decode(
+                stored, block, scale32[s0:s1], scale_info.dtype, cols, ours_zp, g_idx, reader.scratch
+            )
             if mismatch is None and not np.array_equal(ours, theirs):
                 at = np.argwhere(ours != theirs)[0]
                 index = [int(i) for i in np.unravel_index((r0 + at[0]) * cols + at[1], source.shape)]
@@ -487,8 +517,11 @@ class CompressedTensors:
                 mismatch = (
                     f"compressed-tensors and evalsuite decode element {index} differently: {a:.6g} vs {b:.6g}"
                 )
-            ref = as_float32(reader.rows(source, r0, r1, "ct-source"), source.dtype)
-            errors.add(r0, ref, _float32_of_bits(theirs, scale_info.dtype))
+            shape = (r1 - r0, cols)
+            ref = reader.scratch("ref", shape, np.float32)
+            as_float32(reader.rows(source, r0, r1, "source"), source.dtype, ref)
+            decoded = _float32_of_bits(theirs, scale_info.dtype, reader.scratch("decoded", shape, np.float32))
+            errors.add(r0, ref, decoded, reader.scratch("difference", shape, np.float32))
         row["decode_exact"] = mismatch is None
         errors.fill(row)
         return mismatch

@@ -83,7 +83,7 @@ class Exl3:
         """Bits from the trellis shape; the trellis, sign vectors and codebook marker against the source."""
         found: list[str] = []
         trellis = tensors.get("trellis")
-        row.update(format="exl3", decode="no CPU decoder for EXL3 trellises")
+        row.update(format="exl3", note="no CPU decoder for EXL3 trellises")
         if len(source.shape) != 2:
             return [Problem("config", source.name, f"a trellis for a {len(source.shape)}-D source tensor")]
         out_features, in_features = source.shape
