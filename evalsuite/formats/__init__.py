@@ -119,7 +119,7 @@ def layer_and_projection(module: str, part: Part) -> tuple[int | None, str]:
     match = _LAYER.search(f".{module}.")
     if match is None:
         return None, module
-    projection = _EXPERT.sub(".*.", f".{module[match.end() - 1 :]}.").strip(".")
+    projection = _EXPERT.sub(".experts.*.", f".{module[match.end() - 1 :]}.").strip(".")
     return int(match.group(1)), projection if part == "text" else f"{part}:{projection}"
 
 

@@ -536,10 +536,10 @@ class CompressedTensors:
             if row["tensor_class"] == "unexpected" or not row["name"].endswith(".weight"):
                 continue
             modules[row["module"]] = row["kind"]
-            if row["tensor_class"] == "missing":
+            if row["tensor_class"] == "missing" or row["format"] == "unreadable":
                 continue  # already a problem of its own
             coverage = self.lookup.covering(row["module"], row["kind"])
-            ct_quantized = row["tensor_class"] == "quantized" and "strategy" in row
+            ct_quantized = row["tensor_class"] == "quantized" and row["strategy"] is not None
             quantized = row["tensor_class"] == "quantized"
             stored = f"stored as {row['format']}" if quantized else "stored unquantized"
             if coverage.scheme is not None and not ct_quantized:

@@ -45,6 +45,18 @@ class TensorsSpec(TaskSpec):
     compare: CompareOptions = CompareOptions()
 
 
+# Where a statistic that names no tensor is claimed.
+WHERE = {"bpw_claim_error": "config.json: quantization_config.bits"}
+
+
+def _failed(check: Check, values: dict[str, Any]) -> str:
+    text = f"{check.name} = {check.value:.6g}, outside {check.op} {check.threshold:g}"
+    if check.name == "bpw_claim_error":
+        measured = f"{values['avg_bits_per_weight']:.4f}"
+        text += f": claims {values['claimed_bits']} bpw, the text backbone's trellises hold {measured} bpw"
+    return text
+
+
 def _vocab_size(config: dict[str, Any]) -> Any:
     return config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
 
@@ -103,9 +115,19 @@ class Tensors:
             checks.append(Check(name=name, value=value, op="==", threshold=want, passed=value == want))
         if unchecked:
             values["not_measured"] = ", ".join(unchecked)  # e.g. no decoded tensor in an EXL3 candidate
-        details = [p.to_json() for p in found.problems[: self.spec.compare.details_limit]]
-        if len(found.problems) > len(details):
-            more = len(found.problems) - len(details)
+        # A statistic over all tensors that fails names where it was measured, before the listed problems.
+        details = [
+            {
+                "check": c.name,
+                "tensor": WHERE.get(c.name) or values.get(f"{c.name}_tensor"),
+                "detail": _failed(c, values),
+            }
+            for c in checks
+            if not c.passed and (c.name in WHERE or f"{c.name}_tensor" in values)
+        ]
+        details += [p.to_json() for p in found.problems[: self.spec.compare.details_limit]]
+        if len(found.problems) > self.spec.compare.details_limit:
+            more = len(found.problems) - self.spec.compare.details_limit
             details.append({"check": "…", "tensor": f"{more} more", "detail": "see tensors.json"})
         artifact_paths = self.write(found, values, artifacts)
         return TaskResult.from_checks(values, checks, artifacts=artifact_paths, details=details)

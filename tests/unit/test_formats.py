@@ -1,0 +1,398 @@
+"""Per-format knowledge on cases worked by hand and on files the tests write: unpacking, rounding, both
+compressed-tensors decodes, scheme lookup, pairing, protected-tensor comparison and EXL3 layouts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from evalsuite import metrics
+from evalsuite.checkpoint import Checkpoint, TensorInfo
+from evalsuite.formats import (
+    ErrorAccumulator,
+    ModuleRules,
+    ShardReader,
+    exl3,
+    layer_and_projection,
+    pair_tensors,
+    verify_tensors,
+)
+from evalsuite.formats import compressed_tensors as ct
+
+RULES = ModuleRules(
+    embedding=("re:.*embed",),
+    router=(r"re:.*\.mlp\.gate$",),
+    state=(r"re:.*linear_attn\.in_proj_(a|b)$",),
+    head=("lm_head",),
+    vision=("re:.*vision_tower",),
+)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Unpacking and rounding
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_offset_binary_nibbles_unpack_low_nibble_first():
+    # q = 1, -2, 7, -8, 0, 3, -1, 5 → codes q + 8 = 9, 6, 15, 0, 8, 11, 7, 13, code i in bits 4i..4i+3
+    codes = [9, 6, 15, 0, 8, 11, 7, 13]
+    word = sum(c << (4 * i) for i, c in enumerate(codes))
+    words = np.array([[word - (1 << 32)]], dtype=np.int32)  # stored as a signed int32
+    assert ct.unpack_offset_binary(words, 4, 8).tolist() == [[1, -2, 7, -8, 0, 3, -1, 5]]
+    assert ct.unpack_offset_binary(words, 4, 3).tolist() == [[1, -2, 7]]  # padding codes are dropped
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+def test_unpack_inverts_compressed_tensors_pack(bits):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    gen = torch.Generator().manual_seed(bits)
+    half = 1 << (bits - 1)
+    q = torch.randint(-half, half, (5, 37), generator=gen, dtype=torch.int8)
+    packed = pack_to_int32(q, bits).numpy()
+    assert np.array_equal(ct.unpack_offset_binary(packed, bits, 37), q.numpy())
+
+
+def test_bf16_rounding_is_to_nearest_even():
+    # Between 1 (0x3F80) and 1 + 2^-7 (0x3F81): 1 + 2^-8 is the midpoint and goes to the even 0x3F80;
+    # 1 + 3·2^-8 is the midpoint above 0x3F81 and goes to the even 0x3F82; a hair above a midpoint goes up.
+    values = np.array([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8)], dtype=np.float32)
+    assert ct.round_to_dtype(values, "BF16").tolist() == [0x3F80, 0x3F82, 0x3F81, 0xBF80]
+
+
+def test_bf16_rounding_agrees_with_torch_on_random_values():
+    x = np.random.default_rng(0).normal(scale=3.0, size=10_000).astype(np.float32)
+    ours = ct.round_to_dtype(x, "BF16")
+    theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(ours, theirs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The two decodes of compressed-tensors weights agree bit for bit
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _compressed(
+    fmt: str, bits: int, strategy: str, group_size: int | None, symmetric: bool, dtype: torch.dtype
+):
+    """A random weight compressed by compressed-tensors itself, with its stored scheme."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(48, 64, generator=gen).to(dtype)
+    args = QuantizationArgs(
+        num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size
+    )
+    groups = weight.float().reshape(48, -1, group_size) if strategy == "group" else weight.float()[:, None, :]
+    if strategy == "tensor":
+        groups = weight.float().reshape(1, 1, -1)
+    qmax = (1 << (bits - 1)) - 1
+    if symmetric:
+        scale = (groups.abs().amax(-1) / qmax).to(dtype)
+        state = {"weight": weight, "weight_scale": scale}
+    else:
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        scale = ((hi - lo) / (2 * qmax + 1)).to(dtype)
+        zp = (-(1 << (bits - 1)) - torch.round(lo / scale.float())).clamp(-(qmax + 1), qmax).to(torch.int8)
+        state = {"weight": weight, "weight_scale": scale, "weight_zero_point": zp}
+    scheme = QuantizationScheme(targets=["x"], weights=args, format=fmt)
+    compressed = BaseCompressor.get_value_from_registry(fmt).compress(state, scheme)
+    stored = ct.StoredQuantization(fmt, "int", bits, strategy, group_size, None, symmetric, False)
+    return weight, compressed, stored, scheme
+
+
+@pytest.mark.parametrize(
+    ("fmt", "bits", "strategy", "group_size", "symmetric", "dtype"),
+    [
+        ("pack-quantized", 4, "channel", None, True, torch.bfloat16),
+        ("pack-quantized", 4, "group", 16, True, torch.bfloat16),
+        ("pack-quantized", 4, "channel", None, False, torch.bfloat16),
+        ("pack-quantized", 3, "channel", None, True, torch.float16),
+        ("int-quantized", 8, "channel", None, True, torch.bfloat16),
+        ("int-quantized", 8, "tensor", None, True, torch.float16),
+        ("int-quantized", 8, "group", 32, False, torch.bfloat16),
+    ],
+)
+def test_reference_decode_is_bit_identical_to_the_decompressor(
+    fmt, bits, strategy, group_size, symmetric, dtype
+):
+    from compressed_tensors.compressors import BaseCompressor
+
+    _, compressed, stored, scheme = _compressed(fmt, bits, strategy, group_size, symmetric, dtype)
+    theirs = BaseCompressor.get_value_from_registry(fmt).decompress(compressed, scheme)["weight"]
+    scale = compressed["weight_scale"]
+    dtype_name = "BF16" if dtype == torch.bfloat16 else "F16"
+    weight = compressed["weight_packed" if fmt == "pack-quantized" else "weight"].numpy()
+    zp = compressed.get("weight_zero_point")
+    if zp is not None and fmt == "pack-quantized":
+        zp = torch.from_numpy(ct.unpack_offset_binary(zp.numpy().T, bits, 48).T.copy())
+    ours = ct.reference_decode(
+        stored,
+        weight,
+        scale.float().numpy().reshape(-1, scale.shape[-1] if scale.ndim else 1),
+        dtype_name,
+        64,
+        None if zp is None else zp.numpy().reshape(-1, zp.shape[-1] if zp.ndim else 1),
+    )
+    assert np.array_equal(ours, theirs.view(torch.int16).numpy().view(np.uint16))
+
+
+def test_a_flipped_code_is_a_decode_mismatch():
+    from compressed_tensors.compressors import BaseCompressor
+
+    _, compressed, stored, scheme = _compressed("pack-quantized", 4, "channel", None, True, torch.bfloat16)
+    theirs = BaseCompressor.get_value_from_registry("pack-quantized").decompress(compressed, scheme)["weight"]
+    packed = compressed["weight_packed"].numpy().copy()
+    packed[3, 2] ^= 1 << 4  # one bit of one code
+    ours = ct.reference_decode(stored, packed, compressed["weight_scale"].float().numpy(), "BF16", 64)
+    differ = np.argwhere(ours != theirs.view(torch.int16).numpy().view(np.uint16))
+    assert differ.tolist() == [[3, 17]]  # word 2 holds codes 16..23; bit 4 is code 17's lowest
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which config group covers a module
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _args(bits: int) -> dict:
+    return {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "channel"}
+
+
+def test_scheme_lookup_follows_compressed_tensors_precedence():
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "mixed-precision",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "g4": {
+                "targets": [r"re:.*mlp\..*_proj$", "Linear"],
+                "weights": _args(4),
+                "format": "pack-quantized",
+            },
+            "g8": {"targets": ["model.layers.0.mlp.up_proj"], "weights": _args(8), "format": "int-quantized"},
+        },
+        "ignore": [r"re:.*vision_tower.*"],
+    }
+    lookup = ct.SchemeLookup(config)
+    # An exact name beats a regex, a regex beats a class name; ignore wins over all.
+    assert lookup.covering("model.layers.0.mlp.up_proj", "linear").group == "g8"
+    assert lookup.covering("model.layers.1.mlp.up_proj", "linear").group == "g4"
+    assert lookup.covering("model.layers.1.self_attn.q_proj", "linear").group == "g4"  # by class: Linear
+    vision = lookup.covering("model.vision_tower.fc1", "linear")
+    assert vision.group is None and vision.ignored
+    # A norm is no Linear: neither the class target nor a scheme applies to it.
+    assert lookup.covering("model.layers.1.input_layernorm", "norm").group is None
+    modules = {"model.layers.1.mlp.up_proj": "linear"}
+    assert lookup.unmatched_targets(modules) == [("g8", "model.layers.0.mlp.up_proj")]
+
+
+def test_stored_quantization_reads_the_scheme_from_shapes(tmp_path):
+    _, compressed, _, _ = _compressed("pack-quantized", 4, "group", 16, True, torch.bfloat16)
+    path = tmp_path / "m.safetensors"
+    save_file({f"x.{k}": v.contiguous() for k, v in compressed.items()}, str(path))
+    (tmp_path / "config.json").write_text("{}")
+    ckpt = Checkpoint.open(tmp_path)
+    source = TensorInfo("x.weight", path, "BF16", (48, 64), 0, 48 * 64 * 2)
+    tensors = {k.removeprefix("x."): v for k, v in ckpt.tensors.items()}
+    with ShardReader() as reader:
+        stored, problems = ct.stored_quantization(source, tensors, None, reader)
+        assert problems == []
+        assert stored.describe() == "int4 pack-quantized group 16"
+        wrong = TensorInfo("x.weight", path, "BF16", (48, 60), 0, 48 * 60 * 2)  # in_features ≠ weight_shape
+        _, problems = ct.stored_quantization(wrong, tensors, None, reader)
+    assert problems == ["weight_shape says [48, 64], the source weight [48, 60]"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Modules, pairing, protected tensors, errors
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "kind"),
+    [
+        ("model.embed_tokens.weight", (512, 64), "embedding"),
+        ("model.layers.0.mlp.gate.weight", (4, 64), "router"),
+        ("model.layers.0.linear_attn.in_proj_a.weight", (4, 64), "state"),
+        ("model.layers.0.input_layernorm.weight", (64,), "norm"),
+        ("model.layers.0.linear_attn.conv1d.weight", (128, 1, 4), "other"),
+        ("model.layers.0.linear_attn.A_log", (4,), "other"),
+        ("model.layers.0.mlp.gate_proj.weight", (32, 64), "linear"),
+    ],
+)
+def test_module_kinds(name, shape, kind):
+    assert RULES.kind(name, shape) == kind
+
+
+def test_layer_and_projection_names():
+    assert layer_and_projection("model.language_model.layers.3.mlp.experts.17.up_proj", "text") == (
+        3,
+        "mlp.experts.*.up_proj",
+    )
+    assert layer_and_projection("model.vision_tower.encoder.layers.0.mlp.fc1", "vision") == (
+        0,
+        "vision:mlp.fc1",
+    )
+    assert layer_and_projection("lm_head", "head") == (None, "lm_head")
+
+
+def _info(name: str, dtype: str = "BF16", shape: tuple[int, ...] = (2, 2)) -> TensorInfo:
+    return TensorInfo(name, Path("x.safetensors"), dtype, shape, 0, 8)
+
+
+def test_every_source_tensor_pairs_once_and_leftovers_are_unexpected():
+    source = {n: _info(n) for n in ("a.weight", "b.weight", "b.bias", "c.weight", "d.weight")}
+    candidate = {
+        n: _info(n)
+        for n in (
+            "a.weight",  # protected
+            "b.weight_packed",
+            "b.weight_scale",
+            "b.weight_shape",  # b quantized
+            "b.bias",  # protected beside it
+            "c.weight",
+            "c.weight_scale",  # c int-quantized: its int8 weight keeps the name
+            "e.weight_packed",
+            "e.weight_scale",  # a quantized module with no source weight
+            "a.extra",
+        )
+    }
+    handler = ct.CompressedTensors.__new__(ct.CompressedTensors)
+    pairs, unexpected = pair_tensors(source, candidate, handler)
+    assert [(p.source, p.how) for p in pairs] == [
+        ("a.weight", "same"),
+        ("b.weight", "quantized"),
+        ("b.bias", "same"),
+        ("c.weight", "quantized"),
+        ("d.weight", "missing"),
+    ]
+    assert pairs[1].candidate == {
+        "weight_packed": "b.weight_packed",
+        "weight_scale": "b.weight_scale",
+        "weight_shape": "b.weight_shape",
+    }
+    assert pairs[3].candidate == {"weight": "c.weight", "weight_scale": "c.weight_scale"}
+    assert sorted(unexpected) == ["a.extra", "e.weight_packed", "e.weight_scale"]
+
+
+def _write(folder: Path, tensors: dict[str, torch.Tensor], config: dict | None = None) -> Checkpoint:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config or {"model_type": "toy"}))
+    return Checkpoint.open(folder)
+
+
+def test_a_flipped_bit_names_the_first_differing_element(tmp_path):
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(torch.bfloat16)
+    changed = weight.clone()
+    changed.view(torch.int16)[2, 1] ^= 1  # lowest mantissa bit of 9.0
+    source = _write(tmp_path / "src", {"norm.weight": weight.reshape(-1).clone(), "emb.weight": weight})
+    candidate = _write(tmp_path / "ckpt", {"norm.weight": weight.reshape(-1).clone(), "emb.weight": changed})
+    found = verify_tensors(source, candidate, RULES, workers=1)
+    assert [(p.check, p.tensor) for p in found.problems] == [("protected", "emb.weight")]
+    assert "first differing element [2, 1]: 9 (0x4110) → 9.0625 (0x4111)" in found.problems[0].detail
+    summary = found.summary()
+    assert (summary["protected_total"], summary["protected_identical"]) == (2, 1)
+
+
+def test_a_cast_is_measured_like_a_decode(tmp_path):
+    weight = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    source = _write(tmp_path / "src", {"w.weight": weight.to(torch.bfloat16)})
+    candidate = _write(tmp_path / "ckpt", {"w.weight": weight.to(torch.float16)})
+    row = verify_tensors(source, candidate, RULES).rows[0]
+    assert (row["tensor_class"], row["format"], row["bits"]) == ("quantized", "f16", 16)
+    assert 0 < row["rel_err"] < 1e-2
+
+
+def test_error_accumulator_adds_up_to_the_metric_sums():
+    rng = np.random.default_rng(3)
+    ref = rng.normal(size=(10, 32)).astype(np.float32)
+    cand = ref + rng.normal(scale=0.01, size=ref.shape).astype(np.float32)
+    cand[6] *= 3  # one bad channel
+    acc = ErrorAccumulator()
+    acc.add(0, ref[:4], cand[:4])
+    acc.add(4, ref[4:], cand[4:])
+    whole = metrics.error_sums(ref.astype(np.float64), cand.astype(np.float64))
+    for field in ("ref_sq", "err_sq", "cand_sq", "dot", "max_abs"):
+        assert getattr(acc.sums, field) == pytest.approx(getattr(whole, field), rel=1e-5)
+    assert acc.worst_channel == 6
+    assert acc.worst_channel_rel_err == pytest.approx(2.0, rel=0.05)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# EXL3 layouts
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _mcg() -> torch.Tensor:
+    return torch.tensor(exl3.CODEBOOK_MULTIPLIERS["mcg"] - (1 << 32), dtype=torch.int32)
+
+
+def _exl3_pair(
+    tmp_path: Path, k: int = 4, storage_bits: float | None = None, marker: torch.Tensor | None = None
+):
+    gen = torch.Generator().manual_seed(1)
+    source = {"q.weight": torch.randn(32, 64, generator=gen).to(torch.bfloat16), "n.weight": torch.ones(64)}
+    candidate = {
+        "q.trellis": torch.zeros(64 // 16, 32 // 16, 16 * k, dtype=torch.int16),
+        "q.suh": torch.ones(64, dtype=torch.float16),
+        "q.svh": torch.ones(32, dtype=torch.float16),
+        "q.mcg": _mcg() if marker is None else marker,
+        "n.weight": torch.ones(64),
+    }
+    qc = {"quant_method": "exl3", "bits": k, "head_bits": 6, "codebook": "mcg"}
+    src = _write(tmp_path / "src", source, {"model_type": "toy"})
+    _write(tmp_path / "ckpt", candidate, {"model_type": "toy", "quantization_config": qc})
+    stored = {
+        name: {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(), "dtype": str(t.dtype)}
+        for name, t in candidate.items()
+        if name.startswith("q.")
+    }
+    storage = {
+        "q": {
+            "stored_tensors": stored,
+            "quant_format": "exl3",
+            "bits_per_weight": k if storage_bits is None else storage_bits,
+            "mcg_multiplier": exl3.CODEBOOK_MULTIPLIERS["mcg"],
+        },
+        "n": {"stored_tensors": {"n.weight": {"shape": [64], "n_bytes": 256, "dtype": "torch.float32"}}},
+    }
+    (tmp_path / "ckpt" / "quantization_config.json").write_text(json.dumps({**qc, "tensor_storage": storage}))
+    return src, Checkpoint.open(tmp_path / "ckpt")
+
+
+def test_exl3_bits_per_weight_come_from_the_trellis_width():
+    assert exl3.bits_per_weight((4, 2, 64)) == 4
+    assert exl3.bits_per_weight((4, 2, 40)) == 2.5
+
+
+def test_a_consistent_exl3_layout_has_no_problem(tmp_path):
+    src, ckpt = _exl3_pair(tmp_path)
+    found = verify_tensors(src, ckpt, RULES)
+    assert found.problems == []
+    summary = found.summary()
+    assert (summary["quantized_other"], summary["protected_identical"], summary["avg_bits_per_weight"]) == (
+        1,
+        1,
+        4,
+    )
+    assert summary["decode_exact"] is None and summary["bpw_claim_error"] == 0
+
+
+def test_exl3_tensor_storage_bits_that_disagree_with_the_trellis_name_the_tensor(tmp_path):
+    src, ckpt = _exl3_pair(tmp_path, storage_bits=5)
+    found = verify_tensors(src, ckpt, RULES)
+    assert [(p.check, p.tensor) for p in found.problems] == [("config", "q.weight")]
+    assert "tensor_storage says 5 bpw, the trellis shape gives 4 bpw" in found.problems[0].detail
+
+
+def test_exl3_codebook_marker_must_hold_its_multiplier(tmp_path):
+    src, ckpt = _exl3_pair(tmp_path, marker=torch.tensor(7, dtype=torch.int32))
+    details = [p.detail for p in verify_tensors(src, ckpt, RULES).problems]
+    assert details == ["mcg marker holds 0x00000007, not 0xcbac1fed"]
