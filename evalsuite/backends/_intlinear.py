@@ -154,18 +154,21 @@ class IntLinear(nn.Module):
             return unpack_int4(self._buffers["weight_packed"], self.in_features)
         return self._buffers["weight"]
 
-    def forward_fp32(self, q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        """FP32 output (M, out) of already quantized activations (shared by layers that read one input)."""
+    def accumulate(self, q: torch.Tensor, x_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(INT32 accumulator, FP32 output), both (M, out), of activations already quantized to int8."""
         self.calls += 1
-        _, y = int_linear_fp32(q, x_scale, self.int8_weight(), self.weight_scale)
+        acc, y = int_linear_fp32(q, x_scale, self.int8_weight(), self.weight_scale)
         if self.bias is not None:
             y += self.bias.float()
-        return y
+        return acc, y
+
+    def run(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(INT32 accumulator, FP32 output) of a 2-D activation (M, in): what `forward` casts and returns."""
+        q, x_scale = quantize_activations(x, self.act)
+        return self.accumulate(q, x_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        q, x_scale = quantize_activations(rows, self.act)
-        y = self.forward_fp32(q, x_scale)
+        _, y = self.run(x.reshape(-1, self.in_features))
         return y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -216,11 +219,10 @@ class IntExperts(nn.Module):
             q, x_scale = quantize_activations(hidden_states[token_idx], expert.gate_proj.act)
             # gate and up read the same input: quantized once. Their outputs are cast to the compute dtype and
             # combined there, as Transformers' MLPs do with the outputs of two Linear layers.
-            gate = expert.gate_proj.forward_fp32(q, x_scale).to(self.out_dtype)
-            up = expert.up_proj.forward_fp32(q, x_scale).to(self.out_dtype)
+            gate = expert.gate_proj.accumulate(q, x_scale)[1].to(self.out_dtype)
+            up = expert.up_proj.accumulate(q, x_scale)[1].to(self.out_dtype)
             h = self.act_fn(gate) * up
-            hq, h_scale = quantize_activations(h, expert.down_proj.act)
-            y = expert.down_proj.forward_fp32(hq, h_scale)
+            _, y = expert.down_proj.run(h)
             y *= top_k_weights[token_idx, slot].float()[:, None]
             out.index_add_(0, token_idx, y)  # one row per token for a given expert: no two writes collide
         return out.to(self.out_dtype)

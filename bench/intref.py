@@ -1,0 +1,99 @@
+"""Benchmark of backend `intref` on the SmolLM2 W4A8 checkpoint: time and resident weights against `hf`.
+
+Prints ratios measured in this one run (these machines are noisy; compare ratios, not seconds):
+  time    the `ppl` protocol's candidate observation (8 windows x 512 tokens, 2,040 scored logits) through the
+          integer path over the same through the `hf` path, same process, same windows, the two alternating;
+          each the fastest of `--repeats` observations (goal <= 1.0);
+  memory  bytes of the integer model's parameters and buffers (each storage once) over those of the BF16
+          source model as `hf` loads it (goal <= 0.35); also over the W4A8 checkpoint's file bytes, the floor
+          for a backend that keeps every tensor as stored.
+
+    python bench/intref.py [--fixtures DIR] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.cli import DEFAULT_FIXTURES
+from evalsuite.fixtures import build_fixtures
+from evalsuite.runner import build_tasks, resident
+from evalsuite.side import BackendOptions, Side
+from evalsuite.task import RunContext
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer storage of `model`, each counted once (tied weights share one)."""
+    storages = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if not tensor.is_meta:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
+    parser.add_argument("--repeats", type=int, default=3, help="observations per backend; the fastest counts")
+    args = parser.parse_args()
+    pair = build_fixtures(args.fixtures, ["smollm2-135m-bf16", "smollm2-135m-w4a8"])
+    ref_ckpt, w4a8 = Checkpoint.open(pair["smollm2-135m-bf16"]), Checkpoint.open(pair["smollm2-135m-w4a8"])
+    (task,) = build_tasks(["ppl"], RunContext(corpus_name="python-docs"), {})
+    ref = Side("ref", ref_ckpt, BackendOptions())
+    inputs = task.prepare(ref, Side("ckpt", w4a8, BackendOptions()))
+
+    # Both candidates stay loaded (a benchmark, not a run) so that their observations can alternate: on a
+    # shared machine, load from other processes then slows both alike.
+    sides = {backend: Side("ckpt", w4a8, BackendOptions(backend=backend)) for backend in ("hf", "intref")}
+    runs: dict[str, list[float]] = {backend: [] for backend in sides}
+    loads: dict[str, float] = {}
+    weights: dict[str, int] = {}
+    with resident(ref):
+        weights["bf16"] = resident_weight_bytes(ref.model.model)
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        for backend, side in sides.items():
+            t0 = time.perf_counter()
+            stack.enter_context(resident(side))
+            loads[backend] = time.perf_counter() - t0
+            weights[backend] = resident_weight_bytes(side.model.model)
+        for i in range(args.repeats):
+            for backend, side in sides.items():
+                folder = Path(tmp) / f"{backend}-{i}"
+                folder.mkdir()
+                t0 = time.perf_counter()
+                task.observe(side, inputs, folder)
+                runs[backend].append(time.perf_counter() - t0)
+    seconds = {backend: min(times) for backend, times in runs.items()}
+
+    mib = 2**20
+    windows = inputs["windows"]
+    print(
+        f"SmolLM2-135M W4A8, ppl protocol: {len(windows)} windows x {windows.shape[1]} tokens, one at a time"
+    )
+    print(
+        f"load: hf {loads['hf']:.2f} s, intref {loads['intref']:.2f} s   "
+        f"observe (fastest of {args.repeats}): hf {seconds['hf']:.2f} s, intref {seconds['intref']:.2f} s"
+    )
+    print(f"time ratio intref / hf = {seconds['intref'] / seconds['hf']:.3f}   (goal <= 1.0)")
+    print(
+        f"resident weights: intref {weights['intref'] / mib:.1f} MiB, hf (W4A8 decompressed) "
+        f"{weights['hf'] / mib:.1f} MiB, bf16 source {weights['bf16'] / mib:.1f} MiB; "
+        f"W4A8 files {w4a8.total_bytes / mib:.1f} MiB"
+    )
+    print(f"memory ratio intref / bf16 = {weights['intref'] / weights['bf16']:.3f}   (goal <= 0.35)")
+    print(
+        f"memory ratio intref / W4A8 file bytes = {weights['intref'] / w4a8.total_bytes:.3f}; "
+        f"the files themselves are {w4a8.total_bytes / weights['bf16']:.3f} of the bf16 model"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""`evalsuite run --tasks intref` and `--backend intref` as subprocesses on the fixture pairs."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from evalsuite.backends.intref import IntrefBackend
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.errors import InputError
+from evalsuite.side import BackendOptions
+from tests.conftest import copy_checkpoint, run_cli
+
+METRICS = (
+    "ppl_ref",
+    "ppl_int",
+    "ppl_int_ratio",
+    "ppl_hf",
+    "kld_int_vs_hf",
+    "same_top_int_vs_hf",
+    "int_layers",
+    "int_experts",
+)
+
+
+def routed_experts_in_files(path) -> int:
+    """Distinct `…mlp.experts.N` modules whose projections the checkpoint stores quantized."""
+    with safe_open(str(path / "model.safetensors"), "pt") as fh:
+        names = list(fh.keys())
+    return len({m.group(0) for n in names if (m := re.match(r".*mlp\.experts\.\d+(?=\..*weight_scale$)", n))})
+
+
+def intref_metrics(out) -> dict:
+    results = json.loads((out / "results.json").read_text())
+    return results["tasks"]["intref"]
+
+
+@pytest.fixture(scope="module")
+def tiny_intref_run(tiny_pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-intref")
+    res = run_cli(
+        "run",
+        "--ckpt",
+        tiny_pair["tiny-minicpmv47-w4a8"],
+        "--ref",
+        tiny_pair["tiny-minicpmv47-bf16"],
+        "--tasks",
+        "intref",
+        "--corpus",
+        "python-docs",
+        "--out",
+        out,
+        "--quiet",
+    )
+    return res, out
+
+
+def test_every_routed_expert_of_the_tiny_pair_runs_on_the_integer_path(tiny_pair, tiny_intref_run):
+    res, out = tiny_intref_run
+    assert res.returncode == 0, res.stderr
+    entry = intref_metrics(out)
+    m = entry["metrics"]
+    assert entry["status"] == "pass" and all(name in m for name in METRICS)
+    config = json.loads((tiny_pair["tiny-minicpmv47-w4a8"] / "config.json").read_text())["text_config"]
+    routed = config["num_experts"] * config["num_hidden_layers"]  # every Qwen3.5-MoE layer is an MoE layer
+    assert routed == routed_experts_in_files(tiny_pair["tiny-minicpmv47-w4a8"]) == 8
+    assert m["int_experts"] == m["int_experts_total"] == routed
+    # 3 linear-attention + 4 attention projections, 2 x 3 shared-expert projections, the INT8 lm_head.
+    assert m["int_layers"] == m["int_layers_total"] == 14
+    assert m["n_scored_tokens"] == 2040
+    assert all(math.isfinite(m[k]) for k in ("ppl_int", "ppl_hf", "kld_int_vs_hf"))
+    assert m["activation_divisor"] == 127.5 and m["activation_rounding"] == "half_even"
+
+
+def test_backend_intref_runs_ppl_as_the_intref_task_does(tiny_pair, tiny_intref_run, tmp_path):
+    """`--backend intref` gives `ppl` the same integer model: its candidate PPL is the task's ppl_int."""
+    _, intref_out = tiny_intref_run
+    res = run_cli(
+        "run",
+        "--ckpt",
+        tiny_pair["tiny-minicpmv47-w4a8"],
+        "--ref",
+        tiny_pair["tiny-minicpmv47-bf16"],
+        "--tasks",
+        "ppl",
+        "--backend",
+        "intref",
+        "--corpus",
+        "python-docs",
+        "--out",
+        tmp_path,
+        "--quiet",
+    )
+    assert res.returncode in (0, 1), res.stderr
+    ppl = json.loads((tmp_path / "results.json").read_text())["tasks"]["ppl"]["metrics"]
+    m = intref_metrics(intref_out)["metrics"]
+    assert ppl["ppl_ckpt"] == m["ppl_int"] and ppl["ppl_ref"] == m["ppl_ref"]
+
+
+def test_a_candidate_without_integer_weights_is_skipped_with_the_reason(tiny_pair, tmp_path):
+    bf16 = tiny_pair["tiny-minicpmv47-bf16"]
+    res = run_cli("run", "--ckpt", bf16, "--ref", bf16, "--tasks", "intref", "--out", tmp_path, "--quiet")
+    assert res.returncode == 2  # nothing was compared
+    entry = intref_metrics(tmp_path)
+    assert entry["status"] == "skipped"
+    assert "compressed-tensors" in entry["reason"] and "bf16" in entry["reason"]
+    assert "loading" not in res.stderr  # decided from the files, no model loaded
+
+
+def test_forcing_backend_intref_on_a_bf16_candidate_is_an_input_error(tiny_pair, tmp_path):
+    bf16 = tiny_pair["tiny-minicpmv47-bf16"]
+    res = run_cli(
+        "run",
+        "--ckpt",
+        bf16,
+        "--ref",
+        bf16,
+        "--tasks",
+        "ppl",
+        "--backend",
+        "intref",
+        "--corpus",
+        "python-docs",
+        "--out",
+        tmp_path,
+        "--quiet",
+    )
+    assert res.returncode == 2
+    assert any("intref executes compressed-tensors" in line for line in res.error_lines), res.stderr
+
+
+def test_a_tensor_missing_from_the_files_is_refused_not_left_random(tiny_pair, tmp_path):
+    broken = copy_checkpoint(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "no-final-norm")
+    shard = broken / "model.safetensors"
+    with safe_open(str(shard), "pt") as fh:
+        metadata = fh.metadata()
+        tensors = {k: fh.get_tensor(k) for k in fh.keys() if k != "model.language_model.norm.weight"}  # noqa: SIM118
+    save_file(tensors, str(shard), metadata=metadata)
+    with pytest.raises(InputError, match=r"1 tensors missing from the files \(model\.language_model\.norm"):
+        IntrefBackend(Checkpoint.open(broken), BackendOptions(backend="intref"))
+
+
+@pytest.mark.slow
+def test_smollm2_pair_passes_intref_with_every_layer_integer(smollm2_pair, tmp_path):
+    res = run_cli(
+        "run",
+        "--ckpt",
+        smollm2_pair["smollm2-135m-w4a8"],
+        "--ref",
+        smollm2_pair["smollm2-135m-bf16"],
+        "--tasks",
+        "intref",
+        "--corpus",
+        "python-docs",
+        "--out",
+        tmp_path,
+        "--quiet",
+    )
+    assert res.returncode == 0, res.stderr  # the default thresholds are calibrated on this pair
+    m = intref_metrics(tmp_path)["metrics"]
+    assert m["int_layers"] == m["int_layers_total"] == 30 * 7 and m["int_experts"] == 0
+    assert 1.0 < m["ppl_int_ratio"] < 1.7
+    # One W4A8 model executed twice: they differ by rounding, which W4A8 amplifies (see intref.toml).
+    assert abs(math.log(m["ppl_int"] / m["ppl_hf"])) < 0.05 and m["same_top_int_vs_hf"] > 0.8
