@@ -28,11 +28,10 @@ from typing import Any, BinaryIO, Literal, Protocol
 import numpy as np
 
 from evalsuite import metrics
-from evalsuite.checkpoint import FLOAT_DTYPES, Checkpoint, TensorInfo
+from evalsuite.checkpoint import DTYPE_SIZES, FLOAT_DTYPES, Checkpoint, TensorInfo
 
 ModuleKind = Literal["linear", "embedding", "router", "state", "norm", "other"]
 Part = Literal["text", "head", "vision", "mtp"]
-TensorClass = Literal["quantized", "protected", "missing", "unexpected"]
 
 # Elements per block of rows: 1 MB per float32 array keeps a block's arithmetic in a core's L2 cache (measured
 # fastest among 2^16..2^20), and float32 sums over blocks this size are accurate to about 1e-6.
@@ -279,6 +278,8 @@ class ErrorAccumulator:
             max_abs=float(max(d.max(), -d.min())) if d.size else 0.0,
         )
         self.sums = self.sums + block
+        if not err.size:
+            return
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(err == 0, 0.0, np.sqrt(err / norm))
         i = int(np.argmax(rel))
@@ -344,13 +345,15 @@ def pair_tensors(
 
 
 def _value_text(raw: np.ndarray, dtype: str) -> str:
-    """One stored element (its raw bytes, uint8) as a number, with its bits for floating-point dtypes."""
-    value = raw.view(NUMPY_DTYPES[dtype])[0]
-    if dtype in FLOAT_DTYPES and dtype in NUMPY_DTYPES:
-        number = float(as_float32(np.array([value]), dtype)[0]) if dtype == "BF16" else float(value)
-        bits = int.from_bytes(raw.tobytes(), "little")
-        return f"{number:.6g} (0x{bits:0{2 * raw.size}x})"
-    return str(value.item() if hasattr(value, "item") else value)
+    """One stored element (its raw bytes, uint8) as a number, with its bits for floating-point dtypes (only
+    the bits for a dtype numpy cannot read, e.g. FP8)."""
+    bits = f"0x{int.from_bytes(raw.tobytes(), 'little'):0{2 * raw.size}x}"
+    if dtype not in NUMPY_DTYPES:
+        return bits
+    value = raw.view(NUMPY_DTYPES[dtype])[:1]
+    if dtype in FLOAT_DTYPES:
+        return f"{float(as_float32(value, dtype)[0]):.6g} ({bits})"
+    return str(value[0].item())
 
 
 def compare_same(
@@ -390,7 +393,7 @@ def compare_same(
     if cand_hash is None:
         return []
     row["candidate_sha256"] = cand_hash.hexdigest()
-    itemsize = NUMPY_DTYPES[source.dtype].itemsize
+    itemsize = DTYPE_SIZES[source.dtype]
     element = first // itemsize
     index = [int(i) for i in np.unravel_index(element, source.shape)] if source.shape else []
     begin = element * itemsize
@@ -478,16 +481,16 @@ class Verification:
         return values
 
 
-def handler_for(candidate: Checkpoint, rules: ModuleRules) -> FormatHandler | None:
+def handler_for(candidate: Checkpoint) -> FormatHandler | None:
     """The format handler of a candidate; None for a dense (unquantized) candidate."""
     if candidate.format == "compressed-tensors":
         from evalsuite.formats.compressed_tensors import CompressedTensors
 
-        return CompressedTensors(candidate, rules)
+        return CompressedTensors(candidate)
     if candidate.format == "exl3":
         from evalsuite.formats.exl3 import Exl3
 
-        return Exl3(candidate, rules)
+        return Exl3(candidate)
     return None
 
 
@@ -514,6 +517,7 @@ def _base_row(pair: Pair, info: TensorInfo, rules: ModuleRules) -> dict[str, Any
         "bits_per_weight": None,
         "identical": None,
         "sha256": None,
+        "candidate_sha256": None,
         "first_difference": None,
         "decode_exact": None,
         "rel_err": None,
@@ -573,7 +577,7 @@ def verify_tensors(
     own reader and buffers, so memory grows by a few blocks per worker, never by a tensor. The arithmetic
     (numpy, torch, hashlib, file reads) releases the GIL.
     """
-    handler = handler_for(candidate, rules)
+    handler = handler_for(candidate)
     pairs, unexpected = pair_tensors(source.tensors, candidate.tensors, handler)
     shard_order = {shard: i for i, shard in enumerate(source.shards)}
     # Source order: each shard read once, front to back.

@@ -26,7 +26,6 @@ from evalsuite.errors import InputError
 from evalsuite.formats import (
     ErrorAccumulator,
     ModuleKind,
-    ModuleRules,
     Problem,
     ShardReader,
     as_float32,
@@ -426,8 +425,7 @@ class CompressedTensors:
     params = PARAMS
     marks = MARKS
 
-    def __init__(self, candidate: Checkpoint, rules: ModuleRules) -> None:
-        self.rules = rules
+    def __init__(self, candidate: Checkpoint) -> None:
         self.lookup = SchemeLookup(candidate.quantization_config or {}, candidate.path / "config.json")
 
     def measure(
@@ -524,6 +522,8 @@ class CompressedTensors:
             errors.add(r0, ref, decoded, reader.scratch("difference", shape, np.float32))
         row["decode_exact"] = mismatch is None
         errors.fill(row)
+        if mismatch and g_idx is not None:
+            mismatch += " (the weight stores weight_g_idx, which the decompressor does not apply)"
         return mismatch
 
     def check_config(self, rows: list[dict[str, Any]]) -> tuple[list[Problem], dict[str, Any]]:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from evalsuite.checkpoint import EXL3_CONFIG_FILE, Checkpoint, TensorInfo
-from evalsuite.formats import ModuleRules, Problem, ShardReader
+from evalsuite.formats import Problem, ShardReader
 
 PARAMS = frozenset({"trellis", "suh", "svh", "su", "sv", "mcg", "mul1"})
 MARKS = frozenset({"trellis"})
@@ -55,9 +55,8 @@ class Exl3:
     params = PARAMS
     marks = MARKS
 
-    def __init__(self, candidate: Checkpoint, rules: ModuleRules) -> None:
+    def __init__(self, candidate: Checkpoint) -> None:
         self.candidate = candidate
-        self.rules = rules
         self.config = candidate.quantization_config or {}
         path = candidate.path / EXL3_CONFIG_FILE
         self.storage_problem: str | None = None
@@ -83,7 +82,7 @@ class Exl3:
         """Bits from the trellis shape; the trellis, sign vectors and codebook marker against the source."""
         found: list[str] = []
         trellis = tensors.get("trellis")
-        row.update(format="exl3", note="no CPU decoder for EXL3 trellises")
+        row.update(format="exl3", codebook=None, note="no CPU decoder for EXL3 trellises")
         if len(source.shape) != 2:
             return [Problem("config", source.name, f"a trellis for a {len(source.shape)}-D source tensor")]
         out_features, in_features = source.shape
@@ -139,6 +138,8 @@ class Exl3:
             if row.get("format") != "exl3":
                 continue
             name, module = row["name"], row["module"]
+            if row["codebook"] is None:
+                continue  # an unreadable trellis: already a problem of its own
             seen_codebooks.add(row["codebook"])
             if codebook is not None and row["codebook"] != codebook:
                 problems.append(
