@@ -50,11 +50,16 @@ WHERE = {"bpw_claim_error": "config.json: quantization_config.bits"}
 
 
 def _failed(check: Check, values: dict[str, Any]) -> str:
-    text = f"{check.name} = {check.value:.6g}, outside {check.op} {check.threshold:g}"
+    side = "above" if check.op == "<=" else "below"
+    text = f"{check.name} = {check.value:.6g}, {side} its bound {check.threshold:g}"
     if check.name == "bpw_claim_error":
         measured = f"{values['avg_bits_per_weight']:.4f}"
         text += f": claims {values['claimed_bits']} bpw, the text backbone's trellises hold {measured} bpw"
     return text
+
+
+def _architecture(config: dict[str, Any]) -> str:
+    return ", ".join([*(config.get("architectures") or []), str(config.get("model_type"))])
 
 
 def _vocab_size(config: dict[str, Any]) -> Any:
@@ -82,7 +87,7 @@ class Tensors:
         if source.format not in SOURCE_FORMATS:
             raise InputError(f"the reference is {source.format}, not an unquantized source", source.path)
         for what, get in (
-            ("architecture", lambda c: (c.get("architectures"), c.get("model_type"))),
+            ("architecture", _architecture),
             ("vocabulary size", _vocab_size),
         ):
             a, b = get(source.config), get(candidate.config)
