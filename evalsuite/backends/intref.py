@@ -40,6 +40,7 @@ from evalsuite.backends._intlinear import MAX_IN_FEATURES, ActivationQuant, IntE
 from evalsuite.backends.hf import DTYPES, HFBackend, _first_line, _model_class
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import DependencyError, InputError
+from evalsuite.formats.compressed_tensors import SchemeLookup
 from evalsuite.side import BackendOptions
 from evalsuite.spec import StrictModel, default_spec_path
 
@@ -150,6 +151,18 @@ def integer_modules(checkpoint: Checkpoint) -> dict[str, QuantizedModule]:
                 f"{module}: {in_features} inputs could overflow INT32 accumulation", checkpoint.path
             )
         modules[module] = QuantizedModule(module, bits, out_features, in_features)
+    lookup = SchemeLookup(qc, checkpoint.path / "config.json")
+    for module, quantized in modules.items():
+        # The files and the config must agree on every quantized module, as compressed-tensors resolves it.
+        coverage = lookup.covering(module, "linear")
+        stored = "pack-quantized" if quantized.bits == 4 else "int-quantized"
+        if coverage.group is None:
+            raise InputError(f"{module} is stored quantized but no config group targets it", checkpoint.path)
+        if coverage.format not in (None, stored):
+            raise InputError(
+                f"{module} is stored {stored} but its config group {coverage.group!r} says {coverage.format}",
+                checkpoint.path,
+            )
     return modules
 
 
@@ -239,7 +252,10 @@ class IntrefBackend(HFBackend):
         super().__init__(checkpoint, options)
 
     def load_model(self, kwargs: dict[str, Any]) -> Any:
-        """Build on the meta device, swap in the integer modules, then load every tensor from the files."""
+        """Build on the meta device, swap in the integer modules, then load every tensor from the files.
+
+        `kwargs` (what `from_pretrained` would be given) go unused: nothing passes through `from_pretrained`.
+        """
         checkpoint, options = self.checkpoint, self.options
         plan = integer_modules(checkpoint)
         device = self._device(options.device)
@@ -289,6 +305,7 @@ class IntrefBackend(HFBackend):
         """Replace the quantized Linear layers and the fused experts (which must be quantized)."""
         claimed: set[str] = set()
         replacements: dict[str, nn.Module] = {}
+        lookup = SchemeLookup(self.checkpoint.quantization_config or {}, self.checkpoint.path / "config.json")
         for name, module in model.named_modules():
             if _fused_experts(module):
                 first = f"{name}.0.gate_proj"
@@ -315,6 +332,16 @@ class IntrefBackend(HFBackend):
                 shape = (module.out_features, module.in_features)
                 replacements[name] = self._int_linear(plan, name, shape, module.bias is not None, dtype)
                 claimed.add(name)
+            elif isinstance(module, nn.Linear | nn.Embedding):
+                # A layer the config quantizes but the files store dense would run dense here, silently.
+                kind = "linear" if isinstance(module, nn.Linear) else "embedding"
+                coverage = lookup.covering(name, kind)
+                if coverage.group is not None:
+                    raise InputError(
+                        f"config group {coverage.group!r} quantizes {name}, but the files store it "
+                        "unquantized",
+                        self.checkpoint.path,
+                    )
         unclaimed = sorted(set(plan) - claimed)
         if unclaimed:
             raise InputError(

@@ -10,7 +10,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from evalsuite.backends.intref import IntrefBackend
+from evalsuite.backends.intref import IntrefBackend, unsupported_reason
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
 from evalsuite.side import BackendOptions
@@ -143,6 +143,38 @@ def test_a_tensor_missing_from_the_files_is_refused_not_left_random(tiny_pair, t
     save_file(tensors, str(shard), metadata=metadata)
     with pytest.raises(InputError, match=r"1 tensors missing from the files \(model\.language_model\.norm"):
         IntrefBackend(Checkpoint.open(broken), BackendOptions(backend="intref"))
+
+
+def edited_config(src, dst, edit) -> Checkpoint:
+    """A copy of a fixture checkpoint whose config.json's quantization_config went through `edit`."""
+    copy = copy_checkpoint(src, dst)
+    config = json.loads((copy / "config.json").read_text())
+    edit(config["quantization_config"])
+    (copy / "config.json").write_text(json.dumps(config))
+    return Checkpoint.open(copy)
+
+
+def test_a_layer_the_config_quantizes_but_the_files_store_dense_is_refused(tiny_pair, tmp_path):
+    """PLATFORM.md's trap: an unanchored target also names the vision tower's attention, stored dense."""
+
+    def unanchor(qc):
+        qc["config_groups"]["int4_attention"]["targets"][0] = r"re:.*self_attn\.(q|k|v|o)_proj$"
+        qc["ignore"] = []
+
+    checkpoint = edited_config(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "unanchored", unanchor)
+    with pytest.raises(
+        InputError, match=r"quantizes model\.vision_tower\..*self_attn.*the files store it unquantized"
+    ):
+        IntrefBackend(checkpoint, BackendOptions(backend="intref"))
+
+
+def test_weight_only_quantization_has_no_integer_path(tiny_pair, tmp_path):
+    def weights_only(qc):
+        for group in qc["config_groups"].values():
+            group["input_activations"] = None
+
+    checkpoint = edited_config(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "w4a16", weights_only)
+    assert "quantizes weights only" in unsupported_reason(checkpoint)
 
 
 @pytest.mark.slow
