@@ -24,6 +24,7 @@ import numpy as np
 from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.errors import InputError
 from evalsuite.formats import (
+    NUMPY_DTYPES,
     ErrorAccumulator,
     ModuleKind,
     Problem,
@@ -299,11 +300,16 @@ def unpack_codes(words: np.ndarray, bits: int, count: int, scratch: Scratch = _f
         words = words.astype("<u4")
     little = np.ascontiguousarray(words).view(np.uint8).reshape(rows, -1)
     if bits == 4:
-        # Two codes per byte, the low nibble first: the common case, done without a bit stream.
-        codes = scratch("codes", (rows, little.shape[1], 2), np.uint8)
-        np.bitwise_and(little, 0x0F, out=codes[..., 0])
-        np.right_shift(little, 4, out=codes[..., 1])
-        return codes.reshape(rows, -1)[:, :count]
+        # Two codes per byte, the low nibble first: the common case, done without a bit stream. Each byte b
+        # is spread over a little-endian 16-bit word as (b | b << 4) & 0x0F0F, whose two bytes are then the
+        # low and the high nibble, in order: contiguous passes instead of interleaved writes.
+        spread = scratch("codes", little.shape, "<u2")
+        spread[...] = little
+        wide = scratch("codes-shifted", little.shape, "<u2")
+        np.left_shift(spread, 4, out=wide)
+        np.bitwise_or(spread, wide, out=spread)
+        np.bitwise_and(spread, 0x0F0F, out=spread)
+        return spread.view(np.uint8).reshape(rows, -1)[:, :count]
     if bits == 8:
         return little[:, :count]
     stream = np.unpackbits(little, axis=1, bitorder="little")[:, : count * bits]
@@ -316,28 +322,40 @@ def unpack_offset_binary(words: np.ndarray, bits: int, count: int) -> np.ndarray
     return unpack_codes(words, bits, count).astype(np.int16) - np.int16(1 << (bits - 1))
 
 
-def round_to_dtype(values: np.ndarray, dtype: str, scratch: Scratch = _fresh) -> np.ndarray:
-    """float32 values rounded to nearest-even in `dtype` (BF16, F16 or F32), as their raw bits."""
+def round_to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to nearest-even in `dtype` (BF16, F16 or F32), as the raw bits of that dtype."""
+    if dtype == "BF16":
+        return (rounded_to(values.copy(), "BF16").view(np.uint32) >> 16).astype(np.uint16)
+    return (
+        rounded_to(values.copy(), dtype).astype(NUMPY_DTYPES[dtype]).view(f"<u{2 if dtype == 'F16' else 4}")
+    )
+
+
+def rounded_to(
+    values: np.ndarray, dtype: str, may_hold_nan: bool = True, scratch: Scratch = _fresh
+) -> np.ndarray:
+    """float32 values rounded in place to nearest-even in `dtype` (BF16, F16 or F32) and kept as float32,
+    which holds every bf16 and fp16 value exactly. A NaN stays a (quiet) NaN; `may_hold_nan=False` skips the
+    pass that sees to it."""
     if dtype == "F32":
-        return values.view(np.uint32)
+        return values
     if dtype == "F16":
-        return values.astype(np.float16).view(np.uint16)
+        values[...] = values.astype(np.float16)
+        return values
     if dtype != "BF16":
         raise ValueError(f"no rounding to {dtype}")
+    nan = np.isnan(values) if may_hold_nan else None
     u = values.view(np.uint32)
-    # Add 0x7FFF plus the lowest kept bit, then drop the low 16 bits: round half to even.
-    w = scratch("round", values.shape, np.uint32)
-    np.right_shift(u, 16, out=w)
-    np.bitwise_and(w, 1, out=w)
-    np.add(w, u, out=w)
-    np.add(w, 0x7FFF, out=w)
-    np.right_shift(w, 16, out=w)
-    out = scratch("rounded", values.shape, np.uint16)
-    np.copyto(out, w, casting="unsafe")
-    nan = np.isnan(values)
-    if nan.any():
-        out[nan] = 0x7FC0  # torch's canonical bf16 NaN
-    return out
+    # Adding 0x7FFF plus the lowest kept bit, then clearing the low 16 bits, rounds half to even.
+    lowest_kept = scratch("round", values.shape, np.uint32)
+    np.right_shift(u, 16, out=lowest_kept)
+    np.bitwise_and(lowest_kept, 1, out=lowest_kept)
+    np.add(u, lowest_kept, out=u)
+    np.add(u, 0x7FFF, out=u)
+    np.bitwise_and(u, 0xFFFF0000, out=u)
+    if nan is not None and nan.any():
+        u[nan] = 0x7FC00000
+    return values
 
 
 def _expand(values: np.ndarray, stored: StoredQuantization, rows: int, cols: int, g_idx: Any) -> np.ndarray:
@@ -366,7 +384,7 @@ def reference_decode(
     scratch: Scratch = _fresh,
 ) -> np.ndarray:
     """Rows of a weight decoded by evalsuite: (q − zero_point) × scale in float32, exact for integer q and a
-    16-bit scale, then rounded once to the scale's dtype; returns the raw bits of that dtype.
+    16-bit scale, then rounded once to the scale's dtype; returns those values as float32 (exact).
 
     `weight` holds the stored rows (int32 words for pack-quantized, int8 otherwise), `scale` the matching
     scale rows as float32, `zero_point` the zero points (q units) in the scale's layout, `g_idx` the group of
@@ -386,7 +404,22 @@ def reference_decode(
         np.multiply(groups, scale.reshape(rows, -1, 1), out=groups)
     else:
         np.multiply(q, _expand(scale, stored, rows, cols, g_idx), out=q)
-    return round_to_dtype(q, scale_dtype, scratch)
+    # Integer q times a finite scale is finite: only a non-finite scale can make a NaN.
+    finite = np.isfinite(scale).all() and (zero_point is None or np.isfinite(zero_point).all())
+    return rounded_to(q, scale_dtype, may_hold_nan=not finite, scratch=scratch)
+
+
+def first_difference(ours: np.ndarray, theirs: np.ndarray) -> tuple[int, int] | None:
+    """Where two decoded blocks (float32 holding values of the scale's dtype) first differ in their bits.
+
+    Widening to float32 is one-to-one, so equal float32 bits are equal bits in the scale's dtype. Two NaNs
+    agree: their bits vary between torch's kernels, and a NaN scale fails the error checks anyway.
+    """
+    a, b = ours.view(np.uint32), theirs.view(np.uint32)
+    if np.array_equal(a, b):
+        return None
+    differ = (a != b) & ~(np.isnan(ours) & np.isnan(theirs))
+    return (int(differ.argmax() // a.shape[-1]), int(differ.argmax() % a.shape[-1])) if differ.any() else None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -505,20 +538,19 @@ class CompressedTensors:
             else:
                 theirs_in["weight"] = torch.from_numpy(block)
             theirs = _bits_view(compressor.decompress(theirs_in, scheme)["weight"].reshape(r1 - r0, cols))
+            shape = (r1 - r0, cols)
+            decoded = _float32_of_bits(theirs, scale_info.dtype, reader.scratch("decoded", shape, np.float32))
             ours = reference_decode(
                 stored, block, scale32[s0:s1], scale_info.dtype, cols, ours_zp, g_idx, reader.scratch
             )
-            if mismatch is None and not np.array_equal(ours, theirs):
-                at = np.argwhere(ours != theirs)[0]
+            if mismatch is None and (at := first_difference(ours, decoded)) is not None:
                 index = [int(i) for i in np.unravel_index((r0 + at[0]) * cols + at[1], source.shape)]
-                a, b = (_float32_of_bits(v[at[0], at[1] :][:1], scale_info.dtype)[0] for v in (theirs, ours))
+                a, b = decoded[at[0], at[1]], ours[at[0], at[1]]
                 mismatch = (
                     f"compressed-tensors and evalsuite decode element {index} differently: {a:.6g} vs {b:.6g}"
                 )
-            shape = (r1 - r0, cols)
             ref = reader.scratch("ref", shape, np.float32)
             as_float32(reader.rows(source, r0, r1, "source"), source.dtype, ref)
-            decoded = _float32_of_bits(theirs, scale_info.dtype, reader.scratch("decoded", shape, np.float32))
             errors.add(r0, ref, decoded, reader.scratch("difference", shape, np.float32))
         row["decode_exact"] = mismatch is None
         errors.fill(row)
