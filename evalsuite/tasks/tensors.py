@@ -14,7 +14,7 @@ from pydantic import Field
 
 from evalsuite import plots
 from evalsuite.errors import InputError
-from evalsuite.formats import ModuleRules, verify_tensors
+from evalsuite.formats import ModuleRules, Verification, verify_tensors
 from evalsuite.run_folder import write_atomic
 from evalsuite.side import Side
 from evalsuite.spec import Check, StrictModel, TaskSpec, apply_threshold
@@ -86,10 +86,7 @@ class Tensors:
             raise TaskSkipped("GGUF candidates are not read tensor by tensor")
         if source.format not in SOURCE_FORMATS:
             raise InputError(f"the reference is {source.format}, not an unquantized source", source.path)
-        for what, get in (
-            ("architecture", _architecture),
-            ("vocabulary size", _vocab_size),
-        ):
+        for what, get in (("architecture", _architecture), ("vocabulary size", _vocab_size)):
             a, b = get(source.config), get(candidate.config)
             if a != b:
                 raise InputError(
@@ -137,7 +134,7 @@ class Tensors:
         artifact_paths = self.write(found, values, artifacts)
         return TaskResult.from_checks(values, checks, artifacts=artifact_paths, details=details)
 
-    def write(self, found: Any, values: dict[str, Any], folder: Path) -> dict[str, str]:
+    def write(self, found: Verification, values: dict[str, Any], folder: Path) -> dict[str, str]:
         """tensors.json (every row, the problems, the summary) and the error map, relative to the run."""
         doc = {
             "schema": "evalsuite.tensors/1",
