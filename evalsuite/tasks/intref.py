@@ -38,8 +38,11 @@ class IntegerReference(Perplexity):
     spec: IntrefSpec
 
     def prepare(self, ref: Side, ckpt: Side) -> dict[str, Any]:
-        """The `ppl` inputs; skipped, with the reason, for a candidate the integer path cannot execute."""
-        reason = unsupported_reason(ckpt.checkpoint)
+        """The `ppl` inputs; skipped, with the reason, for a candidate the integer path cannot execute.
+
+        `evalsuite record` prepares one side as both (it records the reference, which needs no integer path).
+        """
+        reason = unsupported_reason(ckpt.checkpoint) if ckpt is not ref else None
         if reason is not None:
             raise TaskSkipped(reason)
         return super().prepare(ref, ckpt)
@@ -77,6 +80,11 @@ class IntegerReference(Perplexity):
         ln_ratio = metrics.paired_log_ratio(nll_ref, nll_int)
         recorded = ref.meta.get("kind") == "recorded"
         kld_int = self.kld_from_recording(ref, ints) if recorded else self.kld_per_token(ref, ints)
+        estimator = (
+            f"top-{ref.meta['top_k']} exact + {ref.meta['tail_samples']} sampled tail ids (recording)"
+            if recorded
+            else "full-vocabulary"
+        )
         kld_int_mean = metrics.mean_with_stderr(kld_int)
         same_top_int = metrics.same_top_rate(ref.arrays["top"], ints.arrays["top"])
         # KL(P_int ‖ P_hf): the integer execution is the distribution the card describes.
@@ -105,6 +113,7 @@ class IntegerReference(Perplexity):
             "ppl_hf_stderr": ppl["hf"] * metrics.ln_perplexity(nll_hf).stderr,
             "kld_int_mean": kld_int_mean.value,
             "kld_int_mean_stderr": kld_int_mean.stderr,
+            "kld_int_estimator": estimator,
             "same_top_int": same_top_int.value,
             "same_top_int_stderr": same_top_int.stderr,
             "kld_int_vs_hf": kld_ih_mean.value,

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from evalsuite.backends.intref import IntrefBackend, unsupported_reason
 from evalsuite.checkpoint import Checkpoint
+from evalsuite.corpus import python_docs_text
 from evalsuite.errors import InputError
 from evalsuite.side import BackendOptions
 from tests.conftest import copy_checkpoint, run_cli
@@ -102,6 +103,24 @@ def test_backend_intref_runs_ppl_as_the_intref_task_does(tiny_pair, tiny_intref_
     assert ppl["ppl_ckpt"] == m["ppl_int"] and ppl["ppl_ref"] == m["ppl_ref"]
 
 
+def test_a_recorded_reference_replays_the_live_intref_run(tiny_pair, tiny_intref_run, tmp_path):
+    _, live_out = tiny_intref_run
+    rec = tmp_path / "rec"
+    args = ("--corpus", "python-docs", "--quiet")
+    recorded = run_cli(
+        "record", "--ckpt", tiny_pair["tiny-minicpmv47-bf16"], "--tasks", "intref", "--out", rec, *args
+    )
+    assert recorded.returncode == 0, recorded.stderr
+    ckpt = tiny_pair["tiny-minicpmv47-w4a8"]
+    res = run_cli("run", "--ckpt", ckpt, "--ref", rec, "--tasks", "intref", "--out", tmp_path / "run", *args)
+    assert res.returncode == 0, res.stderr
+    live, replay = intref_metrics(live_out)["metrics"], intref_metrics(tmp_path / "run")["metrics"]
+    for name in ("ppl_ref", "ppl_int", "ppl_hf", "kld_int_vs_hf", "same_top_int_vs_hf", "int_experts"):
+        assert replay[name] == live[name], name
+    assert replay["kld_int_mean"] == pytest.approx(live["kld_int_mean"], rel=0.05)
+    assert "recording" in replay["kld_int_estimator"]
+
+
 def test_a_candidate_without_integer_weights_is_skipped_with_the_reason(tiny_pair, tmp_path):
     bf16 = tiny_pair["tiny-minicpmv47-bf16"]
     res = run_cli("run", "--ckpt", bf16, "--ref", bf16, "--tasks", "intref", "--out", tmp_path, "--quiet")
@@ -114,6 +133,8 @@ def test_a_candidate_without_integer_weights_is_skipped_with_the_reason(tiny_pai
 
 def test_forcing_backend_intref_on_a_bf16_candidate_is_an_input_error(tiny_pair, tmp_path):
     bf16 = tiny_pair["tiny-minicpmv47-bf16"]
+    text = tmp_path / "short.txt"  # the reference is observed before the candidate fails: keep it short
+    text.write_text(python_docs_text()[:10_000])
     res = run_cli(
         "run",
         "--ckpt",
@@ -124,10 +145,10 @@ def test_forcing_backend_intref_on_a_bf16_candidate_is_an_input_error(tiny_pair,
         "ppl",
         "--backend",
         "intref",
-        "--corpus",
-        "python-docs",
+        "--text-file",
+        text,
         "--out",
-        tmp_path,
+        tmp_path / "run",
         "--quiet",
     )
     assert res.returncode == 2
