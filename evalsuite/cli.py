@@ -32,6 +32,9 @@ DEFAULT_FIXTURES = Path(
     os.environ.get("EVALSUITE_FIXTURES", Path.home() / ".cache" / "evalsuite" / "fixtures")
 )
 DEMO_CKPT, DEMO_REF = "smollm2-135m-w4a8", "smollm2-135m-bf16"
+# `smoke` is left out: the round-to-nearest W4A8 copy of a 135 M model loses an answer, which `smoke` rightly
+# fails; `evalsuite run --tasks smoke` shows it. `vision` does not apply to a text-only model.
+DEMO_TASKS = "ppl,tensors,intref"
 
 
 def resolve_source(source: str, fixtures: Path = DEFAULT_FIXTURES) -> str:
@@ -266,12 +269,13 @@ def demo_command(
     fixtures: Annotated[Path, typer.Option(help="Where the SmolLM2 pair is built.")] = DEFAULT_FIXTURES,
     out: Annotated[Path, typer.Option(help="Run folder.")] = Path("reports") / DEMO_CKPT,
     corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
+    tasks: Annotated[str, typer.Option(help="Comma-separated tasks.")] = DEMO_TASKS,
     record: Annotated[
         Path | None, typer.Option(help="Also (re)record the reference into this folder first.")
     ] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
-    """Build the SmolLM2-135M BF16 / W4A8 pair if needed, run `ppl` on it, and write the model card.
+    """Build the SmolLM2-135M BF16 / W4A8 pair if needed, run the suite on it, and write the model card.
 
     The committed examples are regenerated, from the repository root, by
     `evalsuite demo --corpus python-docs --record reference_outputs/smollm2-135m-bf16`.
@@ -294,7 +298,7 @@ def demo_command(
     request = RunRequest(
         ckpt=str(built[DEMO_CKPT]),
         ref=str(built[DEMO_REF]),
-        tasks=["ppl"],
+        tasks=[t.strip() for t in tasks.split(",") if t.strip()],
         out=out,
         context=RunContext(corpus_name=corpus),
     )
