@@ -123,6 +123,10 @@ class TaskSpec(StrictModel):
 
     COMPARE_ONLY: ClassVar[frozenset[str]] = frozenset({"description", "thresholds", "regression", "compare"})
 
+    def threshold_checks(self, values: dict[str, Any]) -> list[Check]:
+        """The checks of every threshold of the spec on a task's metric values (missing values fail)."""
+        return [c for name, t in self.thresholds.items() for c in apply_threshold(name, values.get(name), t)]
+
     @property
     def sha256(self) -> str:
         """Identity of the validated spec (not of its file's formatting)."""

@@ -18,7 +18,7 @@ from evalsuite import metrics, plots
 from evalsuite.backends.intref import ActivationSpec, unsupported_reason
 from evalsuite.errors import InputError
 from evalsuite.side import Side
-from evalsuite.spec import TaskSpec, apply_threshold
+from evalsuite.spec import TaskSpec
 from evalsuite.task import Observation, TaskResult, TaskSkipped, task
 from evalsuite.tasks.ppl import Perplexity, PplSpec
 
@@ -127,9 +127,7 @@ class IntegerReference(Perplexity):
             "int_experts": ints.meta["int_experts"],
             "int_experts_total": ints.meta["int_experts_total"],
         }
-        checks = [
-            c for name, t in self.spec.thresholds.items() for c in apply_threshold(name, values.get(name), t)
-        ]
+        checks = self.spec.threshold_checks(values)
         plots.kld_histogram(kld_ih, artifacts / "intref_kld_int_vs_hf.png", "full-vocabulary, KL(int ‖ hf)")
         return TaskResult.from_checks(
             values,

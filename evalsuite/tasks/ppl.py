@@ -16,7 +16,7 @@ from evalsuite.corpus import Corpus
 from evalsuite.errors import InputError
 from evalsuite.recording import tokenizer_sha256
 from evalsuite.side import Side
-from evalsuite.spec import StrictModel, TaskSpec, apply_threshold
+from evalsuite.spec import StrictModel, TaskSpec
 from evalsuite.task import Observation, RunContext, TaskResult, task
 
 
@@ -398,9 +398,7 @@ class Perplexity:
                 f"text too short for the protocol: {ref.meta['n_windows']} of "
                 f"{self.spec.protocol.starts.count} windows fit ({ref.meta['n_tokens_text']} tokens)"
             )
-        checks = [
-            c for name, t in self.spec.thresholds.items() for c in apply_threshold(name, values.get(name), t)
-        ]
+        checks = self.spec.threshold_checks(values)
         return TaskResult.from_checks(
             values, checks, artifacts=self.plot(ref, nll_ckpt, kld, estimator, artifacts)
         )

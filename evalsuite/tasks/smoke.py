@@ -16,7 +16,7 @@ from evalsuite import metrics
 from evalsuite.errors import InputError
 from evalsuite.recording import tokenizer_sha256
 from evalsuite.side import Side
-from evalsuite.spec import StrictModel, TaskSpec, apply_threshold
+from evalsuite.spec import StrictModel, TaskSpec
 from evalsuite.task import Observation, RunContext, TaskResult, task
 
 DIVERGENCE_MARK = "⟦"  # where the two answers part, inside each answer in report.md
@@ -173,9 +173,7 @@ class Smoke:
             counts["ref_pass_ckpt_fail"] += row["ref_pass"] and not row["ckpt_pass"]
             rows.append(row)
         values: dict[str, Any] = {"n_prompts": n, **counts}
-        checks = [
-            c for name, t in self.spec.thresholds.items() for c in apply_threshold(name, values.get(name), t)
-        ]
+        checks = self.spec.threshold_checks(values)
         return TaskResult.from_checks(values, checks, details=rows)
 
     def compare_prompt(self, i: int, prompt: Prompt, ref: Observation, ckpt: Observation) -> dict[str, Any]:

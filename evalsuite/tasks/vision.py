@@ -17,7 +17,7 @@ from evalsuite.errors import InputError
 from evalsuite.multimodal import NoImagePath, image_question_inputs
 from evalsuite.run_folder import write_atomic
 from evalsuite.side import Side
-from evalsuite.spec import StrictModel, TaskSpec, apply_threshold
+from evalsuite.spec import StrictModel, TaskSpec
 from evalsuite.task import Observation, RunContext, TaskResult, TaskSkipped, task
 
 RGB = tuple[int, int, int]
@@ -198,9 +198,7 @@ class Vision:
             "first_tokens_compared": steps,
             "answers_identical": d is None,
         }
-        checks = [
-            c for name, t in self.spec.thresholds.items() for c in apply_threshold(name, values.get(name), t)
-        ]
+        checks = self.spec.threshold_checks(values)
         # Drawn again from the spec for the report (the observation keys guarantee the same spec).
         png = io.BytesIO()
         draw(self.spec.image).save(png, format="PNG")
