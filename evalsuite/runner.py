@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from evalsuite import __version__
-from evalsuite.backends import load_backend
+from evalsuite.backends import backend_identity, load_backend
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import EvalsuiteError, InputError
 from evalsuite.recording import Recording, inputs_digest, is_recording, write_recording
@@ -126,6 +126,7 @@ def observation_key(task: Task, side: Side, inputs: dict[str, Any]) -> str:
         "task": task.name,
         "spec": task.spec.observation_sha256,
         "side": side.fingerprint(),
+        "backend": backend_identity(side.options),
         "inputs": inputs_digest(inputs),
         "evalsuite": __version__,
     }

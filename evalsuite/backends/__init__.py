@@ -6,7 +6,7 @@ executes it). Backends are loaded by the runner for one side at a time and close
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -26,12 +26,33 @@ class Backend(Protocol):
         """
         ...
 
+    def generate_greedy(
+        self, inputs: dict[str, torch.Tensor], max_new_tokens: int, top_k: int = 5, full_steps: int = 0
+    ) -> Any:
+        """Greedy decoding of one prompt with the top-k log-probs of every step (see `hf.Generation`)."""
+        ...
+
+    def image_features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The vision tower and merger's output for the image inputs, float32, one row per visual token."""
+        ...
+
     def close(self) -> None:
         """Free the model (and the accelerator memory it holds)."""
         ...
 
 
 BACKENDS = ("hf", "intref")
+
+
+def backend_identity(options: BackendOptions) -> dict[str, Any]:
+    """What, beyond its options, decides a backend's numbers: part of every observation's key, so that a
+    resumed run never reuses observations made under another convention."""
+    if options.backend == "intref":
+        from evalsuite.backends.intref import activation_convention
+
+        convention = activation_convention()
+        return {"activations": {"divisor": convention.divisor, "rounding": convention.rounding}}
+    return {}
 
 
 def load_backend(checkpoint, options: BackendOptions) -> Backend:
