@@ -164,3 +164,48 @@ def test_smollm2_smoke_answers_paris_and_the_report_shows_both_answers(smollm2_p
     assert "Paris" in france["ref_answer"] and france["ref_pass"]
     report = (tmp_path / "report.md").read_text()
     assert "capital-france" in report and "ref_answer" in report and "ckpt_answer" in report
+
+
+def test_smoke_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tmp_path):
+    """A copy with every weight scale ×4 loses the answer the reference gives and leaves its top-5."""
+    import re
+
+    ref = tiny_pair["tiny-minicpmv47-bf16"]
+    broken = copy_checkpoint(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "wrong-scale")
+    shard = broken / "model.safetensors"
+    with safe_open(str(shard), "pt") as fh:
+        metadata = fh.metadata()
+    tensors = {k: v * 4 if k.endswith("weight_scale") else v for k, v in load_file(str(shard)).items()}
+    save_file(tensors, str(shard), metadata=metadata)
+    # The random reference answers gibberish; a prompt whose expected answer is the start of that gibberish
+    # is one the reference passes, so the candidate must pass it too.
+    first = run_cli(
+        "run", "--ckpt", ref, "--ref", ref, "--tasks", "smoke", "--out", tmp_path / "ref", "--quiet"
+    )
+    answer = task_result(tmp_path / "ref", "smoke")["details"][0]["ref_answer"]
+    assert first.returncode in (0, 1) and len(answer) >= 8, first.stderr
+    spec = tmp_path / "smoke.toml"
+    spec.write_text(
+        "[thresholds]\nref_pass_ckpt_fail = { max = 0 }\ndiverged_outside_top5 = { max = 0 }\n\n"
+        '[[prompts]]\nid = "echo"\ncategory = "factual"\nprompt = "What is the capital of France?"\n'
+        f"max_new_tokens = 24\nexpect = {json.dumps(re.escape(answer[:8]))}\n"
+    )
+    res = run_cli(
+        "run",
+        "--ckpt",
+        broken,
+        "--ref",
+        ref,
+        "--tasks",
+        "smoke",
+        "--spec",
+        f"smoke={spec}",
+        "--out",
+        tmp_path / "out",
+        "--quiet",
+    )
+    assert res.returncode == 1, res.stderr
+    smoke = task_result(tmp_path / "out", "smoke")
+    assert smoke["metrics"]["ref_pass"] == 1 and smoke["metrics"]["ckpt_pass"] == 0
+    failed = {c["name"] for c in smoke["checks"] if not c["passed"]}
+    assert failed == {"ref_pass_ckpt_fail", "diverged_outside_top5"}
