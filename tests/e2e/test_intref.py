@@ -220,3 +220,41 @@ def test_smollm2_pair_passes_intref_with_every_layer_integer(smollm2_pair, tmp_p
     assert 1.0 < m["ppl_int_ratio"] < 1.7
     # One W4A8 model executed twice: they differ by rounding, which W4A8 amplifies (see intref.toml).
     assert abs(math.log(m["ppl_int"] / m["ppl_hf"])) < 0.05 and m["same_top_int_vs_hf"] > 0.8
+
+
+def test_intref_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tmp_path):
+    """Every weight scale ×4: bounds the good tiny copy meets (1.0008, 1.5e-6, 0.978) all fail."""
+    from safetensors.torch import load_file
+
+    broken = copy_checkpoint(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "wrong-scale")
+    shard = broken / "model.safetensors"
+    with safe_open(str(shard), "pt") as fh:
+        metadata = fh.metadata()
+    tensors = {k: v * 4 if k.endswith("weight_scale") else v for k, v in load_file(str(shard)).items()}
+    save_file(tensors, str(shard), metadata=metadata)
+    bounds = tmp_path / "tiny.toml"
+    bounds.write_text(
+        "[intref]\nppl_int_ratio = { max = 1.01 }\nkld_int_vs_hf = { max = 1e-4 }\n"
+        "same_top_int_vs_hf = { min = 0.95 }\n"
+    )
+    args = (
+        "--ref",
+        tiny_pair["tiny-minicpmv47-bf16"],
+        "--tasks",
+        "intref",
+        "--corpus",
+        "python-docs",
+        "--thresholds",
+        bounds,
+        "--quiet",
+    )
+    good = run_cli("run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], "--out", tmp_path / "good", *args)
+    bad = run_cli("run", "--ckpt", broken, "--out", tmp_path / "bad", *args)
+    assert good.returncode == 0, good.stderr
+    assert bad.returncode == 1, bad.stderr
+    checks = json.loads((tmp_path / "bad" / "results.json").read_text())["tasks"]["intref"]["checks"]
+    assert {c["name"] for c in checks if not c["passed"]} == {
+        "ppl_int_ratio",
+        "kld_int_vs_hf",
+        "same_top_int_vs_hf",
+    }
