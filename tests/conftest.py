@@ -6,8 +6,10 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,4 +63,24 @@ def run_cli(*args: str | Path, cwd: Path | None = None, timeout: float = 1200) -
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     """A writable copy of a fixture checkpoint, for building a broken variant of it."""
     shutil.copytree(src, dst)
+    return dst
+
+
+def edit_tensors(folder: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
+    """Rewrite a checkpoint's one shard with `edit(tensors)` applied to the name → tensor dict (in place)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    shard = folder / "model.safetensors"
+    with safe_open(str(shard), "pt") as fh:
+        metadata = fh.metadata()
+    tensors = load_file(str(shard))
+    edit(tensors)
+    save_file(tensors, str(shard), metadata=metadata)
+
+
+def wrong_scale_copy(src: Path, dst: Path, factor: float = 4.0) -> Path:
+    """A copy of a compressed-tensors checkpoint with every `weight_scale` multiplied by `factor`."""
+    copy_checkpoint(src, dst)
+    edit_tensors(dst, lambda t: t.update({k: v * factor for k, v in t.items() if k.endswith("weight_scale")}))
     return dst

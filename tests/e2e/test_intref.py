@@ -8,14 +8,13 @@ import re
 
 import pytest
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from evalsuite.backends.intref import IntrefBackend, unsupported_reason
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.corpus import python_docs_text
 from evalsuite.errors import InputError
 from evalsuite.side import BackendOptions
-from tests.conftest import copy_checkpoint, run_cli
+from tests.conftest import copy_checkpoint, edit_tensors, run_cli, wrong_scale_copy
 
 METRICS = (
     "ppl_ref",
@@ -157,11 +156,7 @@ def test_forcing_backend_intref_on_a_bf16_candidate_is_an_input_error(tiny_pair,
 
 def test_a_tensor_missing_from_the_files_is_refused_not_left_random(tiny_pair, tmp_path):
     broken = copy_checkpoint(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "no-final-norm")
-    shard = broken / "model.safetensors"
-    with safe_open(str(shard), "pt") as fh:
-        metadata = fh.metadata()
-        tensors = {k: fh.get_tensor(k) for k in fh.keys() if k != "model.language_model.norm.weight"}  # noqa: SIM118
-    save_file(tensors, str(shard), metadata=metadata)
+    edit_tensors(broken, lambda tensors: tensors.pop("model.language_model.norm.weight"))
     with pytest.raises(InputError, match=r"1 tensors missing from the files \(model\.language_model\.norm"):
         IntrefBackend(Checkpoint.open(broken), BackendOptions(backend="intref"))
 
@@ -224,14 +219,7 @@ def test_smollm2_pair_passes_intref_with_every_layer_integer(smollm2_pair, tmp_p
 
 def test_intref_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tmp_path):
     """Every weight scale ×4: bounds the good tiny copy meets (1.0008, 1.5e-6, 0.978) all fail."""
-    from safetensors.torch import load_file
-
-    broken = copy_checkpoint(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "wrong-scale")
-    shard = broken / "model.safetensors"
-    with safe_open(str(shard), "pt") as fh:
-        metadata = fh.metadata()
-    tensors = {k: v * 4 if k.endswith("weight_scale") else v for k, v in load_file(str(shard)).items()}
-    save_file(tensors, str(shard), metadata=metadata)
+    broken = wrong_scale_copy(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "wrong-scale")
     bounds = tmp_path / "tiny.toml"
     bounds.write_text(
         "[intref]\nppl_int_ratio = { max = 1.01 }\nkld_int_vs_hf = { max = 1e-4 }\n"

@@ -135,18 +135,9 @@ def test_short_text_scores_the_windows_that_fit_and_says_so(tiny_pair, tmp_path)
 
 def test_wrong_scales_fail_both_checks_that_the_good_copy_passes(tiny_pair, tmp_path):
     """A W4A8 copy whose weight scales are all ×4: the ppl checks must catch it."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from tests.conftest import wrong_scale_copy
 
-    from tests.conftest import copy_checkpoint
-
-    broken = copy_checkpoint(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "wrong-scale")
-    shard = broken / "model.safetensors"
-    with safe_open(str(shard), "pt") as fh:
-        metadata = fh.metadata()
-    tensors = load_file(str(shard))
-    tensors = {k: v * 4 if k.endswith("weight_scale") else v for k, v in tensors.items()}
-    save_file(tensors, str(shard), metadata=metadata)
+    broken = wrong_scale_copy(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "wrong-scale")
     # Bounds the good tiny copy meets (it measures ppl_ratio 1.0008, same_top_p 0.91).
     thresholds = tmp_path / "tiny.toml"
     thresholds.write_text("[ppl]\nppl_ratio = { max = 1.01 }\nsame_top_p = { min = 0.85 }\n")

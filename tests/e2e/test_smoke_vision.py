@@ -6,10 +6,8 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
-from tests.conftest import copy_checkpoint, run_cli
+from tests.conftest import copy_checkpoint, edit_tensors, run_cli, wrong_scale_copy
 
 
 def task_result(run_dir, name):
@@ -60,16 +58,15 @@ def test_replay_gives_the_live_results_for_smoke_and_vision(tiny_smoke_vision):
 
 def test_a_perturbed_vision_tower_shows_the_drop(tiny_pair, tmp_path):
     ckpt = copy_checkpoint(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "perturbed")
-    shard = ckpt / "model.safetensors"
-    with safe_open(str(shard), "pt") as fh:
-        metadata = fh.metadata()
-    tensors = load_file(str(shard))
     generator = torch.Generator().manual_seed(0)
-    for name, value in tensors.items():
-        if "vision_tower" in name and name.endswith(".weight") and value.ndim == 2:
-            noise = torch.randn(value.shape, generator=generator) * value.float().std()
-            tensors[name] = (value.float() + noise).to(value.dtype)
-    save_file(tensors, str(shard), metadata=metadata)
+
+    def add_noise(tensors):
+        for name, value in tensors.items():
+            if "vision_tower" in name and name.endswith(".weight") and value.ndim == 2:
+                noise = torch.randn(value.shape, generator=generator) * value.float().std()
+                tensors[name] = (value.float() + noise).to(value.dtype)
+
+    edit_tensors(ckpt, add_noise)
     res = run_cli(
         "run",
         "--ckpt",
@@ -171,12 +168,7 @@ def test_smoke_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tmp_path
     import re
 
     ref = tiny_pair["tiny-minicpmv47-bf16"]
-    broken = copy_checkpoint(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "wrong-scale")
-    shard = broken / "model.safetensors"
-    with safe_open(str(shard), "pt") as fh:
-        metadata = fh.metadata()
-    tensors = {k: v * 4 if k.endswith("weight_scale") else v for k, v in load_file(str(shard)).items()}
-    save_file(tensors, str(shard), metadata=metadata)
+    broken = wrong_scale_copy(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "wrong-scale")
     # The random reference answers gibberish; a prompt whose expected answer is the start of that gibberish
     # is one the reference passes, so the candidate must pass it too.
     first = run_cli(

@@ -18,7 +18,7 @@ from evalsuite.side import BackendOptions, Side
 from evalsuite.spec import default_spec_path, load_spec
 from evalsuite.task import RunContext, TaskSkipped
 from evalsuite.tasks.tensors import Tensors, TensorsSpec
-from tests.conftest import copy_checkpoint, run_cli
+from tests.conftest import copy_checkpoint, edit_tensors, run_cli
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
 
@@ -92,14 +92,6 @@ def candidate(tiny_pair, tmp_path) -> Path:
     path = copy_checkpoint(tiny_pair[TINY_W4A8], tmp_path / "candidate")
     (path / MANIFEST_NAME).unlink()
     return path
-
-
-def edit_tensors(folder: Path, edit) -> None:
-    """Rewrite the candidate's one shard with `edit(tensors)` applied."""
-    shard = folder / "model.safetensors"
-    tensors = load_file(str(shard))
-    edit(tensors)
-    save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
 def edit_config(folder: Path, edit) -> None:
