@@ -29,6 +29,7 @@ import numpy as np
 
 from evalsuite import metrics
 from evalsuite.checkpoint import DTYPE_SIZES, FLOAT_DTYPES, Checkpoint, TensorInfo
+from evalsuite.spec import StrictModel
 
 ModuleKind = Literal["linear", "embedding", "router", "state", "norm", "other"]
 Part = Literal["text", "head", "vision", "mtp"]
@@ -67,8 +68,7 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(match_name(name, pattern) for pattern in patterns)
 
 
-@dataclass(frozen=True)
-class ModuleRules:
+class ModuleRules(StrictModel):
     """How a module is told apart from its name and its source weight, since no model is ever built.
 
     A Linear is a module whose source `.weight` is 2-D, unless its name matches `embedding` (token and

@@ -23,17 +23,6 @@ from evalsuite.task import RunContext, TaskResult, TaskSkipped, task
 SOURCE_FORMATS = ("bf16", "fp16", "fp32")
 
 
-class Modules(StrictModel):
-    """How modules are told apart by name (see `evalsuite.formats.ModuleRules`)."""
-
-    embedding: tuple[str, ...] = ()
-    router: tuple[str, ...] = ()
-    state: tuple[str, ...] = ()
-    head: tuple[str, ...] = ()
-    vision: tuple[str, ...] = ()
-    mtp: tuple[str, ...] = ()
-
-
 class CompareOptions(StrictModel):
     # metric → the metric it must equal (by name) or the literal it must equal
     equal: dict[str, str | bool | int] = Field(default_factory=dict)
@@ -41,7 +30,7 @@ class CompareOptions(StrictModel):
 
 
 class TensorsSpec(TaskSpec):
-    modules: Modules = Modules()
+    modules: ModuleRules = ModuleRules()
     compare: CompareOptions = CompareOptions()
 
 
@@ -97,7 +86,7 @@ class Tensors:
 
     def compare_files(self, ref: Side, ckpt: Side, inputs: dict[str, Any], artifacts: Path) -> TaskResult:
         """Stream both checkpoints, then metrics, checks, tensors.json and the error plot."""
-        rules = ModuleRules(**dict(self.spec.modules))
+        rules = self.spec.modules
         found = verify_tensors(ref.checkpoint, ckpt.checkpoint, rules)
         values = found.summary()
         checks, unchecked = [], []
