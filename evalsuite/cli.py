@@ -68,6 +68,11 @@ def read_thresholds(path: Path | None) -> dict:
     return data
 
 
+def task_names(tasks: str) -> list[str]:
+    """`--tasks a,b,c` as a list of names."""
+    return [t.strip() for t in tasks.split(",") if t.strip()]
+
+
 def parse_specs(items: list[str] | None) -> dict[str, Path]:
     """`--spec TASK=PATH` (repeatable): a spec file that replaces the shipped tasks/TASK.toml."""
     specs = {}
@@ -173,7 +178,7 @@ def run_command(
         ckpt=ckpt_source,
         ref=ref_source,
         ckpt_options=dataclasses.replace(options, backend=backend),
-        tasks=[t.strip() for t in tasks.split(",") if t.strip()],
+        tasks=task_names(tasks),
         out=out or Path("reports") / Path(ckpt_source.rstrip("/")).name,
         context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
         ref_options=options,
@@ -207,7 +212,7 @@ def record_command(
 
     request = RecordRequest(
         ckpt=resolve_source(ckpt, fixtures),
-        tasks=[t.strip() for t in tasks.split(",") if t.strip()],
+        tasks=task_names(tasks),
         out=out,
         context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
         options=BackendOptions(dtype=dtype, device=device, trust_remote_code=trust_remote_code),
@@ -298,7 +303,7 @@ def demo_command(
     request = RunRequest(
         ckpt=str(built[DEMO_CKPT]),
         ref=str(built[DEMO_REF]),
-        tasks=[t.strip() for t in tasks.split(",") if t.strip()],
+        tasks=task_names(tasks),
         out=out,
         context=RunContext(corpus_name=corpus),
     )
