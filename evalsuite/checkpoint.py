@@ -26,6 +26,8 @@ from evalsuite.errors import DependencyError, InputError
 if TYPE_CHECKING:
     import torch
 
+    from evalsuite.digest import DigestCache
+
 CheckpointFormat = Literal["bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf"]
 
 CONFIG_FILE = "config.json"
@@ -64,6 +66,23 @@ DTYPE_SIZES: dict[str, int] = {
 FLOAT_DTYPES = frozenset(d for d in DTYPE_SIZES if d.startswith(("F", "BF")))
 _FORMAT_OF_FLOAT_DTYPE: dict[str, CheckpointFormat] = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 _QUANT_METHODS: dict[str, CheckpointFormat] = {"compressed-tensors": "compressed-tensors", "exl3": "exl3"}
+
+# Files that hold what a tokenizer does; two checkpoints whose files are byte-identical tokenize alike.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+# Files of a checkpoint folder that say nothing about how the model computes: documentation, pictures,
+# repository metadata. Every other top-level file is part of the checkpoint's content.
+_NOT_CONTENT = re.compile(
+    r"(?i)^(readme|licen[cs]e|notice|copying|citation|use_policy)|\.(md|rst|png|jpe?g|gif|svg|webp|pdf)$|^\.git"
+)
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -148,6 +167,53 @@ class Checkpoint:
         if not path.is_file():
             raise InputError("missing from the checkpoint folder", path)
         return path
+
+    def content_files(self) -> list[Path]:
+        """Every top-level file of the folder that can change what the model computes or how it tokenizes:
+        weights, configs, tokenizer, processor, chat template, code; not documentation. Sorted by name."""
+        files = {p for p in self.path.iterdir() if p.is_file() and not _NOT_CONTENT.search(p.name)}
+        # Shards may live in sub-folders of the index; they are content too.
+        files.update(self.shards)
+        if self.gguf_file is not None:
+            files.add(self.gguf_file)
+        return sorted(files, key=lambda p: p.relative_to(self.path).as_posix())
+
+    def content_sha256(self, cache: DigestCache | None = None) -> str:
+        """A digest of every byte of `content_files()` (names and bytes): the identity of what a backend
+        reads. Streams every file once; `cache` skips files unchanged since they were last hashed."""
+        from evalsuite.digest import DigestCache
+
+        cache = cache or DigestCache()
+        files = self.content_files()
+        digests = cache.sha256_many(files)
+        hasher = hashlib.sha256()
+        for path in files:
+            _hash_parts(hasher, path.relative_to(self.path).as_posix().encode(), digests[path].encode())
+        return hasher.hexdigest()
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        """Hash of the tokenizer files present in the folder (names and bytes)."""
+        digest = hashlib.sha256()
+        for name in TOKENIZER_FILES:
+            path = self.path / name
+            if path.is_file():
+                digest.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+        return digest.hexdigest()
+
+    def load_tokenizer(self, *, trust_remote_code: bool = False) -> Any:
+        """The checkpoint's own tokenizer, read from its files by Transformers (no model)."""
+        from transformers import AutoTokenizer
+
+        kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+        if self.gguf_file is not None:
+            kwargs["gguf_file"] = self.gguf_file.name
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path), **kwargs)
+        except Exception as exc:
+            text = str(exc).strip()
+            msg = text.splitlines()[0] if text else type(exc).__name__
+            raise InputError(f"cannot load the tokenizer: {msg}", self.path) from None
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """Read one tensor (a CPU copy) through safetensors."""

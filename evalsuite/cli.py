@@ -108,8 +108,10 @@ def _progress_columns():
     )
 
 
-def _announce_load(side) -> None:
-    console.print(f"loading {side.role}: {side.checkpoint.path} ({side.checkpoint.format})")
+def _announce_load(side, options) -> None:
+    console.print(
+        f"loading {side.role}: {side.checkpoint.path} ({side.checkpoint.format}, backend {options.backend})"
+    )
 
 
 def execute(request, quiet: bool = False, junit: Path | None = None, model_card: bool = False) -> int:
@@ -164,12 +166,16 @@ def run_command(
     device: Device = "cpu",
     trust_remote_code: Annotated[bool, typer.Option(help="Allow code from the checkpoint folders.")] = False,
     resume: Annotated[bool, typer.Option(help="Reuse observations saved by an earlier run.")] = True,
+    keep_observations: Annotated[
+        bool,
+        typer.Option(help="Keep this run's observations in OUT/observations (for resuming, re-comparing)."),
+    ] = True,
     fixtures: Annotated[Path, typer.Option(help="Where fixture names are looked up.")] = DEFAULT_FIXTURES,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
     """Compare a candidate checkpoint with its reference and write reports/NAME/{results.json,report.md}."""
+    from evalsuite.backends.options import BackendOptions
     from evalsuite.runner import RunRequest
-    from evalsuite.side import BackendOptions
     from evalsuite.task import RunContext
 
     ckpt_source, ref_source = resolve_source(ckpt, fixtures), resolve_source(ref, fixtures)
@@ -183,9 +189,11 @@ def run_command(
         context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
         ref_options=options,
         thresholds=read_thresholds(thresholds),
+        thresholds_file=thresholds,
         specs=parse_specs(spec),
         baseline=baseline,
         resume=resume,
+        keep_observations=keep_observations,
     )
     return execute(request, quiet=quiet, junit=junit)
 
@@ -206,8 +214,8 @@ def record_command(
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
     """Observe one checkpoint and save a compact recording that `run --ref` accepts instead of the model."""
+    from evalsuite.backends.options import BackendOptions
     from evalsuite.runner import RecordRequest, record
-    from evalsuite.side import BackendOptions
     from evalsuite.task import RunContext
 
     request = RecordRequest(
@@ -312,13 +320,12 @@ def demo_command(
 
 @app.command("tasks")
 def tasks_command() -> int:
-    """List the registered tasks and their spec files."""
-    from evalsuite.spec import default_spec_path
-    from evalsuite.task import registered_tasks
+    """List the registered tasks, where each one's spec comes from, and what it does."""
+    from evalsuite.registry import registered_tasks, spec_source
 
     for name, cls in registered_tasks().items():
         doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-        print(f"{name}\t{default_spec_path(name)}\t{doc}")
+        print(f"{name}\t{spec_source(cls)}\t{cls.__module__}\t{doc}")
     return 0
 
 

@@ -1,17 +1,19 @@
 """Recordings: an observed reference side saved to disk, so that `--ref` need not load the model again.
 
-`evalsuite record` observes one checkpoint and keeps, per task, the compact observation that a later
-comparison needs (safetensors arrays and JSON, never pickle), with a manifest of everything it depends on: the
-checkpoint's fingerprint, each task's spec, the inputs' hashes, the tokenizer, the package versions. A run
-given a recording as `--ref` reads it instead of loading a model, and refuses it, with the reason, when it
-was made from another spec, text, tokenizer or protocol: a stale reference is never compared silently.
+`evalsuite record` observes one checkpoint and keeps, per observation the tasks need of a reference, the
+compact form a later comparison needs (safetensors arrays and JSON, never pickle), with a manifest of
+everything it depends on: the checkpoint's content digest (every byte of its weights), each observation's
+identity (the part of the spec that shaped it), the inputs' hashes, the tokenizer, the execution, the package
+versions. A run given a recording as `--ref` reads it instead of loading a model, and refuses it, with the
+reason, when it was made from another spec, text, tokenizer or protocol: a stale reference is never compared
+silently.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,21 +22,12 @@ from typing import Any
 from evalsuite import __version__
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
+from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
-from evalsuite.task import Observation, Task
 
-SCHEMA = "evalsuite.recording/1"
+SCHEMA = "evalsuite.recording/2"
 MANIFEST = "manifest.json"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+_OBSERVER_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 # What a differing input means, in the words a user needs to act on it.
 INPUT_MISMATCH = {
@@ -42,6 +35,8 @@ INPUT_MISMATCH = {
     "corpus": "it was recorded on another corpus",
     "n_tokens_text": "the candidate's tokenizer splits the text differently (another tokenizer)",
     "tokens_sha256": "the candidate's tokenizer gives other token ids (another tokenizer)",
+    "prompts_sha256": "the candidate's tokenizer or chat template makes other prompt tokens",
+    "inputs_sha256": "the candidate's processor makes other image inputs",
 }
 
 
@@ -58,24 +53,22 @@ def is_recording(source: str | Path) -> bool:
         return False
 
 
-def tokenizer_sha256(checkpoint: Checkpoint) -> str:
-    """Hash of the tokenizer files present in a checkpoint folder (names and bytes)."""
-    digest = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        path = checkpoint.path / name
-        if path.is_file():
-            digest.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()
+@dataclass(frozen=True)
+class RecordedObservation:
+    """One observation to record: the observer's name and identity, the inputs' hashes, the tasks that need
+    it, the backend it was made on, and its compact form."""
 
-
-def inputs_digest(inputs: dict[str, Any]) -> dict[str, Any]:
-    """The JSON-able scalar part of a task's inputs: hashes, names and counts, not arrays."""
-    return {k: v for k, v in sorted(inputs.items()) if isinstance(v, str | int | float | bool)}
+    name: str
+    identity: dict[str, Any]
+    inputs: dict[str, Any]
+    tasks: tuple[str, ...]
+    backend: str
+    observation: Observation
 
 
 @dataclass(frozen=True)
 class Recording:
-    """A recording folder: `manifest.json` and one sub-folder per recorded task."""
+    """A recording folder: `manifest.json` and one sub-folder per recorded observation."""
 
     path: Path
     manifest: dict[str, Any]
@@ -93,43 +86,63 @@ class Recording:
             raise InputError(f"invalid JSON: {exc}", manifest_path) from None
         if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
             found = manifest.get("schema") if isinstance(manifest, dict) else None
-            raise InputError(f"recording schema {found!r}; this evalsuite reads {SCHEMA!r}", manifest_path)
-        for key in ("checkpoint", "tasks"):
+            raise InputError(
+                f"recording schema {found!r}; this evalsuite reads {SCHEMA!r} (record the reference again)",
+                manifest_path,
+            )
+        for key in ("checkpoint", "observations"):
             if not isinstance(manifest.get(key), dict):
                 raise InputError(f"manifest has no `{key}` table", manifest_path)
         return cls(path=path, manifest=manifest)
 
     @property
     def fingerprint(self) -> str:
-        """The fingerprint of the checkpoint that was recorded."""
+        """The fingerprint (config and headers) of the checkpoint that was recorded."""
         return str(self.manifest["checkpoint"].get("fingerprint"))
 
-    def check(self, task: Task, inputs: dict[str, Any]) -> None:
-        """Refuse this recording for `task` unless it was made with the same spec and the same inputs."""
-        entry = self.manifest["tasks"].get(task.name)
-        if entry is None:
-            recorded = ", ".join(sorted(self.manifest["tasks"])) or "nothing"
+    @property
+    def content_sha256(self) -> str:
+        """The content digest of the checkpoint that was recorded."""
+        return str(self.manifest["checkpoint"].get("content_sha256"))
+
+    @property
+    def tasks(self) -> list[str]:
+        """Every task some recorded observation serves."""
+        names = {t for entry in self.manifest["observations"].values() for t in entry.get("tasks", [])}
+        return sorted(names)
+
+    def observation(
+        self, task: str, name: str, identity: dict[str, Any], inputs: dict[str, Any], backend: str
+    ) -> Observation:
+        """The recorded observation `name` for `task`, refused (InputError, with the reason a user can act
+        on) unless it was made with the same identity, on the same inputs and backend."""
+        entry = self.manifest["observations"].get(name)
+        if not isinstance(entry, dict):
+            held = ", ".join(self.tasks) or "nothing"
             raise InputError(
-                f"the recording has no `{task.name}` (it holds {recorded}); "
-                f"record it with --tasks {task.name}",
+                f"the recording has nothing `{task}` needs (it holds {held}); record it with --tasks {task}",
                 self.path,
             )
-        if entry.get("spec_sha256") != task.spec.observation_sha256:
+        if entry.get("identity") != identity:
+            recorded = entry.get("identity") or {}
+            keys = sorted(k for k in {*recorded, *identity} if recorded.get(k) != identity.get(k))
             raise InputError(
-                f"it was recorded with another `{task.name}` spec (protocol or record settings differ)",
+                f"it was recorded with another `{task}` spec ({', '.join(keys) or 'settings'} differ)",
                 self.path,
             )
         recorded_inputs = entry.get("inputs", {})
-        for key, value in inputs_digest(inputs).items():
+        for key, value in inputs.items():
             if recorded_inputs.get(key) != value:
                 reason = INPUT_MISMATCH.get(key, f"it was recorded with other inputs ({key} differs)")
                 raise InputError(f"{reason}: recorded {recorded_inputs.get(key)!r}, now {value!r}", self.path)
-
-    def observation(self, task_name: str) -> Observation:
-        """The recorded observation of one task."""
-        folder = self.path / task_name
-        if not folder.resolve().is_relative_to(self.path):
-            raise InputError(f"task name {task_name!r} leaves the recording folder", self.path)
+        if entry.get("backend", "hf") != backend:
+            raise InputError(
+                f"`{task}` needs the reference run by {backend}; it was recorded with {entry.get('backend')}",
+                self.path,
+            )
+        folder = (self.path / name).resolve()
+        if not _OBSERVER_NAME.fullmatch(name) or not folder.is_relative_to(self.path):
+            raise InputError(f"observation name {name!r} leaves the recording folder", self.path)
         return Observation.load(folder)
 
     def to_json(self) -> dict[str, Any]:
@@ -139,6 +152,7 @@ class Recording:
             "path": str(self.path),
             "format": "recording",
             "fingerprint": self.fingerprint,
+            "content_sha256": self.content_sha256,
             "recorded_from": {"path": ckpt.get("path"), "format": ckpt.get("format")},
         }
 
@@ -146,12 +160,11 @@ class Recording:
 def write_recording(
     out: Path,
     checkpoint: Checkpoint,
-    tasks: list[Task],
-    inputs: dict[str, dict[str, Any]],
-    observations: dict[str, Observation],
+    content_sha256: str,
+    entries: list[RecordedObservation],
     environment: dict[str, Any],
 ) -> Path:
-    """Write the recording of `observations` into `out`, replacing any older recording there atomically."""
+    """Write a recording of `entries` into `out`, replacing any older recording there atomically."""
     out = Path(out)
     if out.exists() and not is_recording(out):
         raise InputError("exists and is not a recording; refusing to replace it", out)
@@ -166,22 +179,22 @@ def write_recording(
                 "path": str(checkpoint.path),
                 "format": checkpoint.format,
                 "fingerprint": checkpoint.fingerprint,
+                "content_sha256": content_sha256,
                 "model_type": checkpoint.model_type,
             },
-            "tokenizer_sha256": tokenizer_sha256(checkpoint),
+            "tokenizer_sha256": checkpoint.tokenizer_sha256,
             "environment": environment,
-            "tasks": {},
+            "observations": {},
         }
-        for t in tasks:
-            record = getattr(t, "record", None)
-            if record is None:
-                raise InputError(f"task `{t.name}` cannot be recorded")
-            compact = record(observations[t.name], partial / t.name)
-            compact.save(partial / t.name)
-            manifest["tasks"][t.name] = {
-                "spec_sha256": t.spec.observation_sha256,
-                "spec": t.spec.model_dump(mode="json", exclude=set(t.spec.COMPARE_ONLY)),
-                "inputs": inputs_digest(inputs[t.name]),
+        for entry in entries:
+            if not _OBSERVER_NAME.fullmatch(entry.name):
+                raise ValueError(f"observer name {entry.name!r} is not a folder name")
+            entry.observation.save(partial / entry.name)
+            manifest["observations"][entry.name] = {
+                "identity": entry.identity,
+                "inputs": entry.inputs,
+                "tasks": sorted(entry.tasks),
+                "backend": entry.backend,
             }
         write_atomic(partial / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         old = out.parent / f".{out.name}.old-{os.getpid()}"

@@ -28,11 +28,25 @@ def format_number(value: Any) -> str:
     return str(value)
 
 
+def stderr_of(metrics: dict[str, Any], name: str) -> tuple[float | None, str]:
+    """The larger of a metric's per-token and window-clustered standard errors, and which one it is
+    (`token` or `window`); (None, "") when the task reported neither."""
+    token, window = metrics.get(f"{name}_stderr"), metrics.get(f"{name}_stderr_window")
+    token = token if isinstance(token, float) else None
+    window = window if isinstance(window, float) else None
+    if window is not None and (token is None or window > token):
+        return window, "window"
+    return (token, "token") if token is not None else (None, "")
+
+
 def with_stderr(metrics: dict[str, Any], name: str) -> str:
-    """`value ± stderr` when the task reported a standard error for the metric."""
+    """`value ± stderr` when the task reported a standard error for the metric: the larger of the
+    per-token and the window-clustered one, marked `(w)` when it is the window-clustered one."""
     text = format_number(metrics.get(name))
-    err = metrics.get(f"{name}_stderr")
-    return f"{text} ± {format_number(err)}" if isinstance(err, float) else text
+    err, kind = stderr_of(metrics, name)
+    if err is None:
+        return text
+    return f"{text} ± {format_number(err)}" + (" (w)" if kind == "window" else "")
 
 
 def summary_rows(results: dict[str, Any]) -> list[list[str]]:
@@ -137,7 +151,8 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 def write_reports(results: dict[str, Any], folder: RunFolder) -> None:
     """Write results.json and report.md, each atomically."""
-    write_atomic(folder.results_json, json.dumps(results, indent=2, allow_nan=True) + "\n")
+    # Strict JSON: TaskResult.to_json writes every non-finite number as null, with its reason.
+    write_atomic(folder.results_json, json.dumps(results, indent=2, allow_nan=False) + "\n")
     write_atomic(folder.report_md, render_markdown(results))
 
 

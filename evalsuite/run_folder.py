@@ -3,7 +3,7 @@
 Layout of `reports/NAME/`:
     results.json, report.md            the contract and the diff (replaced atomically)
     artifacts/                         plots and tables the tasks produce
-    observations/{ref,ckpt}/TASK/      what each side produced; reused when a run is resumed
+    observations/ROLE-NAME-KEY/        what each side produced, under its key; reused when a run is resumed
 """
 
 from __future__ import annotations
@@ -52,20 +52,40 @@ class RunFolder:
     def artifacts(self) -> Path:
         return self.root / "artifacts"
 
-    def observation(self, role: str, task: str) -> Path:
-        """Folder of one side's observation of one task."""
-        return self.root / "observations" / role / task
+    @property
+    def observations(self) -> Path:
+        return self.root / "observations"
 
-    def scratch(self, role: str, task: str) -> Path:
-        """A fresh folder where an observation is built before it replaces the previous one."""
-        folder = self.root / "observations" / role / f".{task}.partial"
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        return folder
+    def observation(self, role: str, name: str, key: str) -> Path:
+        """Folder of one saved observation: the side, what was observed, and its key (abbreviated)."""
+        return self.observations / f"{role}-{name}-{key[:16]}"
 
-    def commit_observation(self, role: str, task: str, scratch: Path) -> Path:
-        """Move a completed scratch folder into place (replacing an older observation)."""
-        final = self.observation(role, task)
+    def observation_work(self, role: str, name: str, key: str, resume: bool) -> Path:
+        """The folder an observation is made in before it is committed. An interrupted observation left its
+        work here under the same key: kept when resuming (its observer continues from it), else cleared."""
+        work = self.observations / f".{role}-{name}-{key[:16]}.partial"
+        if not resume:
+            shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True, exist_ok=True)
+        return work
+
+    def commit_observation(self, work: Path, final: Path) -> Path:
+        """Move a completed work folder into place (replacing an older observation there)."""
         shutil.rmtree(final, ignore_errors=True)
-        scratch.rename(final)
+        work.rename(final)
         return final
+
+    def prune_observations(self, keep: set[str]) -> None:
+        """Remove saved or partial observations whose key is not in `keep` (made for other weights, specs or
+        inputs: they would never be reused, and each can be a gigabyte)."""
+        if not self.observations.is_dir():
+            return
+        prefixes = {key[:16] for key in keep}
+        for entry in self.observations.iterdir():
+            stem = entry.name.removeprefix(".").removesuffix(".partial")
+            if stem.rsplit("-", 1)[-1] not in prefixes:
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+
+    def remove_observations(self) -> None:
+        """Remove every observation of the run (the reports stay)."""
+        shutil.rmtree(self.observations, ignore_errors=True)

@@ -1,8 +1,19 @@
-"""The runner: open both sides, plan, observe one side at a time, compare, and hand results to the report.
+"""The runner: plan from the files, observe one side at a time, compare, and hand results to the report.
 
-Only one model is ever resident: every task that needs a model observes the reference side, the reference
-is freed, and only then is the candidate loaded. Each observation is saved under the run folder with a key of
-everything it depends on, so an interrupted run resumes where it stopped.
+A run has three phases.
+
+1. **Plan**, from files alone, before any model loads: both sides opened and their options checked; every
+   task's spec and thresholds validated; each task's shared inputs prepared (tokens, prompts, images: a
+   mismatched tokenizer is refused here); the baseline checked against those inputs; every observation the
+   tasks need identified by its key (a digest of every byte of the side's weights, the execution and its
+   conventions, the observer's identity and the inputs' hashes), so that one observation serves every task
+   that needs it; a recorded reference checked for each of them; and the load plan of every side that will
+   be loaded checked on the meta device (a checkpoint Transformers would fill with random weights is
+   refused now, not after an hour on the reference).
+2. **Observe**: the observations not already saved under their key, grouped by side and execution, one model
+   resident at a time, the reference first. Each observation is saved under its key as it completes, and an
+   interrupted one resumes from what its observer left in its folder.
+3. **Compare**: each task compares the observations of its needs; file-only tasks compare the checkpoints.
 """
 
 from __future__ import annotations
@@ -12,22 +23,37 @@ import hashlib
 import json
 import platform
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 from evalsuite import __version__
-from evalsuite.backends import backend_identity, load_backend
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.backends import check_load_plan, load_backend
+from evalsuite.backends.options import BackendOptions
+from evalsuite.digest import DigestCache
 from evalsuite.errors import EvalsuiteError, InputError
-from evalsuite.recording import Recording, inputs_digest, is_recording, write_recording
+from evalsuite.observation import Observation
+from evalsuite.recording import RecordedObservation, write_recording
+from evalsuite.registry import get_task, spec_source
 from evalsuite.run_folder import RunFolder
-from evalsuite.side import BackendOptions, Side
-from evalsuite.spec import default_spec_path, load_spec
-from evalsuite.task import Observation, RunContext, Task, TaskResult, TaskSkipped, get_task
+from evalsuite.side import Side, open_side
+from evalsuite.spec import Threshold, load_spec
+from evalsuite.task import (
+    FileTask,
+    Inputs,
+    ModelTask,
+    Need,
+    Progress,
+    RecordableObserver,
+    RunContext,
+    Task,
+    TaskResult,
+    TaskSkipped,
+    inputs_digest,
+    no_progress,
+)
 
 SCHEMA = "evalsuite.results/1"
 PACKAGES = (
@@ -55,9 +81,11 @@ class RunRequest:
     ckpt_options: BackendOptions = field(default_factory=BackendOptions)
     ref_options: BackendOptions = field(default_factory=BackendOptions)
     thresholds: dict[str, dict[str, Any]] = field(default_factory=dict)  # task -> {metric: {min|max}}
+    thresholds_file: Path | None = None  # where `thresholds` came from, named in its errors
     baseline: Path | None = None  # an accepted earlier results.json: fail on metrics that worsened
     specs: dict[str, Path] = field(default_factory=dict)  # task -> spec file replacing tasks/TASK.toml
     resume: bool = True
+    keep_observations: bool = True  # False: the run folder keeps its reports only (the demo)
 
 
 @dataclass
@@ -72,8 +100,8 @@ class RunResult:
         return {"pass": 0, "fail": 1}.get(self.results["verdict"], 2)
 
 
-# A progress factory: (description, total) -> advance-by-one callable.
-ProgressFactory = Callable[[str, int], Callable[[], None]]
+# Called with (side, options) just before a model is loaded: the CLI prints one line.
+OnLoad = Callable[[Side, BackendOptions], Any]
 
 
 def environment(options: BackendOptions) -> dict[str, Any]:
@@ -100,159 +128,119 @@ def environment(options: BackendOptions) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------------------------------------
+# Tasks and specs
+# --------------------------------------------------------------------------------------------------------
+
+
 def build_tasks(
     names: list[str],
     context: RunContext,
-    thresholds: dict[str, dict[str, Any]],
+    thresholds: dict[str, dict[str, Any]] | None = None,
     specs: dict[str, Path] | None = None,
+    thresholds_file: Path | None = None,
 ) -> list[Task]:
-    """Instantiate the requested tasks with their validated specs; a bad spec fails here, before any model."""
-    for what, given in (("thresholds", thresholds), ("specs", specs or {})):
+    """Instantiate the requested tasks with their validated specs; a bad spec, an unknown task or a
+    threshold on a metric the task does not report fails here, before any model."""
+    thresholds, specs = thresholds or {}, specs or {}
+    if not names:
+        raise InputError("no task to run: --tasks names none (e.g. --tasks ppl,tensors)")
+    for what, given in (("thresholds", thresholds), ("--spec", specs)):
         unknown = set(given) - set(names)
         if unknown:
-            raise InputError(f"{what} given for tasks that are not run: {', '.join(sorted(unknown))}")
+            raise InputError(
+                f"{what} given for tasks that are not run: {', '.join(sorted(unknown))}",
+                thresholds_file if what == "thresholds" else None,
+            )
     tasks = []
     for name in dict.fromkeys(names):
         cls = get_task(name)
-        overrides = {"thresholds": thresholds[name]} if name in thresholds else None
-        spec = load_spec(cls.spec_model, (specs or {}).get(name) or default_spec_path(name), overrides)
+        overrides = None
+        if name in thresholds:
+            overrides = {"thresholds": _checked_thresholds(cls, thresholds[name], thresholds_file)}
+        spec = load_spec(cls.spec_model, specs.get(name) or spec_source(cls), overrides)
         tasks.append(cls(spec, context))
     return tasks
 
 
-def observation_key(task: Task, side: Side, inputs: dict[str, Any]) -> str:
-    """Identity of an observation: the task and its spec, the side's files and execution, the inputs."""
+def _checked_thresholds(cls: type, table: Any, where: Path | None) -> dict[str, Any]:
+    """`--thresholds` entries of one task, each a valid bound on a metric the task reports."""
+    from pydantic import ValidationError
+
+    if not isinstance(table, dict):
+        raise InputError(f"[{cls.name}] must be a table of metric = {{ min = …, max = … }}", where)
+    known = getattr(cls, "metric_names", ())
+    checked = {}
+    for metric, bound in table.items():
+        if known and metric not in known:
+            raise InputError(
+                f"[{cls.name}] {metric}: `{cls.name}` reports no such metric (thresholds apply to: "
+                f"{', '.join(known)})",
+                where,
+            )
+        try:
+            checked[metric] = Threshold.model_validate(bound).model_dump(exclude_none=True)
+        except ValidationError as exc:
+            raise InputError(f"[{cls.name}] {metric}: {exc.errors()[0]['msg']}", where) from None
+    return checked
+
+
+# --------------------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PlannedObservation:
+    """One observation the run needs: on which side, how executed, by which observer, for which tasks."""
+
+    key: str
+    side: Side
+    options: BackendOptions
+    need: Need
+    inputs: Inputs
+    tasks: list[str]
+
+
+@dataclass
+class RunPlan:
+    """Everything decided before any model loads."""
+
+    ref: Side
+    ckpt: Side
+    tasks: list[Task]
+    inputs: dict[str, Inputs]
+    skipped: dict[str, TaskResult]
+    observations: dict[str, PlannedObservation]  # by key, in observation order (reference first)
+    wiring: dict[str, dict[str, str]]  # task -> label -> key
+
+
+def side_options(side: Side, need: Need) -> BackendOptions:
+    """How a need's side is executed: the side's own options, or the need's backend and conventions."""
+    if need.backend is None or (need.backend == side.options.backend and not need.conventions):
+        return side.options
+    return side.options.with_backend(need.backend, need.conventions)
+
+
+def observation_key(
+    side: Side, options: BackendOptions, need: Need, inputs: Inputs, digests: DigestCache
+) -> str:
+    """Identity of an observation: every byte of the side's weights, its execution with its conventions,
+    the observer and what shapes it, the inputs' hashes, the evalsuite version."""
     doc = {
-        "task": task.name,
-        "spec": task.spec.observation_sha256,
-        "side": side.fingerprint(),
-        "backend": backend_identity(side.options),
+        "observer": need.observer.name,
+        "identity": need.observer.identity(),
         "inputs": inputs_digest(inputs),
+        "content_sha256": side.content_sha256(digests),
+        "execution": options.to_json(),
         "evalsuite": __version__,
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-@contextmanager
-def resident(side: Side) -> Iterator[Side]:
-    """Load the side's model for the duration of the block, and free it after."""
-    side.backend = load_backend(side.checkpoint, side.options)
-    try:
-        yield side
-    finally:
-        side.backend.close()
-        side.backend = None
-
-
-def observe_side(
-    side: Side,
-    jobs: list[tuple[Task, str]],
-    inputs: dict[str, dict[str, Any]],
-    folder: RunFolder,
-    resume: bool,
-    on_load: Callable[[Side], Any] | None = None,
-) -> dict[tuple[str, str], Observation]:
-    """Observe each (task, role) job on one side, loading its model only if some observation is not saved.
-
-    Several roles may share a side (`ckpt` and `ckpt@hf` when the candidate already runs on `hf`): the model
-    is loaded once for all of them. A recorded side is read from its recording, after checking that it was
-    made with the same specs and inputs.
-    """
-    observations: dict[tuple[str, str], Observation] = {}
-    if side.recording is not None:
-        for t, role in jobs:
-            side.recording.check(t, inputs[t.name])
-            observations[t.name, role] = side.recording.observation(t.name)
-        return observations
-    todo = []
-    for t, role in jobs:
-        key = observation_key(t, side, inputs[t.name])
-        saved = folder.observation(role, t.name)
-        if resume and (saved / "observation.json").is_file():
-            obs = Observation.load(saved)
-            if obs.key == key:
-                observations[t.name, role] = obs
-                continue
-        todo.append((t, role, key))
-    if not todo:
-        return observations
-    if on_load is not None:
-        on_load(side)
-    with resident(side):
-        for t, role, key in todo:
-            scratch = folder.scratch(role, t.name)
-            obs = t.observe(side, inputs[t.name], scratch)
-            obs.key = obs.key or key
-            obs.save(scratch)
-            final = folder.commit_observation(role, t.name, scratch)
-            observations[t.name, role] = Observation.load(final)
-    return observations
-
-
-def role_sides(tasks: list[Task], ref: Side, ckpt: Side) -> dict[str, Side]:
-    """The side of every role the tasks observe. `ckpt@BACKEND` is the candidate run by BACKEND; it shares
-    the candidate's side (and its loaded model) when that already runs on BACKEND."""
-    sides = {"ref": ref, "ckpt": ckpt}
-    for t in tasks:
-        for role in getattr(t, "roles", ("ref", "ckpt")):
-            if role in sides:
-                continue
-            base, _, backend = role.partition("@")
-            if base != "ckpt" or not backend:
-                raise ValueError(f"task {t.name!r} observes unknown role {role!r}")
-            if ckpt.checkpoint is None:
-                raise InputError(f"task `{t.name}` needs the candidate's files, not a recording")
-            options = dataclasses.replace(ckpt.options, backend=backend)
-            sides[role] = (
-                ckpt
-                if options == ckpt.options
-                else Side("ckpt", ckpt.checkpoint, options, progress=ckpt.progress)
-            )
-    return sides
-
-
-def observe_all(
-    tasks: list[Task],
-    sides: dict[str, Side],
-    inputs: dict[str, dict[str, Any]],
-    folder: RunFolder,
-    resume: bool,
-    on_load: Callable[[Side], Any] | None,
-) -> dict[tuple[str, str], Observation]:
-    """Observe every (task, role) pair, one side resident at a time, the reference first."""
-    jobs: dict[int, tuple[Side, list[tuple[Task, str]]]] = {}
-    for role, side in sides.items():  # insertion order: ref, ckpt, then extra roles
-        for t in tasks:
-            if role in getattr(t, "roles", ("ref", "ckpt")):
-                jobs.setdefault(id(side), (side, []))[1].append((t, role))
-    observed: dict[tuple[str, str], Observation] = {}
-    for side, side_jobs in jobs.values():
-        observed |= observe_side(side, side_jobs, inputs, folder, resume, on_load)
-    return observed
-
-
-def open_side(role: str, source: str, options: BackendOptions, progress: ProgressFactory | None) -> Side:
-    """A checkpoint side, or for the reference a recording of one."""
-    if is_recording(source):
-        if role != "ref":
-            raise InputError("a recording can only be the reference (--ref), not the candidate", source)
-        return Side(role, None, options, recording=Recording.open(source), progress=progress)
-    return Side(role, Checkpoint.open(source), options, progress=progress)
-
-
-def describe(side: Side) -> dict[str, Any]:
-    """results.json's description of a side."""
-    if side.recording is not None:
-        return side.recording.to_json()
-    ckpt = side.checkpoint
-    return {"path": str(ckpt.path), "format": ckpt.format, "fingerprint": ckpt.fingerprint}
-
-
-def prepare_all(
-    tasks: list[Task], ref: Side, ckpt: Side
-) -> tuple[dict[str, dict[str, Any]], dict[str, TaskResult]]:
+def prepare_all(tasks: list[Task], ref: Side, ckpt: Side) -> tuple[dict[str, Inputs], dict[str, TaskResult]]:
     """Each task's shared inputs; tasks that cannot run here come back as `skipped` results."""
-    inputs: dict[str, dict[str, Any]] = {}
+    inputs: dict[str, Inputs] = {}
     skipped: dict[str, TaskResult] = {}
     for t in tasks:
         try:
@@ -262,38 +250,223 @@ def prepare_all(
     return inputs, skipped
 
 
+def plan_observations(
+    tasks: list[Task],
+    inputs: dict[str, Inputs],
+    sides: dict[str, Side],
+    digests: DigestCache,
+    roles: tuple[str, ...] = ("ref", "ckpt"),
+) -> tuple[dict[str, PlannedObservation], dict[str, dict[str, str]]]:
+    """Every distinct observation the model tasks need of the `roles` sides, by key, and which key each
+    task's label gets."""
+    planned: dict[str, PlannedObservation] = {}
+    wiring: dict[str, dict[str, str]] = {}
+    for t in tasks:
+        if t.name not in inputs or not isinstance(t, ModelTask):
+            continue
+        wiring[t.name] = {}
+        for need in t.needs():
+            if need.role not in roles:
+                continue
+            side = sides[need.role]
+            options = side_options(side, need)
+            key = observation_key(side, options, need, inputs[t.name], digests)
+            wiring[t.name][need.label] = key
+            if key in planned:
+                planned[key].tasks.append(t.name)
+            else:
+                planned[key] = PlannedObservation(key, side, options, need, inputs[t.name], [t.name])
+    # The reference first (all its loads), then the candidate: one model resident at a time.
+    order = sorted(planned.values(), key=lambda p: p.side.role != "ref")
+    return {p.key: p for p in order}, wiring
+
+
+def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
+    """Phase 1: everything that can be decided from files (see the module docstring)."""
+    ref_options, ckpt_options = request.ref_options.check(), request.ckpt_options.check()
+    ref = open_side("ref", request.ref, ref_options)
+    ckpt = open_side("ckpt", request.ckpt, ckpt_options)
+    check_out_folder(request.out)
+    tasks = build_tasks(
+        request.tasks, request.context, request.thresholds, request.specs, request.thresholds_file
+    )
+    if ckpt.options.backend == "intref" and not ckpt.options.conventions:
+        ckpt.options = ckpt.options.with_backend("intref", intref_conventions(request))
+    baseline = load_results(request.baseline) if request.baseline is not None else None
+    inputs, skipped = prepare_all(tasks, ref, ckpt)
+    if baseline is not None:
+        check_baseline(tasks, inputs, baseline, request.baseline)
+    for t in tasks:
+        if t.name in inputs and not isinstance(t, ModelTask | FileTask):
+            raise InputError(f"task `{t.name}` has neither needs/compare nor compare_files")
+    observations, wiring = plan_observations(tasks, inputs, {"ref": ref, "ckpt": ckpt}, digests)
+    folder = RunFolder(request.out)
+    loads: set[tuple[str, BackendOptions]] = set()
+    for planned in observations.values():
+        if planned.side.recording is not None:
+            recorded_observation(planned)  # refused now if stale, not after the candidate's hour
+        elif not (request.resume and _saved(folder, planned)):
+            loads.add((planned.side.role, planned.options))
+    for role, options in sorted(loads, key=lambda load: load[0] != "ref"):
+        side = ref if role == "ref" else ckpt
+        check_load_plan(side.checkpoint, options)
+    return RunPlan(ref, ckpt, tasks, inputs, skipped, observations, wiring)
+
+
+def intref_conventions(request: RunRequest) -> dict[str, Any]:
+    """The activation convention `--backend intref` runs the candidate with: the `intref` task's spec in
+    effect (`--spec intref=FILE` or the shipped one), whichever task is run."""
+    cls = get_task("intref")
+    spec = load_spec(cls.spec_model, request.specs.get("intref") or spec_source(cls))
+    return spec.activations.model_dump(mode="json")
+
+
+def check_out_folder(out: Path) -> None:
+    """`--out` must be a folder (or not exist yet), under a parent that is one."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError("--out is a file, not a folder for the run's reports", out)
+    parent = next((p for p in out.resolve().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise InputError("--out lies under a file, not a folder", parent)
+
+
+def check_baseline(
+    tasks: list[Task], inputs: dict[str, Inputs], baseline: dict[str, Any], path: Path
+) -> None:
+    """A baseline must hold every task of the run that will be compared, measured on the same inputs."""
+    for t in tasks:
+        if t.name not in inputs:
+            continue
+        entry = baseline["tasks"].get(t.name)
+        if not isinstance(entry, dict) or not entry.get("metrics"):
+            raise InputError(f"the baseline has no `{t.name}` metrics to compare with", path)
+        before = entry["metrics"]
+        for name, value in inputs_digest(inputs[t.name]).items():
+            if name.endswith("_sha256") and name in before and before[name] != value:
+                raise InputError(f"the baseline was measured on other inputs ({t.name}.{name} differs)", path)
+
+
+def recorded_observation(planned: PlannedObservation) -> Observation:
+    """The reference's observation from its recording, refused unless made the same way on the same inputs."""
+    need = planned.need
+    return planned.side.recording.observation(
+        planned.tasks[0],
+        need.observer.name,
+        need.observer.identity(),
+        inputs_digest(planned.inputs),
+        planned.options.backend,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Observing
+# --------------------------------------------------------------------------------------------------------
+
+
+def _final(folder: RunFolder, planned: PlannedObservation) -> Path:
+    return folder.observation(planned.side.role, planned.need.observer.name, planned.key)
+
+
+def _saved(folder: RunFolder, planned: PlannedObservation) -> bool:
+    """Whether the run folder holds this very observation, complete (its key is in its folder name and in
+    its observation.json)."""
+    final = _final(folder, planned)
+    if not Observation.is_complete(final):
+        return False
+    try:
+        return Observation.load(final).key == planned.key
+    except InputError:
+        return False
+
+
+def observe_all(
+    plan: RunPlan,
+    folder: RunFolder,
+    resume: bool,
+    progress: Progress,
+    on_load: OnLoad | None,
+) -> dict[str, Observation]:
+    """Phase 2: every planned observation, loading each (side, execution) once, one model at a time."""
+    observed: dict[str, Observation] = {}
+    groups: dict[tuple[str, BackendOptions], list[PlannedObservation]] = {}
+    for planned in plan.observations.values():
+        if planned.side.recording is not None:
+            observed[planned.key] = recorded_observation(planned)
+            continue
+        if resume and _saved(folder, planned):
+            observed[planned.key] = Observation.load(_final(folder, planned))
+            continue
+        groups.setdefault((planned.side.role, planned.options), []).append(planned)
+    for (role, options), todo in groups.items():
+        side = todo[0].side
+        if on_load is not None:
+            on_load(side, options)
+        backend = load_backend(side.checkpoint, options)
+        try:
+            for planned in todo:
+                work = folder.observation_work(
+                    planned.side.role, planned.need.observer.name, planned.key, resume
+                )
+                label = f"{role} ({options.backend})"
+
+                def labelled(what: str, total: int, label: str = label) -> Callable[[], None]:
+                    return progress(f"{label}: {what}", total)
+
+                obs = planned.need.observer.observe(backend, planned.inputs, work, labelled)
+                obs.key = planned.key
+                obs.meta["tasks"] = sorted(planned.tasks)
+                obs.save(work)
+                observed[planned.key] = Observation.load(
+                    folder.commit_observation(work, _final(folder, planned))
+                )
+        finally:
+            backend.close()
+    return observed
+
+
+# --------------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------------
+
+
 def run(
-    request: RunRequest, progress: ProgressFactory | None = None, on_load: Callable[[Side], Any] | None = None
+    request: RunRequest,
+    progress: Progress | None = None,
+    on_load: OnLoad | None = None,
+    digests: DigestCache | None = None,
 ) -> RunResult:
     """Run the request end to end and return results.json's document (not yet written)."""
-    ref = open_side("ref", request.ref, request.ref_options, progress)
-    ckpt = open_side("ckpt", request.ckpt, request.ckpt_options, progress)
-    tasks = build_tasks(request.tasks, request.context, request.thresholds, request.specs)
-    baseline = load_results(request.baseline) if request.baseline is not None else None
+    digests = digests or DigestCache.default()
+    plan = plan_run(request, digests)
     folder = RunFolder(request.out)
-    inputs, results = prepare_all(tasks, ref, ckpt)
+    results: dict[str, TaskResult] = dict(plan.skipped)
     # Files before models: file-only tasks compare the two checkpoints directly, before any model loads.
-    for t in tasks:
-        if t.name in inputs and not t.needs_model:
+    for t in plan.tasks:
+        if t.name in plan.inputs and isinstance(t, FileTask):
             try:
-                results[t.name] = t.compare_files(ref, ckpt, inputs[t.name], folder.artifacts)
+                results[t.name] = t.compare_files(plan.ref, plan.ckpt, plan.inputs[t.name], folder.artifacts)
             except TaskSkipped as skip:
                 results[t.name] = TaskResult(status="skipped", reason=str(skip))
-    model_tasks = [t for t in tasks if t.name in inputs and t.needs_model]
-    sides = role_sides(model_tasks, ref, ckpt)
-    observed = observe_all(model_tasks, sides, inputs, folder, request.resume, on_load)
-    for t in tasks:
+    observed = observe_all(plan, folder, request.resume, progress or no_progress, on_load)
+    for t in plan.tasks:
         if t.name in results:
             continue
         try:
-            roles = getattr(t, "roles", ("ref", "ckpt"))
-            result = t.compare(*(observed[t.name, role] for role in roles), folder.artifacts)
+            results[t.name] = t.compare(
+                {label: observed[key] for label, key in plan.wiring[t.name].items()}, folder.artifacts
+            )
         except EvalsuiteError as exc:
-            result = TaskResult(status="error", reason=str(exc))
-        results[t.name] = result
-    for t in tasks:
-        if baseline is not None and results[t.name].status in ("pass", "fail"):
-            results[t.name] = with_regression_checks(t, results[t.name], baseline, request.baseline)
+            results[t.name] = TaskResult(status="error", reason=str(exc))
+    if request.baseline is not None:
+        baseline = load_results(request.baseline)
+        for t in plan.tasks:
+            if results[t.name].status in ("pass", "fail"):
+                results[t.name] = with_regression_checks(t, results[t.name], baseline)
+    if request.keep_observations:
+        folder.prune_observations(keep=set(plan.observations))
+    else:
+        folder.remove_observations()
     statuses = {r.status for r in results.values()}
     # A run in which nothing was compared has not shown anything: that is not a pass.
     if "error" in statuses or statuses <= {"skipped"}:
@@ -302,11 +475,11 @@ def run(
         verdict = "fail" if "fail" in statuses else "pass"
     doc = {
         "schema": SCHEMA,
-        "ckpt": describe(ckpt),
-        "ref": describe(ref),
+        "ckpt": plan.ckpt.describe(),
+        "ref": plan.ref.describe(),
         "environment": environment(request.ckpt_options),
         "verdict": verdict,
-        "tasks": {t.name: results[t.name].to_json() for t in tasks},
+        "tasks": {t.name: results[t.name].to_json() for t in plan.tasks},
     }
     if request.baseline is not None:
         doc["baseline"] = str(request.baseline)
@@ -326,25 +499,21 @@ def load_results(path: Path) -> dict[str, Any]:
     return doc
 
 
-def with_regression_checks(
-    task: Task, result: TaskResult, baseline: dict[str, Any], path: Path
-) -> TaskResult:
+def with_regression_checks(task: Task, result: TaskResult, baseline: dict[str, Any]) -> TaskResult:
     """Add one check per metric of the spec's `[regression]` table: no worse than the baseline's value.
-
-    A baseline measured on other inputs (any `*_sha256` metric differs) cannot be compared: refused.
-    """
-    entry = baseline["tasks"].get(task.name)
-    if entry is None or not entry.get("metrics"):
-        raise InputError(f"the baseline has no `{task.name}` metrics to compare with", path)
-    before = entry["metrics"]
-    for name, value in result.metrics.items():
-        if name.endswith("_sha256") and name in before and before[name] != value:
-            raise InputError(f"the baseline was measured on other inputs ({task.name}.{name} differs)", path)
+    Everything else of the result (details, artifacts, notes) is kept."""
+    before = baseline["tasks"][task.name]["metrics"]
     checks = list(result.checks)
     for name, tolerance in task.spec.regression.items():
         if isinstance(before.get(name), int | float) and not isinstance(before.get(name), bool):
             checks.append(tolerance.check(name, result.metrics.get(name), float(before[name])))
-    return TaskResult.from_checks(result.metrics, checks, artifacts=result.artifacts)
+    status = "pass" if checks and all(c.passed for c in checks) else "fail"
+    return dataclasses.replace(result, checks=checks, status=status)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Recording
+# --------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -361,27 +530,55 @@ class RecordRequest:
 
 def record(
     request: RecordRequest,
-    progress: ProgressFactory | None = None,
-    on_load: Callable[[Side], Any] | None = None,
+    progress: Progress | None = None,
+    on_load: OnLoad | None = None,
+    digests: DigestCache | None = None,
 ) -> Path:
     """Observe one checkpoint and save what later comparisons against it need (see `evalsuite.recording`)."""
-    side = open_side("ref", request.ckpt, request.options, progress)
+    digests = digests or DigestCache.default()
+    out = Path(request.out)
+    if not out.parent.is_dir():
+        raise InputError("the folder to hold the recording does not exist", out.parent)
+    check_out_folder(out)
+    options = request.options.check()
+    side = open_side("ref", request.ckpt, options)
     if side.recording is not None:
         raise InputError("is already a recording; record a checkpoint", request.ckpt)
-    tasks = build_tasks(request.tasks, request.context, {}, request.specs)
+    tasks = build_tasks(request.tasks, request.context, specs=request.specs)
     inputs, skipped = prepare_all(tasks, side, side)
     if skipped:
         name, result = next(iter(skipped.items()))
         raise InputError(
             f"task `{name}` cannot be recorded from this checkpoint: {result.reason}", request.ckpt
         )
-    unrecordable = [t.name for t in tasks if not t.needs_model or getattr(t, "record", None) is None]
+    unrecordable = [
+        t.name
+        for t in tasks
+        if not isinstance(t, ModelTask)
+        or not all(isinstance(n.observer, RecordableObserver) for n in t.needs() if n.role == "ref")
+    ]
     if unrecordable:
         raise InputError(f"these tasks have nothing to record: {', '.join(unrecordable)}")
-    with tempfile.TemporaryDirectory(prefix=".evalsuite-record-", dir=Path(request.out).parent) as work:
-        jobs = [(t, "ref") for t in tasks]
-        observed = observe_side(side, jobs, inputs, RunFolder(Path(work)), False, on_load)
-        observations = {name: obs for (name, _), obs in observed.items()}
+    observations, _ = plan_observations(tasks, inputs, {"ref": side, "ckpt": side}, digests, roles=("ref",))
+    for options in {p.options for p in observations.values()}:
+        check_load_plan(side.checkpoint, options)
+    plan = RunPlan(side, side, tasks, inputs, {}, observations, {})
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.observing-", dir=out.parent) as work:
+        observed = observe_all(plan, RunFolder(Path(work)), False, progress or no_progress, on_load)
+        entries = []
+        for key, planned in observations.items():
+            observer = planned.need.observer
+            compact = observer.record(observed[key], Path(work) / "compact")
+            entries.append(
+                RecordedObservation(
+                    name=observer.name,
+                    identity=observer.identity(),
+                    inputs=inputs_digest(planned.inputs),
+                    tasks=tuple(planned.tasks),
+                    backend=planned.options.backend,
+                    observation=compact,
+                )
+            )
         return write_recording(
-            Path(request.out), side.checkpoint, tasks, inputs, observations, environment(request.options)
+            out, side.checkpoint, side.content_sha256(digests), entries, environment(options)
         )

@@ -1,41 +1,21 @@
-"""A side of the comparison (`ref` or `ckpt`): its checkpoint files, how it is executed, its tokenizer.
-
-The model itself is held by a `Backend` only while the runner observes this side, so that at most one model
-is resident at a time.
+"""A side of the comparison (`ref` or `ckpt`): its files (a checkpoint, or for the reference a recording of
+one) and how it is executed. A description only: the model itself is loaded by the runner and handed to the
+observers, one side at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from evalsuite.errors import EvalsuiteError, InputError
-
-if TYPE_CHECKING:
-    from evalsuite.backends import Backend
-    from evalsuite.checkpoint import Checkpoint
-    from evalsuite.recording import Recording
+from evalsuite.backends.options import BackendOptions
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.digest import DigestCache
+from evalsuite.errors import InputError
+from evalsuite.recording import Recording, is_recording
 
 Role = Literal["ref", "ckpt"]
-
-
-@dataclass(frozen=True)
-class BackendOptions:
-    """How a side is executed; part of every observation's key."""
-
-    backend: str = "hf"
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    trust_remote_code: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "dtype": self.dtype,
-            "device": self.device,
-            "trust_remote_code": self.trust_remote_code,
-        }
 
 
 @dataclass
@@ -43,12 +23,11 @@ class Side:
     """One side of a run: a checkpoint to execute, or (reference only) a recording of one."""
 
     role: Role
-    checkpoint: Checkpoint | None
     options: BackendOptions
+    checkpoint: Checkpoint | None = None
     recording: Recording | None = None
-    backend: Backend | None = None
-    progress: Callable[[str, int], Callable[[], None]] | None = field(default=None, repr=False)
     _tokenizer: Any = field(default=None, repr=False)
+    _content: str | None = field(default=None, repr=False)
 
     @property
     def is_recorded(self) -> bool:
@@ -56,43 +35,43 @@ class Side:
         return self.recording is not None
 
     @property
+    def path(self) -> Path:
+        """The folder this side reads."""
+        return self.recording.path if self.recording is not None else self.checkpoint.path
+
+    @property
     def tokenizer(self) -> Any:
-        """The side's own tokenizer, loaded from its files (no model)."""
+        """The side's own tokenizer, loaded from its files (no model); a recording has none."""
         if self.checkpoint is None:
             raise RuntimeError(f"the {self.role} side is a recording and has no tokenizer")
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            kwargs: dict[str, Any] = {"trust_remote_code": self.options.trust_remote_code}
-            if self.checkpoint.format == "gguf":
-                kwargs["gguf_file"] = self.checkpoint.gguf_file.name
-            try:
-                self._tokenizer = AutoTokenizer.from_pretrained(str(self.checkpoint.path), **kwargs)
-            except EvalsuiteError:
-                raise
-            except Exception as exc:
-                msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise InputError(f"cannot load the tokenizer: {msg}", self.checkpoint.path) from None
+            self._tokenizer = self.checkpoint.load_tokenizer(trust_remote_code=self.options.trust_remote_code)
         return self._tokenizer
 
-    @property
-    def model(self) -> Backend:
-        """The loaded backend; only valid inside the runner's observation of this side."""
-        if self.backend is None:
-            raise RuntimeError(f"the {self.role} side has no model loaded")
-        return self.backend
+    def content_sha256(self, cache: DigestCache | None = None) -> str:
+        """The digest of every byte the side's backend reads (a recording: the recorded checkpoint's)."""
+        if self._content is None:
+            if self.recording is not None:
+                self._content = self.recording.content_sha256
+            else:
+                self._content = self.checkpoint.content_sha256(cache)
+        return self._content
 
-    def steps(self, description: str, total: int) -> Callable[[], None]:
-        """A callable to advance by one step of `total`; shown as a progress bar when the runner has one."""
-        if self.progress is None:
-            return lambda: None
-        return self.progress(description, total)
+    def describe(self) -> dict[str, Any]:
+        """results.json's description of the side."""
+        if self.recording is not None:
+            return self.recording.to_json()
+        ckpt = self.checkpoint
+        doc: dict[str, Any] = {"path": str(ckpt.path), "format": ckpt.format, "fingerprint": ckpt.fingerprint}
+        if self._content is not None:
+            doc["content_sha256"] = self._content
+        return doc
 
-    def fingerprint(self) -> str:
-        """What identifies this side's behaviour: its files and how it is executed."""
-        import hashlib
-        import json
 
-        fingerprint = self.recording.fingerprint if self.recording else self.checkpoint.fingerprint
-        doc = {"checkpoint": fingerprint, "options": self.options.to_json()}
-        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+def open_side(role: Role, source: str | Path, options: BackendOptions) -> Side:
+    """A checkpoint side, or for the reference a recording of one."""
+    if is_recording(source):
+        if role != "ref":
+            raise InputError("a recording can only be the reference (--ref), not the candidate", source)
+        return Side(role, options, recording=Recording.open(source))
+    return Side(role, options, checkpoint=Checkpoint.open(source))

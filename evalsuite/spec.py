@@ -123,9 +123,25 @@ class TaskSpec(StrictModel):
 
     COMPARE_ONLY: ClassVar[frozenset[str]] = frozenset({"description", "thresholds", "regression", "compare"})
 
-    def threshold_checks(self, values: dict[str, Any]) -> list[Check]:
-        """The checks of every threshold of the spec on a task's metric values (missing values fail)."""
-        return [c for name, t in self.thresholds.items() for c in apply_threshold(name, values.get(name), t)]
+    def threshold_checks(
+        self, values: dict[str, Any], measurable: frozenset[str] | None = None
+    ) -> tuple[list[Check], list[str]]:
+        """The checks of every threshold of the spec on a task's metric values, and the thresholded metrics
+        that were not measured.
+
+        A metric outside `measurable` (the metrics this run could measure; None: all) whose value is absent
+        or None was not measured, e.g. the bit-exact decode of a format that has no reference decoder: it is
+        listed, never passed. Any other missing or NaN value is a failed check.
+        """
+        checks: list[Check] = []
+        not_measured: list[str] = []
+        for name, threshold in self.thresholds.items():
+            value = values.get(name)
+            if value is None and measurable is not None and name not in measurable:
+                not_measured.append(name)
+                continue
+            checks += apply_threshold(name, value, threshold)
+        return checks, not_measured
 
     @property
     def sha256(self) -> str:

@@ -1,82 +1,96 @@
-"""The Task piece: what a task plugin is, what it returns, and the registry that finds it by name.
+"""The Task piece: what a task plugin is, what it needs observed, and what it returns.
 
-A task is a small class registered with `@task("name")`: `prepare` makes the inputs both sides share (and
-refuses sides that cannot be compared), `observe` runs one side and knows nothing of the other, `compare`
-turns two observations into a `TaskResult` and knows nothing of models. Third-party tasks register through
-the `evalsuite.tasks` entry-point group.
+A model task is a small class registered with `@task("name")`. `prepare` makes the inputs both sides share
+(and refuses sides that cannot be compared) from files alone; `needs` declares the observations it compares,
+each one made by an `Observer` on one side under one execution; `compare` turns those observations into a
+`TaskResult` and knows nothing of models. The runner observes every distinct observation once, whichever
+tasks need it (`ppl` and `intref` share both sides' window logits under `hf`), one model resident at a time.
+
+A file-only task implements `compare_files` instead and never loads a model.
+
+The registry of tasks is `evalsuite.registry`, above the plugins; this module knows none of them.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from evalsuite.corpus import Corpus, load_corpus
-from evalsuite.errors import InputError
-from evalsuite.run_folder import write_atomic
-from evalsuite.side import Side
+from evalsuite.observation import Observation
 from evalsuite.spec import Check, TaskSpec
+
+if TYPE_CHECKING:
+    from evalsuite.backends import Backend
+    from evalsuite.side import Side
 
 Status = Literal["pass", "fail", "error", "skipped"]
 MetricValue = float | int | bool | str | None
+Role = Literal["ref", "ckpt"]
+# A task's shared inputs: token ids, prompts, images, and their hashes (the JSON-able scalars are hashed
+# into every observation's key).
+Inputs = dict[str, Any]
+# A progress factory: (label, total) -> a callable that advances by one step.
+Progress = Callable[[str, int], Callable[[], None]]
 
 
-@dataclass
-class Observation:
-    """What one side produced for one task: JSON metadata, compact arrays, and large side files.
+def no_progress(label: str, total: int) -> Callable[[], None]:
+    """A progress factory that shows nothing."""
+    return lambda: None
 
-    `key` identifies everything the observation depends on (checkpoint, backend, spec, inputs), so a
-    resumed run reuses an observation only when nothing it depends on has changed.
+
+def inputs_digest(inputs: Inputs) -> dict[str, Any]:
+    """The JSON-able scalar part of a task's inputs: hashes, names and counts, not arrays."""
+    return {k: v for k, v in sorted(inputs.items()) if isinstance(v, str | int | float | bool)}
+
+
+class Observer(Protocol):
+    """Makes one side's observation with a loaded backend.
+
+    `name` says what is observed (`window-logits`, `smoke-generations`); two observers with the same name and
+    `identity()` make the same observation from the same inputs, so the runner makes it once.
     """
 
-    task: str
-    key: str
-    meta: dict[str, Any] = field(default_factory=dict)
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    files: dict[str, Path] = field(default_factory=dict)
+    name: str
 
-    def save(self, folder: Path) -> None:
-        """Write into `folder`; observation.json goes last, so its presence means the rest is complete."""
-        from safetensors.numpy import save_file
+    def identity(self) -> dict[str, Any]:
+        """What the observation depends on beyond the side, its execution and the inputs' hashes: the part
+        of the spec that shapes it (a protocol, prompts), as JSON data."""
+        ...
 
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / "arrays.safetensors.tmp"
-        save_file({k: np.ascontiguousarray(v) for k, v in self.arrays.items()}, str(tmp))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o666 & ~umask)  # safetensors writes 0600; a recording is meant to be shared
-        tmp.replace(folder / "arrays.safetensors")
-        doc = {
-            "task": self.task,
-            "key": self.key,
-            "meta": self.meta,
-            "files": {k: str(p.relative_to(folder)) for k, p in self.files.items()},
-        }
-        write_atomic(folder / "observation.json", json.dumps(doc, indent=1, sort_keys=True))
+    def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
+        """Observe one side. Large files go into `folder`, which an interrupted observation left as it was:
+        an observer may resume from what it finds there."""
+        ...
 
-    @classmethod
-    def load(cls, folder: Path) -> Observation:
-        """Read an observation saved by `save`."""
-        from safetensors.numpy import load_file
 
-        try:
-            doc = json.loads((folder / "observation.json").read_text())
-            arrays = load_file(str(folder / "arrays.safetensors"))
-        except (OSError, ValueError) as exc:
-            raise InputError(f"unreadable observation ({exc})", folder) from None
-        files = {k: folder / rel for k, rel in doc["files"].items()}
-        for name, path in files.items():
-            if not path.resolve().is_relative_to(folder.resolve()) or not path.is_file():
-                raise InputError(f"observation file {name!r} is missing or outside the folder", folder)
-        return cls(task=doc["task"], key=doc["key"], meta=doc["meta"], arrays=arrays, files=files)
+@runtime_checkable
+class RecordableObserver(Observer, Protocol):
+    """An observer whose reference observation can be recorded (see `evalsuite.recording`)."""
+
+    def record(self, observation: Observation, folder: Path) -> Observation:
+        """The compact form of a reference observation that a later comparison needs."""
+        ...
+
+
+@dataclass(frozen=True)
+class Need:
+    """One observation a task compares: `observer` on the `role` side, found by `compare` under `label`.
+
+    `backend` executes that side another way than it runs (`intref` for the candidate of the `intref`
+    task); `conventions` are the settings that backend takes from the task's spec (intref's activation
+    divisor and rounding), part of the observation's key.
+    """
+
+    label: str
+    role: Role
+    observer: Observer
+    backend: str | None = None
+    conventions: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass
@@ -91,6 +105,11 @@ class TaskResult:
     # Rows a person reads in report.md (one per prompt, say); kept in results.json so that the report can be
     # re-rendered from it alone. Values are strings, numbers or booleans.
     details: list[dict[str, Any]] = field(default_factory=list)
+    # Why a metric is null: results.json is strict JSON, so a value that is not a finite number is written
+    # as null, with its reason here (given by the task, or said from the value).
+    null_reasons: dict[str, str] = field(default_factory=dict)
+    # Metrics a threshold names that the task had nothing to measure for (an EXL3 pack's decode_exact).
+    not_measured: list[str] = field(default_factory=list)
 
     @classmethod
     def from_checks(cls, metrics: dict[str, MetricValue], checks: list[Check], **kw: Any) -> TaskResult:
@@ -99,15 +118,45 @@ class TaskResult:
         return cls(status=status, metrics=metrics, checks=checks, **kw)
 
     def to_json(self) -> dict[str, Any]:
+        """The results.json entry: strict JSON, every non-finite number null with its reason."""
+        reasons = dict(self.null_reasons)
+        metrics = {}
+        for name, value in self.metrics.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                reasons.setdefault(name, _non_finite_reason(value))
+                value = None
+            metrics[name] = value
         doc: dict[str, Any] = {"status": self.status}
         if self.reason is not None:
             doc["reason"] = self.reason
-        doc["metrics"] = self.metrics
-        doc["checks"] = [c.model_dump() for c in self.checks]
+        doc["metrics"] = metrics
+        if reasons:
+            doc["null_reasons"] = {k: reasons[k] for k in metrics if k in reasons}
+        doc["checks"] = [_finite_check(c.model_dump()) for c in self.checks]
+        if self.not_measured:
+            doc["not_measured"] = list(self.not_measured)
         doc["artifacts"] = self.artifacts
         if self.details:
-            doc["details"] = self.details
+            doc["details"] = [_finite_row(row) for row in self.details]
         return doc
+
+
+def _non_finite_reason(value: float) -> str:
+    if math.isnan(value):
+        return "not a number (NaN): the statistic is undefined on these samples"
+    return f"{'+' if value > 0 else '-'}infinity"
+
+
+def _finite_check(check: dict[str, Any]) -> dict[str, Any]:
+    for key in ("value", "threshold"):
+        value = check.get(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            check[key] = None
+    return check
+
+
+def _finite_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
 
 class TaskSkipped(Exception):
@@ -115,33 +164,42 @@ class TaskSkipped(Exception):
 
 
 class Task(Protocol):
-    """The shape of a task plugin. `name`, `needs_model` and `spec_model` are class attributes.
+    """What every task has: `name` (set by `@task`), `spec_model` and a validated `spec`.
 
-    A model task (`needs_model = True`) implements `observe` and `compare`. It observes the roles in its
-    optional `roles` attribute, in order (default `("ref", "ckpt")`); `ckpt@BACKEND` is the candidate executed
-    by another backend, e.g. `ckpt@intref`. `compare` receives one observation per role, then the artifacts
-    folder. A model task that can be recorded also implements `record(observation, folder) -> Observation`.
-
-    A file-only task (`needs_model = False`) implements `compare_files(ref, ckpt, inputs, artifacts)` instead:
-    it streams both checkpoints' files and no model is ever loaded for it.
+    `metric_names` lists the metrics a threshold may name (a misspelled metric in `--thresholds` is refused
+    before anything runs); empty means the task does not say.
     """
 
     name: ClassVar[str]
-    needs_model: ClassVar[bool]
     spec_model: ClassVar[type[TaskSpec]]
+    metric_names: ClassVar[tuple[str, ...]]
     spec: TaskSpec
 
-    def prepare(self, ref: Side, ckpt: Side) -> dict[str, Any]:
-        """Inputs both sides share (with their hashes); raise InputError when the sides cannot be compared,
-        TaskSkipped when the task cannot run on them or on this machine."""
+    def prepare(self, ref: Side, ckpt: Side) -> Inputs:
+        """Inputs both sides share (with their hashes), from files alone; raise InputError when the sides
+        cannot be compared, TaskSkipped when the task cannot run on them or on this machine."""
         ...
 
-    def observe(self, side: Side, inputs: dict[str, Any], folder: Path) -> Observation:
-        """Run one side; large files go into `folder`."""
+
+@runtime_checkable
+class ModelTask(Task, Protocol):
+    """A task that compares observations of models."""
+
+    def needs(self) -> list[Need]:
+        """The observations `compare` receives, by label."""
         ...
 
-    def compare(self, ref: Observation, ckpt: Observation, artifacts: Path) -> TaskResult:
-        """Metrics and checks from the observations of its roles; plots and tables go into `artifacts`."""
+    def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
+        """Metrics and checks from the observations of its needs; plots and tables go into `artifacts`."""
+        ...
+
+
+@runtime_checkable
+class FileTask(Task, Protocol):
+    """A task that compares the two checkpoints' files; no model is ever loaded for it."""
+
+    def compare_files(self, ref: Side, ckpt: Side, inputs: Inputs, artifacts: Path) -> TaskResult:
+        """Stream both checkpoints' files; metrics, checks and artifacts."""
         ...
 
 
@@ -158,35 +216,16 @@ class RunContext:
         return load_corpus(self.corpus_name, text_file=self.text_file, allow_download=self.allow_download)
 
 
-_REGISTRY: dict[str, type] = {}
-
-
 def task(name: str) -> Callable[[type], type]:
-    """Class decorator that registers a task plugin under `name`."""
+    """Class decorator naming a task plugin. `evalsuite.registry` finds built-in and entry-point tasks."""
 
-    def register(cls: type) -> type:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"task {name!r} is registered twice")
+    def named(cls: type) -> type:
         cls.name = name
-        _REGISTRY[name] = cls
+        if not hasattr(cls, "metric_names"):
+            cls.metric_names = ()
         return cls
 
-    return register
+    return named
 
 
-def registered_tasks() -> dict[str, type]:
-    """Every task by name: the built-in ones and those of installed `evalsuite.tasks` entry points."""
-    import evalsuite.tasks  # noqa: F401  (importing registers the built-in tasks)
-
-    for ep in entry_points(group="evalsuite.tasks"):
-        if ep.name not in _REGISTRY:
-            ep.load()
-    return dict(sorted(_REGISTRY.items()))
-
-
-def get_task(name: str) -> type:
-    """The task class registered as `name`; InputError listing the known names otherwise."""
-    tasks = registered_tasks()
-    if name not in tasks:
-        raise InputError(f"unknown task {name!r}; known tasks: {', '.join(tasks)}")
-    return tasks[name]
+Observed = Mapping[str, Observation]

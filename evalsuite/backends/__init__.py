@@ -1,39 +1,50 @@
 """Backends: how a side is executed. A backend exposes the few primitives tasks need.
 
 `hf` runs the checkpoint through Transformers as users run it (bf16, or compressed-tensors as Transformers
-executes it). Backends are loaded by the runner for one side at a time and closed before the other side loads.
+executes it); `intref` is the integer W4A8 reference execution. Backends are loaded by the runner for one side
+at a time and closed before another loads. Before anything loads, `check_load_plan` decides from the files
+whether a backend can load a checkpoint (a checkpoint Transformers would fill with random weights is refused
+then, not after the reference's hour-long observation).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+from evalsuite.backends.options import BackendOptions
 
-from evalsuite.errors import InputError
-from evalsuite.side import BackendOptions
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from evalsuite.checkpoint import Checkpoint
 
 
 class Backend(Protocol):
     """The primitives a task may ask of a loaded model."""
 
     vocab_size: int
+    tokenizer: Any
 
-    def next_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits (shape (len(positions), vocab), the model's output dtype) at `positions` of one sequence.
-
-        Row i scores the token at `positions[i] + 1` given the tokens up to `positions[i]`.
-        """
+    def window_logits(self, windows: torch.Tensor, positions: torch.Tensor) -> Iterator[torch.Tensor]:
+        """For each row of `windows` (token ids, one sequence per row), in order, the logits at `positions`:
+        shape (len(positions), vocab), the model's output dtype. Row i scores the token at `positions[i] + 1`
+        given the tokens up to `positions[i]`."""
         ...
 
     def generate_greedy(
         self, inputs: dict[str, torch.Tensor], max_new_tokens: int, top_k: int = 5, full_steps: int = 0
-    ) -> Any:
-        """Greedy decoding of one prompt with the top-k log-probs of every step (see `hf.Generation`)."""
+    ) -> Generation:
+        """Greedy decoding of one prompt with the top-k log-probs of every step."""
         ...
 
     def image_features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The vision tower and merger's output for the image inputs, float32, one row per visual token."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """How this side actually ran (the execution path, what ran in integers): kept in its observations."""
         ...
 
     def close(self) -> None:
@@ -41,22 +52,18 @@ class Backend(Protocol):
         ...
 
 
-BACKENDS = ("hf", "intref")
+class Generation(Protocol):
+    """A greedy generation: the new tokens, per step the top-k ids and log-probs, and optionally the full
+    log-prob rows of the first steps."""
+
+    tokens: list[int]
+    top_ids: np.ndarray  # (steps, k) int64
+    top_logp: np.ndarray  # (steps, k) float32
+    full_logp: np.ndarray  # (min(full_steps, steps), vocab) float32
 
 
-def backend_identity(options: BackendOptions) -> dict[str, Any]:
-    """What, beyond its options, decides a backend's numbers: part of every observation's key, so that a
-    resumed run never reuses observations made under another convention."""
-    if options.backend == "intref":
-        from evalsuite.backends.intref import activation_convention
-
-        convention = activation_convention()
-        return {"activations": {"divisor": convention.divisor, "rounding": convention.rounding}}
-    return {}
-
-
-def load_backend(checkpoint, options: BackendOptions) -> Backend:
-    """Load `checkpoint` with the backend `options.backend` names."""
+def load_backend(checkpoint: Checkpoint, options: BackendOptions) -> Backend:
+    """Load `checkpoint` with the backend `options.backend` names (options already checked)."""
     if options.backend == "hf":
         from evalsuite.backends.hf import HFBackend
 
@@ -65,4 +72,17 @@ def load_backend(checkpoint, options: BackendOptions) -> Backend:
         from evalsuite.backends.intref import IntrefBackend
 
         return IntrefBackend(checkpoint, options)
-    raise InputError(f"unknown backend {options.backend!r}; known backends: {', '.join(BACKENDS)}")
+    options.check()  # raises for an unknown backend
+    raise AssertionError(options.backend)
+
+
+def check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
+    """Refuse, from the files alone, a checkpoint the backend could not load faithfully (InputError)."""
+    if options.backend == "hf":
+        from evalsuite.backends.hf import check_hf_load_plan
+
+        check_hf_load_plan(checkpoint, options)
+    elif options.backend == "intref":
+        from evalsuite.backends.intref import check_intref_load_plan
+
+        check_intref_load_plan(checkpoint, options)

@@ -5,24 +5,18 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from evalsuite.backends.options import DTYPE_NAMES, BackendOptions
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import DependencyError, InputError
-from evalsuite.side import BackendOptions
 
-DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-}
+DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}
 
 
 def _model_class(config: Any) -> type:
@@ -43,13 +37,8 @@ def _model_class(config: Any) -> type:
 
 
 def _device_map(device: str) -> str | None:
-    if device == "cpu":
-        return None
-    if device in ("cuda", "auto") or device.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise DependencyError(f"--device {device} needs CUDA, and this machine has none")
-        return device
-    raise InputError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto")
+    # Options are checked before anything loads (BackendOptions.check): cpu, cuda, cuda:N or auto.
+    return None if device == "cpu" else device
 
 
 def _first_line(exc: BaseException) -> str:
@@ -87,6 +76,86 @@ def transformers_config(checkpoint: Checkpoint, options: BackendOptions) -> tupl
     return config, kwargs
 
 
+def refuse_partial_load(checkpoint: Checkpoint, info: dict[str, Any]) -> None:
+    """Missing weights would be initialised at random and the forward would still run: refuse that, from
+    Transformers' own load report (`output_loading_info`)."""
+    problems = []
+    for kind in ("missing_keys", "unexpected_keys"):
+        keys = sorted(info.get(kind) or ())
+        if keys:
+            shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            problems.append(f"{len(keys)} {kind.replace('_', ' ')} ({shown})")
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        name, stored, expected = mismatched[0]
+        problems.append(f"{len(mismatched)} shape mismatches ({name}: {tuple(stored)} vs {tuple(expected)})")
+    if info.get("error_msgs"):
+        problems.append(f"load errors ({_first_line(Exception(info['error_msgs'][0]))})")
+    if problems:
+        raise InputError(
+            "Transformers would load this checkpoint with randomly initialised weights: "
+            + "; ".join(problems),
+            checkpoint.path,
+        )
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Transformers' load report and progress bars, and compressed-tensors' tqdm bars and log lines, off:
+    evalsuite shows its own progress and turns the load report into an error."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        # compressed-tensors draws tqdm bars with an explicit disable=False, which no setting reaches.
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def from_pretrained(
+    checkpoint: Checkpoint, options: BackendOptions, config: Any, kwargs: dict[str, Any], device_map: Any
+) -> Any:
+    """`from_pretrained` by the config's model class, with the load report checked (no random weights)."""
+    cls = _model_class(config)
+    try:
+        with quiet_transformers():
+            model, info = cls.from_pretrained(
+                str(checkpoint.path),
+                dtype=DTYPES[options.dtype],
+                device_map=device_map,
+                output_loading_info=True,
+                **kwargs,
+            )
+    except (DependencyError, InputError):
+        raise
+    except ImportError as exc:
+        raise DependencyError(f"loading {checkpoint.path} needs a package: {_first_line(exc)}") from None
+    except Exception as exc:
+        raise InputError(f"Transformers cannot load the model: {_first_line(exc)}", checkpoint.path) from None
+    refuse_partial_load(checkpoint, info)
+    return model
+
+
+def check_hf_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
+    """Load the model on the meta device, which reads the configs and the safetensors headers but no tensor
+    data, and refuse it if Transformers' load report shows missing or unexpected weights."""
+    if checkpoint.format == "gguf":
+        return  # GGUF is dequantized by reading the file; nothing to decide without doing so
+    config, kwargs = transformers_config(checkpoint, options)
+    model = from_pretrained(checkpoint, options, config, kwargs, device_map="meta")
+    del model
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
 class HFBackend:
     """A Transformers model, loaded with no tolerance for missing or unexpected weights.
 
@@ -95,8 +164,6 @@ class HFBackend:
     """
 
     def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
-        if options.dtype not in DTYPES:
-            raise InputError(f"unknown dtype {options.dtype!r}; use {', '.join(DTYPES)}")
         self.checkpoint = checkpoint
         self.options = options
         self.config, kwargs = transformers_config(checkpoint, options)
@@ -112,74 +179,34 @@ class HFBackend:
             if output_embeddings is not None
             else int(self.config.get_text_config().vocab_size)
         )
+        self.tokenizer = checkpoint.load_tokenizer(trust_remote_code=options.trust_remote_code)
+
+    def describe(self) -> dict[str, Any]:
+        """Transformers' own execution of the checkpoint's format."""
+        return {
+            "backend": "hf",
+            "execution": f"Transformers {_version('transformers')} ({type(self.model).__name__})",
+            "format": self.checkpoint.format,
+        }
 
     def load_model(self, kwargs: dict[str, Any]) -> Any:
-        """`from_pretrained` by the config's model class; refuses a load that leaves weights random."""
-        from transformers.utils import logging as hf_logging
-
-        checkpoint, options = self.checkpoint, self.options
-        cls = _model_class(self.config)
-        device_map = _device_map(options.device)
-        # The load report is printed by Transformers' logger; evalsuite turns it into an error instead.
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()  # evalsuite shows its own progress
-        try:
-            # compressed-tensors draws tqdm bars with an explicit disable=False, which no setting reaches.
-            with contextlib.redirect_stderr(io.StringIO()):
-                model, info = cls.from_pretrained(
-                    str(checkpoint.path),
-                    dtype=DTYPES[options.dtype],
-                    device_map=device_map,
-                    output_loading_info=True,
-                    **kwargs,
-                )
-        except (DependencyError, InputError):
-            raise
-        except ImportError as exc:
-            raise DependencyError(f"loading {checkpoint.path} needs a package: {_first_line(exc)}") from None
-        except Exception as exc:
-            raise InputError(
-                f"Transformers cannot load the model: {_first_line(exc)}", checkpoint.path
-            ) from None
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        self._refuse_partial_load(checkpoint, info)
-        return model
-
-    @staticmethod
-    def _refuse_partial_load(checkpoint: Checkpoint, info: dict[str, Any]) -> None:
-        """Missing weights would be initialised at random and the forward would still run: refuse that."""
-        problems = []
-        for kind in ("missing_keys", "unexpected_keys"):
-            keys = sorted(info.get(kind) or ())
-            if keys:
-                shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-                problems.append(f"{len(keys)} {kind.replace('_', ' ')} ({shown})")
-        mismatched = sorted(info.get("mismatched_keys") or ())
-        if mismatched:
-            name, stored, expected = mismatched[0]
-            problems.append(
-                f"{len(mismatched)} shape mismatches ({name}: {tuple(stored)} vs {tuple(expected)})"
-            )
-        if info.get("error_msgs"):
-            problems.append(f"load errors ({_first_line(Exception(info['error_msgs'][0]))})")
-        if problems:
-            raise InputError(
-                "Transformers would load this checkpoint with randomly initialised weights: "
-                + "; ".join(problems),
-                checkpoint.path,
-            )
+        """`from_pretrained` on the options' device; refuses a load that leaves weights random."""
+        return from_pretrained(
+            self.checkpoint, self.options, self.config, kwargs, _device_map(self.options.device)
+        )
 
     @property
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
 
     @torch.inference_mode()
-    def next_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.reshape(1, -1).to(self.device)
-        # logits_to_keep keeps the vocabulary-sized projection to the scored positions only.
-        return self.model(input_ids=ids, logits_to_keep=positions.to(self.device), use_cache=False).logits[0]
+    def window_logits(self, windows: torch.Tensor, positions: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Each window forwarded on its own; logits_to_keep keeps the vocabulary-sized projection to the
+        scored positions only."""
+        keep = positions.to(self.device)
+        for window in windows:
+            ids = window.reshape(1, -1).to(self.device)
+            yield self.model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits[0]
 
     @torch.inference_mode()
     def generate_greedy(

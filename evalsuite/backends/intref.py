@@ -16,8 +16,9 @@ kernel runs. This backend is that integer model, slow if need be but exact:
   and scales in the compute dtype, the Gated DeltaNet rule keeps q/k/v, gates and its recurrent state in
   FP32, softmax in attention and routing is FP32. This backend changes none of that.
 
-The activation convention (per-token divisor 127.5 or 127, rounding) is the `[activations]` table of
-`tasks/intref.toml`, so `--backend intref` under any task and the `intref` task itself run the same model.
+The activation convention (per-token divisor 127.5 or 127, rounding) comes in the side's options, handed
+down by the task that runs it (the `[activations]` table of tasks/intref.toml); this module reads no spec.
+Whether the integer path can run a checkpoint at all is decided from its files by `intref_plan`.
 """
 
 from __future__ import annotations
@@ -25,206 +26,19 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import math
 import re
-import tomllib
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field, ValidationError
 from torch import nn
 
-from evalsuite.backends._intlinear import MAX_IN_FEATURES, ActivationQuant, IntExpert, IntExperts, IntLinear
-from evalsuite.backends.hf import DTYPES, HFBackend, _first_line, _model_class
+from evalsuite.backends._intlinear import ActivationQuant, IntExpert, IntExperts, IntLinear
+from evalsuite.backends.hf import DTYPES, HFBackend, _first_line, _model_class, transformers_config
+from evalsuite.backends.intref_plan import ActivationConvention, QuantizedModule, integer_modules
+from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
-from evalsuite.errors import DependencyError, InputError
+from evalsuite.errors import InputError
 from evalsuite.formats.compressed_tensors import SchemeLookup
-from evalsuite.side import BackendOptions
-from evalsuite.spec import StrictModel, default_spec_path
-
-# Tensors of a quantized module in a compressed-tensors file; anything else under such a module is refused.
-_INT_SUFFIXES = ("weight_packed", "weight_shape", "weight_scale", "weight")
-
-
-class ActivationSpec(StrictModel):
-    """`[activations]` of tasks/intref.toml: how the integer path quantizes activations, per token."""
-
-    divisor: float = Field(default=127.5, gt=0)  # scale = max|x| / divisor (127.5: compressed-tensors' INT8)
-    rounding: Literal["half_even", "half_away_from_zero"] = "half_even"
-
-    def quant(self) -> ActivationQuant:
-        return ActivationQuant(divisor=self.divisor, rounding=self.rounding)
-
-
-def activation_convention(spec_file: Path | None = None) -> ActivationQuant:
-    """The activation convention of the `intref` spec file (`[activations]`; defaults where it is absent)."""
-    path = spec_file or default_spec_path("intref")
-    try:
-        table = tomllib.loads(path.read_text(encoding="utf-8")).get("activations", {})
-        return ActivationSpec.model_validate(table).quant()
-    except FileNotFoundError:
-        raise InputError("spec file does not exist", path) from None
-    except (tomllib.TOMLDecodeError, ValidationError) as exc:
-        raise InputError(f"invalid [activations] table: {_first_line(exc)}", path) from None
-
-
-@dataclass(frozen=True)
-class QuantizedModule:
-    """A module the file stores quantized: its name, weight bits (4 packed or 8 as int8) and logical shape."""
-
-    name: str
-    bits: int
-    out_features: int
-    in_features: int
-
-
-def integer_modules(checkpoint: Checkpoint) -> dict[str, QuantizedModule]:
-    """Every quantized module of a compressed-tensors checkpoint the integer path can execute, by name.
-
-    Reads the config and the safetensors headers only. Raises `InputError`, with the reason, for a checkpoint
-    that is not integer W4A8/W8A8 with dynamic symmetric per-token INT8 activations and symmetric per-channel
-    INT4 (`pack-quantized`) or INT8 (`int-quantized`) weights.
-    """
-    if checkpoint.format != "compressed-tensors":
-        raise InputError(
-            f"intref executes compressed-tensors integer checkpoints; this one is {checkpoint.format}, "
-            "which has no integer weights to execute",
-            checkpoint.path,
-        )
-    qc = checkpoint.quantization_config or {}
-    _check_quantization_config(qc, checkpoint.path)
-    tensors = checkpoint.tensors
-    leaves: dict[str, set[str]] = {}
-    for name in tensors:
-        module, _, leaf = name.rpartition(".")
-        leaves.setdefault(module, set()).add(leaf)
-    quantized = sorted(m for m, names in leaves.items() if "weight_scale" in names)
-    if not quantized:
-        raise InputError("no quantized module in the files (no weight_scale tensor)", checkpoint.path)
-    # One pass over the shards for the small weight_shape tensors, not one open per module.
-    shapes = {
-        name.removesuffix(".weight_shape"): tuple(int(v) for v in t.tolist())
-        for name, t in checkpoint.iter_tensors(
-            f"{m}.weight_shape" for m in quantized if "weight_shape" in leaves[m]
-        )
-    }
-    modules: dict[str, QuantizedModule] = {}
-    for module in quantized:
-        extra = sorted(leaves[module] - {*_INT_SUFFIXES, "bias"})
-        if extra:
-            raise InputError(
-                f"{module} has {', '.join(extra)}: only symmetric weights with dynamic activations "
-                "(no zero points, no static activation scales) execute on the integer path",
-                checkpoint.path,
-            )
-        scale = tensors[f"{module}.weight_scale"]
-        if (packed := tensors.get(f"{module}.weight_packed")) is not None:
-            shape = shapes.get(module)
-            if packed.dtype != "I32" or shape is None or len(shape) != 2:
-                raise InputError(
-                    f"{module}: pack-quantized weights need int32 words and a weight_shape", checkpoint.path
-                )
-            out_features, in_features = shape
-            if packed.shape != (out_features, math.ceil(in_features / 8)):
-                raise InputError(
-                    f"{module}: {packed.shape} int32 words do not hold INT4 weights of shape "
-                    f"({out_features}, {in_features})",
-                    checkpoint.path,
-                )
-            bits = 4
-        elif (weight := tensors.get(f"{module}.weight")) is not None and weight.dtype == "I8":
-            if len(weight.shape) != 2:
-                raise InputError(f"{module}: int8 weight of shape {weight.shape}", checkpoint.path)
-            out_features, in_features = weight.shape
-            bits = 8
-        else:
-            raise InputError(f"{module} has a weight_scale but no INT4 or INT8 weight", checkpoint.path)
-        if scale.shape != (out_features, 1):
-            raise InputError(
-                f"{module}: weight_scale of shape {scale.shape} is not one scale per output channel",
-                checkpoint.path,
-            )
-        if in_features > MAX_IN_FEATURES:
-            raise InputError(
-                f"{module}: {in_features} inputs could overflow INT32 accumulation", checkpoint.path
-            )
-        modules[module] = QuantizedModule(module, bits, out_features, in_features)
-    lookup = SchemeLookup(qc, checkpoint.path / "config.json")
-    for module, quantized in modules.items():
-        # The files and the config must agree on every quantized module, as compressed-tensors resolves it.
-        coverage = lookup.covering(module, "linear")
-        stored = "pack-quantized" if quantized.bits == 4 else "int-quantized"
-        if coverage.group is None:
-            raise InputError(f"{module} is stored quantized but no config group targets it", checkpoint.path)
-        if coverage.format not in (None, stored):
-            raise InputError(
-                f"{module} is stored {stored} but its config group {coverage.group!r} says {coverage.format}",
-                checkpoint.path,
-            )
-    return modules
-
-
-def _check_quantization_config(qc: dict[str, Any], path: Path) -> None:
-    """Every config group must be W4A8/W8A8: symmetric per-channel weights, dynamic per-token INT8 inputs."""
-    if qc.get("quantization_status") != "compressed":
-        raise InputError(
-            f"quantization_status is {qc.get('quantization_status')!r}: only compressed weights are integers",
-            path,
-        )
-    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
-        if qc.get(key):
-            raise InputError(f"quantization_config.{key} is set; the integer path executes none", path)
-    groups = qc.get("config_groups") or {}
-    if not groups:
-        raise InputError("quantization_config has no config_groups", path)
-    for name, group in groups.items():
-        weights, inputs = group.get("weights") or {}, group.get("input_activations")
-        fmt = group.get("format") or qc.get("format")
-        where = f"config group {name!r}"
-        if inputs is None:
-            raise InputError(f"{where} quantizes weights only: there is no integer activation path", path)
-        w_ok = (
-            weights.get("type") == "int"
-            and weights.get("symmetric") is True
-            and weights.get("strategy") == "channel"
-            and not weights.get("dynamic")
-            and (weights.get("num_bits"), fmt)
-            in ((4, "pack-quantized"), (4, "int-quantized"), (8, "int-quantized"))
-        )
-        if not w_ok:
-            raise InputError(
-                f"{where}: weights {weights.get('num_bits')}-bit {weights.get('type')} "
-                f"{weights.get('strategy')} symmetric={weights.get('symmetric')} as {fmt}; the integer path "
-                "executes symmetric per-channel INT4 pack-quantized or INT8 int-quantized weights",
-                path,
-            )
-        a_ok = (
-            inputs.get("num_bits") == 8
-            and inputs.get("type") == "int"
-            and inputs.get("symmetric") is True
-            and inputs.get("strategy") == "token"
-            and inputs.get("dynamic") is True
-        )
-        if not a_ok:
-            raise InputError(
-                f"{where}: activations {inputs.get('num_bits')}-bit {inputs.get('type')} "
-                f"{inputs.get('strategy')} dynamic={inputs.get('dynamic')}; the integer path executes "
-                "dynamic symmetric per-token INT8 activations",
-                path,
-            )
-        if group.get("output_activations"):
-            raise InputError(f"{where} quantizes output activations; the integer path does not", path)
-
-
-def unsupported_reason(checkpoint: Checkpoint) -> str | None:
-    """Why the integer path cannot execute this checkpoint (from its files), or None when it can."""
-    try:
-        integer_modules(checkpoint)
-    except InputError as exc:
-        return str(exc).removeprefix(f"{checkpoint.path}: ")
-    return None
 
 
 def _fused_experts(module: nn.Module) -> bool:
@@ -239,44 +53,20 @@ def _fused_experts(module: nn.Module) -> bool:
     )
 
 
-class IntrefBackend(HFBackend):
-    """The candidate built by Transformers' model classes, its quantized layers run in integer arithmetic.
+class IntegerSkeleton:
+    """The model Transformers builds from the config, on the meta device, with the integer modules swapped
+    in where the files store quantized weights: what the integer path will run, before any tensor is read."""
 
-    Every primitive of `HFBackend` runs unchanged on this model: only `load_model` differs.
-    """
+    def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
+        self.checkpoint = checkpoint
+        self.plan = integer_modules(checkpoint)
+        self.activations = ActivationConvention.from_options(options.convention_map).quant()
+        self.dtype = DTYPES[options.dtype]
+        self.config, _ = transformers_config(checkpoint, options)
+        self.model = self._build()
+        self._swap_in_integer_modules(self.model, self.plan, self.dtype)
 
-    def __init__(
-        self, checkpoint: Checkpoint, options: BackendOptions, activations: ActivationQuant | None = None
-    ) -> None:
-        self.activations = activations or activation_convention()
-        super().__init__(checkpoint, options)
-
-    def load_model(self, kwargs: dict[str, Any]) -> Any:
-        """Build on the meta device, swap in the integer modules, then load every tensor from the files.
-
-        `kwargs` (what `from_pretrained` would be given) go unused: nothing passes through `from_pretrained`.
-        """
-        checkpoint, options = self.checkpoint, self.options
-        plan = integer_modules(checkpoint)
-        device = self._device(options.device)
-        dtype = DTYPES[options.dtype]
-        model = self._build(dtype)
-        self._swap_in_integer_modules(model, plan, dtype)
-        self._load_tensors(model, plan, dtype)
-        self._generation_config(model)
-        return model.to(device) if device.type != "cpu" else model
-
-    @staticmethod
-    def _device(device: str) -> torch.device:
-        if device == "cpu":
-            return torch.device("cpu")
-        if device == "cuda" or device.startswith("cuda:"):
-            if not torch.cuda.is_available():
-                raise DependencyError(f"--device {device} needs CUDA, and this machine has none")
-            return torch.device(device)
-        raise InputError(f"backend intref runs on one device: cpu, cuda or cuda:N, not {device!r}")
-
-    def _build(self, dtype: torch.dtype) -> nn.Module:
+    def _build(self) -> nn.Module:
         """The model from its config, parameters on the meta device (buffers such as RoPE's are computed)."""
         from accelerate import init_empty_weights
         from transformers.utils import logging as hf_logging
@@ -290,7 +80,7 @@ class IntrefBackend(HFBackend):
         hf_logging.set_verbosity_error()
         try:
             with init_empty_weights(include_buffers=False), contextlib.redirect_stderr(io.StringIO()):
-                return cls.from_config(config, dtype=dtype, trust_remote_code=False)
+                return cls.from_config(config, dtype=self.dtype, trust_remote_code=False)
         except Exception as exc:
             raise InputError(
                 f"Transformers cannot build the model from its config: {_first_line(exc)}",
@@ -298,6 +88,20 @@ class IntrefBackend(HFBackend):
             ) from None
         finally:
             hf_logging.set_verbosity(verbosity)
+
+    def expected_tensors(self) -> tuple[list[str], list[str]]:
+        """(missing, unexpected): tensors the model needs that the files lack, and the reverse, by name, from
+        the safetensors headers; a tied target the files do not store is filled from its source."""
+        slots = _tensor_slots(self.model)
+        stored = {
+            name
+            for name in self.checkpoint.tensors
+            if not (name.endswith(".weight_shape") and name.removesuffix(".weight_shape") in self.plan)
+        }
+        tied = getattr(self.model, "all_tied_weights_keys", None) or {}
+        missing = sorted(n for n in slots if n not in stored and not (n in tied and tied[n] in stored))
+        unexpected = sorted(n for n in stored if n not in slots)
+        return missing, unexpected
 
     def _swap_in_integer_modules(
         self, model: nn.Module, plan: dict[str, QuantizedModule], dtype: torch.dtype
@@ -371,6 +175,12 @@ class IntrefBackend(HFBackend):
             )
         return IntLinear(shape[1], shape[0], quantized.bits, self.activations, dtype, bias=bias)
 
+    def load(self, device: str) -> nn.Module:
+        """Every tensor of the files into the skeleton, the generation config, then the device."""
+        self._load_tensors(self.model, self.plan, self.dtype)
+        self._generation_config(self.model)
+        return self.model.to(device) if device != "cpu" else self.model
+
     def _load_tensors(self, model: nn.Module, plan: dict[str, QuantizedModule], dtype: torch.dtype) -> None:
         """Every tensor of the files into the model, by name; missing or unexpected tensors are refused."""
         keep_fp32 = list(model._get_dtype_plan(dtype)) if hasattr(model, "_get_dtype_plan") else []
@@ -408,17 +218,7 @@ class IntrefBackend(HFBackend):
                 owner._buffers[leaf] = value
         self._tie(model)
         missing = sorted(n for n, t in _named_tensors(model) if t.is_meta)
-        if missing or unexpected:
-            problems = []
-            for what, names in (("missing from the files", missing), ("not in the model", unexpected)):
-                if names:
-                    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-                    problems.append(f"{len(names)} tensors {what} ({shown})")
-            raise InputError(
-                "the files do not match the model Transformers builds from the config: "
-                + "; ".join(problems),
-                self.checkpoint.path,
-            )
+        _refuse_mismatch(self.checkpoint, missing, unexpected)
 
     @staticmethod
     def _tie(model: nn.Module) -> None:
@@ -438,6 +238,60 @@ class IntrefBackend(HFBackend):
         if (self.checkpoint.path / "generation_config.json").is_file():
             with contextlib.suppress(Exception):
                 model.generation_config = GenerationConfig.from_pretrained(str(self.checkpoint.path))
+
+
+def check_intref_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
+    """Refuse, from the files alone, a checkpoint whose tensors do not match the integer model (missing
+    tensors would be left on the meta device, unexpected ones would be ignored)."""
+    missing, unexpected = IntegerSkeleton(checkpoint, options).expected_tensors()
+    _refuse_mismatch(checkpoint, missing, unexpected)
+
+
+def _refuse_mismatch(checkpoint: Checkpoint, missing: list[str], unexpected: list[str]) -> None:
+    problems = []
+    for what, names in (("missing from the files", missing), ("not in the model", unexpected)):
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            problems.append(f"{len(names)} tensors {what} ({shown})")
+    if problems:
+        raise InputError(
+            "the files do not match the model Transformers builds from the config: " + "; ".join(problems),
+            checkpoint.path,
+        )
+
+
+class IntrefBackend(HFBackend):
+    """The candidate built by Transformers' model classes, its quantized layers run in integer arithmetic.
+
+    Every primitive of `HFBackend` runs unchanged on this model: only `load_model` differs.
+    """
+
+    def load_model(self, kwargs: dict[str, Any]) -> Any:
+        """Build on the meta device, swap in the integer modules, then load every tensor from the files.
+
+        `kwargs` (what `from_pretrained` would be given) go unused: nothing passes through `from_pretrained`.
+        """
+        skeleton = IntegerSkeleton(self.checkpoint, self.options)
+        self.activations: ActivationQuant = skeleton.activations
+        return skeleton.load(self.options.device)
+
+    def describe(self) -> dict[str, Any]:
+        """The integer execution: its activation convention, and how many integer layers and routed experts
+        exist and have run so far."""
+        linears, experts = _integer_modules(self.model)
+        counters = self.integer_counters()
+        ran = {name for name, n in counters.items() if n > 0}
+        return {
+            "backend": "intref",
+            "execution": "evalsuite integer W4A8 reference (INT8 per-token activations, INT32 accumulation)",
+            "format": self.checkpoint.format,
+            "activations": {"divisor": self.activations.divisor, "rounding": self.activations.rounding},
+            # Experts are counted as `<experts module>.<e>`; Linear layers by their own names.
+            "int_layers": sum(1 for name in ran if not name.rsplit(".", 1)[-1].isdigit()),
+            "int_experts": sum(1 for name in ran if name.rsplit(".", 1)[-1].isdigit()),
+            "int_layers_total": len(linears),
+            "int_experts_total": sum(m.num_experts for m in experts.values()),
+        }
 
     def integer_counters(self) -> dict[str, int]:
         """Cumulative use of the integer path: forwards per integer Linear, tokens per routed expert.

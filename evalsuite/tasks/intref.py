@@ -2,42 +2,77 @@
 
 The `ppl` protocol (same windows, same scored positions, same tokens) observed three times: the reference as
 usual, the candidate through backend `intref` (integer arithmetic reading the packed weights) and the same
-candidate through backend `hf` (as Transformers runs it). The comparison reports the integer model's PPL
-against the reference's, and the KL divergence and same-top-token rate between the two executions of the one
-candidate, KL(P_int ‖ P_hf): the integer execution is the model the card describes, `hf` the approximation.
+candidate through backend `hf` (as Transformers runs it). The reference's and the `hf` candidate's window
+logits are the very observations `ppl` makes, so a run of both tasks observes them once. The comparison
+reports the integer model's PPL against the reference's, and the KL divergence and same-top-token rate
+between the two executions of the one candidate, KL(P_int ‖ P_hf): the integer execution is the model the
+card describes, `hf` the approximation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
 from evalsuite import metrics, plots
-from evalsuite.backends.intref import ActivationSpec, unsupported_reason
+from evalsuite.backends.intref_plan import ActivationConvention, unsupported_reason
 from evalsuite.errors import InputError
+from evalsuite.observation import Observation
 from evalsuite.side import Side
 from evalsuite.spec import TaskSpec
-from evalsuite.task import Observation, TaskResult, TaskSkipped, task
-from evalsuite.tasks.ppl import Perplexity, PplSpec
+from evalsuite.task import Inputs, Need, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.tasks.ppl import CompareOptions
+from evalsuite.tasks.window_logits import (
+    RecordOptions,
+    WindowLogits,
+    WindowProtocol,
+    kld_per_token,
+    ppl_summary,
+    prepare_windows,
+    same_inputs,
+)
 
 
-class IntrefSpec(PplSpec):
-    """The `ppl` spec (protocol, record, compare) and the integer path's activation convention."""
+class IntrefSpec(TaskSpec):
+    """The `ppl` protocol and the integer path's activation convention (handed to backend `intref`)."""
 
-    activations: ActivationSpec = ActivationSpec()
+    activations: ActivationConvention = ActivationConvention()
+    protocol: WindowProtocol = WindowProtocol()
+    record: RecordOptions = RecordOptions()
+    compare: CompareOptions = CompareOptions()
 
 
 @task("intref")
-class IntegerReference(Perplexity):
+class IntegerReference:
     """PPL of the integer W4A8 execution, and its KLD / same-top-token agreement with the `hf` execution."""
 
-    roles: ClassVar[tuple[str, ...]] = ("ref", "ckpt@intref", "ckpt@hf")
     spec_model: ClassVar[type[TaskSpec]] = IntrefSpec
-    spec: IntrefSpec
+    metric_names: ClassVar[tuple[str, ...]] = (
+        "n_windows",
+        "n_scored_tokens",
+        "ppl_ref",
+        "ppl_int",
+        "ppl_int_ratio",
+        "ln_ppl_int_ratio",
+        "ppl_hf",
+        "kld_int_mean",
+        "same_top_int",
+        "kld_int_vs_hf",
+        "kld_int_vs_hf_p99",
+        "kld_int_vs_hf_max",
+        "same_top_int_vs_hf",
+        "int_layers",
+        "int_experts",
+    )
 
-    def prepare(self, ref: Side, ckpt: Side) -> dict[str, Any]:
+    def __init__(self, spec: IntrefSpec, context: RunContext) -> None:
+        self.spec = spec
+        self.context = context
+
+    def prepare(self, ref: Side, ckpt: Side) -> Inputs:
         """The `ppl` inputs; skipped, with the reason, for a candidate the integer path cannot execute.
 
         `evalsuite record` prepares one side as both (it records the reference, which needs no integer path).
@@ -45,89 +80,72 @@ class IntegerReference(Perplexity):
         reason = unsupported_reason(ckpt.checkpoint) if ckpt is not ref else None
         if reason is not None:
             raise TaskSkipped(reason)
-        return super().prepare(ref, ckpt)
+        return prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt)
 
-    def observe(self, side: Side, inputs: dict[str, Any], folder: Path) -> Observation:
-        """The `ppl` observation; on the integer path also which integer layers and experts ran."""
-        counters = getattr(side.model, "integer_counters", None)
-        before = counters() if counters is not None else None
-        obs = super().observe(side, inputs, folder)
-        obs.task = self.name
-        obs.meta["backend"] = side.options.backend
-        if counters is not None:
-            ran = {name for name, n in counters().items() if n > before.get(name, 0)}
-            inventory = side.model.integer_inventory()
-            obs.meta |= {
-                # Experts are counted as `<experts module>.<e>`; Linear layers by their own names.
-                "int_layers": sum(1 for name in ran if not name.rsplit(".", 1)[-1].isdigit()),
-                "int_experts": sum(1 for name in ran if name.rsplit(".", 1)[-1].isdigit()),
-                "int_layers_total": inventory["int_layers"],
-                "int_experts_total": inventory["int_experts"],
-                "activations": self.spec.activations.model_dump(),
-            }
-        return obs
+    def needs(self) -> list[Need]:
+        observer = WindowLogits(self.spec.protocol, self.spec.record, self.spec.compare.kld_chunk_rows)
+        conventions = tuple(sorted(self.spec.activations.model_dump(mode="json").items()))
+        return [
+            Need("ref", "ref", observer),
+            Need("int", "ckpt", observer, backend="intref", conventions=conventions),
+            Need("hf", "ckpt", observer, backend="hf"),
+        ]
 
-    def compare(self, ref: Observation, ints: Observation, hf: Observation, artifacts: Path) -> TaskResult:
-        for key in ("tokens_sha256", "vocab_size"):
-            if not ref.meta[key] == ints.meta[key] == hf.meta[key]:
-                raise InputError(
-                    f"the observations were made on different inputs ({key}: "
-                    f"{ref.meta[key]}, {ints.meta[key]}, {hf.meta[key]})"
-                )
-        if "int_layers" not in ints.meta:
-            raise InputError(f"the `ckpt@intref` observation ran on backend {ints.meta.get('backend')!r}")
+    def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
+        ref, ints, hf = observed["ref"], observed["int"], observed["hf"]
+        same_inputs({"ref": ref, "int": ints, "hf": hf})
+        execution = ints.meta.get("execution", {})
+        if execution.get("backend") != "intref":
+            raise InputError(f"the integer observation ran on backend {execution.get('backend')!r}")
+        n_windows = ref.meta["n_windows"]
         nll_ref, nll_int, nll_hf = ref.arrays["nll"], ints.arrays["nll"], hf.arrays["nll"]
+        windows = metrics.window_labels(n_windows, len(nll_ref) // n_windows)
+        chunk = self.spec.compare.kld_chunk_rows
         ln_ratio = metrics.paired_log_ratio(nll_ref, nll_int)
-        recorded = ref.meta.get("kind") == "recorded"
-        kld_int = self.kld_from_recording(ref, ints) if recorded else self.kld_per_token(ref, ints)
-        estimator = (
-            f"top-{ref.meta['top_k']} exact + {ref.meta['tail_samples']} sampled tail ids (recording)"
-            if recorded
-            else "full-vocabulary"
-        )
+        kld_int, estimator = kld_per_token(ref, ints, chunk)
         kld_int_mean = metrics.mean_with_stderr(kld_int)
-        same_top_int = metrics.same_top_rate(ref.arrays["top"], ints.arrays["top"])
+        same_int = ref.arrays["top"] == ints.arrays["top"]
+        same_top_int = metrics.rate_with_stderr(same_int)
         # KL(P_int ‖ P_hf): the integer execution is the distribution the card describes.
-        kld_ih = self.kld_per_token(ints, hf)
+        kld_ih, _ = kld_per_token(ints, hf, chunk)
         kld_ih_mean = metrics.mean_with_stderr(kld_ih)
-        same_top_ih = metrics.same_top_rate(ints.arrays["top"], hf.arrays["top"])
-        ppl = {
-            name: metrics.perplexity(nll)
-            for name, nll in (("ref", nll_ref), ("int", nll_int), ("hf", nll_hf))
-        }
+        same_ih = ints.arrays["top"] == hf.arrays["top"]
+        same_top_ih = metrics.rate_with_stderr(same_ih)
         values: dict[str, Any] = {
             "corpus": ref.meta["corpus"],
-            "n_windows": ref.meta["n_windows"],
+            "n_windows": n_windows,
             "n_scored_tokens": len(nll_ref),
             "tokens_sha256": ref.meta["tokens_sha256"],
-            "activation_divisor": ints.meta["activations"]["divisor"],
-            "activation_rounding": ints.meta["activations"]["rounding"],
-            "ppl_ref": ppl["ref"],
-            "ppl_ref_stderr": ppl["ref"] * metrics.ln_perplexity(nll_ref).stderr,
-            "ppl_int": ppl["int"],
-            "ppl_int_stderr": ppl["int"] * metrics.ln_perplexity(nll_int).stderr,
+            "activation_divisor": execution["activations"]["divisor"],
+            "activation_rounding": execution["activations"]["rounding"],
+            **ppl_summary("ref", nll_ref, n_windows),
+            **ppl_summary("int", nll_int, n_windows),
             "ppl_int_ratio": float(np.exp(ln_ratio.value)),
             "ln_ppl_int_ratio": ln_ratio.value,
             "ln_ppl_int_ratio_stderr": ln_ratio.stderr,
-            "ppl_hf": ppl["hf"],
-            "ppl_hf_stderr": ppl["hf"] * metrics.ln_perplexity(nll_hf).stderr,
+            "ln_ppl_int_ratio_stderr_window": metrics.clustered_stderr(nll_int - nll_ref, windows),
+            **ppl_summary("hf", nll_hf, n_windows),
             "kld_int_mean": kld_int_mean.value,
             "kld_int_mean_stderr": kld_int_mean.stderr,
+            "kld_int_mean_stderr_window": metrics.clustered_stderr(kld_int, windows),
             "kld_int_estimator": estimator,
             "same_top_int": same_top_int.value,
             "same_top_int_stderr": same_top_int.stderr,
+            "same_top_int_stderr_window": metrics.clustered_stderr(same_int, windows),
             "kld_int_vs_hf": kld_ih_mean.value,
             "kld_int_vs_hf_stderr": kld_ih_mean.stderr,
+            "kld_int_vs_hf_stderr_window": metrics.clustered_stderr(kld_ih, windows),
             "kld_int_vs_hf_p99": metrics.quantiles(kld_ih, (0.99,))[0],
             "kld_int_vs_hf_max": float(kld_ih.max()),
             "same_top_int_vs_hf": same_top_ih.value,
             "same_top_int_vs_hf_stderr": same_top_ih.stderr,
-            "int_layers": ints.meta["int_layers"],
-            "int_layers_total": ints.meta["int_layers_total"],
-            "int_experts": ints.meta["int_experts"],
-            "int_experts_total": ints.meta["int_experts_total"],
+            "same_top_int_vs_hf_stderr_window": metrics.clustered_stderr(same_ih, windows),
+            "int_layers": execution["int_layers"],
+            "int_layers_total": execution["int_layers_total"],
+            "int_experts": execution["int_experts"],
+            "int_experts_total": execution["int_experts_total"],
         }
-        checks = self.spec.threshold_checks(values)
+        checks, _ = self.spec.threshold_checks(values)
         plots.kld_histogram(kld_ih, artifacts / "intref_kld_int_vs_hf.png", "full-vocabulary, KL(int ‖ hf)")
         return TaskResult.from_checks(
             values,

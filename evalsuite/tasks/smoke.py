@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -14,10 +15,14 @@ from pydantic import field_validator
 
 from evalsuite import metrics
 from evalsuite.errors import InputError
-from evalsuite.recording import tokenizer_sha256
+from evalsuite.observation import Observation
+from evalsuite.run_folder import write_atomic
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
-from evalsuite.task import Observation, RunContext, TaskResult, task
+from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, task
+
+if TYPE_CHECKING:
+    from evalsuite.backends import Backend
 
 DIVERGENCE_MARK = "⟦"  # where the two answers part, inside each answer in report.md
 Category = Literal["factual", "code", "arithmetic", "chinese", "instruction"]
@@ -80,22 +85,105 @@ def ids_sha256(prompts: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
 
 
+class SmokeGenerations:
+    """Observer: each prompt's greedy answer (tokens, text, and the top-k log-probs of every step). Each
+    prompt is saved as it completes, so an interrupted observation resumes at the next prompt."""
+
+    name = "smoke-generations"
+
+    def __init__(self, spec: SmokeSpec) -> None:
+        self.spec = spec
+
+    def identity(self) -> dict[str, Any]:
+        # The expected answers are compare-only: changing a regex never re-runs a model.
+        prompts = [
+            p.model_dump(mode="json", include={"id", "prompt", "max_new_tokens"}) for p in self.spec.prompts
+        ]
+        return {"top_k": self.spec.generation.top_k, "prompts": prompts}
+
+    def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
+        k = self.spec.generation.top_k
+        step = progress("smoke prompts", len(self.spec.prompts))
+        answers = []
+        for i, (prompt, ids) in enumerate(zip(self.spec.prompts, inputs["prompt_ids"], strict=True)):
+            saved = folder / f"prompt-{i:04d}.json"
+            if not saved.is_file():
+                batch = {
+                    "input_ids": torch.tensor([ids]),
+                    "attention_mask": torch.ones((1, len(ids)), dtype=torch.long),
+                }
+                gen = backend.generate_greedy(batch, prompt.max_new_tokens, top_k=k)
+                write_atomic(saved, json.dumps(self._answer(backend.tokenizer, gen)))
+            answers.append(json.loads(saved.read_text(encoding="utf-8")))
+            step()
+        tokens = [t for a in answers for t in a["tokens"]]
+        offsets = np.cumsum([0] + [len(a["tokens"]) for a in answers])
+        return Observation(
+            name=self.name,
+            meta={
+                "texts": [a["text"] for a in answers],
+                "top_text": [a["top_text"] for a in answers],
+                "char_ends": [a["char_ends"] for a in answers],
+                "prompts_sha256": inputs["prompts_sha256"],
+                "execution": backend.describe(),
+            },
+            arrays={
+                "tokens": np.asarray(tokens, dtype=np.int64),
+                "offsets": offsets.astype(np.int64),
+                "top_ids": np.asarray([r for a in answers for r in a["top_ids"]], dtype=np.int64).reshape(
+                    -1, k
+                ),
+                "top_logp": np.asarray([r for a in answers for r in a["top_logp"]], dtype=np.float32).reshape(
+                    -1, k
+                ),
+            },
+        )
+
+    @staticmethod
+    def _answer(tokenizer: Any, gen: Any) -> dict[str, Any]:
+        return {
+            "tokens": list(gen.tokens),
+            "text": tokenizer.decode(gen.tokens, skip_special_tokens=True),
+            # Where each token ends in the text, so the report can mark the divergence inside the answer.
+            "char_ends": [
+                len(tokenizer.decode(gen.tokens[: j + 1], skip_special_tokens=True))
+                for j in range(len(gen.tokens))
+            ],
+            # The top-k as text, so a report can say which words the reference hesitated between.
+            "top_text": [[tokenizer.decode([t]) for t in row] for row in gen.top_ids.tolist()],
+            "top_ids": gen.top_ids.tolist(),
+            # float32 → Python float → JSON → float32 is exact.
+            "top_logp": [[float(v) for v in row] for row in gen.top_logp],
+        }
+
+    def record(self, obs: Observation, folder: Path) -> Observation:
+        """A smoke observation is already compact: it is its own recording."""
+        return Observation(name=obs.name, key=obs.key, meta=obs.meta, arrays=obs.arrays)
+
+
 @task("smoke")
 class Smoke:
     """Greedy answers of both sides to the spec's prompts: pass/fail per side and where they diverge."""
 
-    needs_model: ClassVar[bool] = True
     spec_model: ClassVar[type[TaskSpec]] = SmokeSpec
+    metric_names: ClassVar[tuple[str, ...]] = (
+        "n_prompts",
+        "ref_pass",
+        "ckpt_pass",
+        "identical",
+        "diverged_outside_top5",
+        "ref_pass_ckpt_fail",
+    )
 
     def __init__(self, spec: SmokeSpec, context: RunContext) -> None:
         self.spec = spec
         self.context = context
 
-    def prepare(self, ref: Side, ckpt: Side) -> dict[str, Any]:
+    def prepare(self, ref: Side, ckpt: Side) -> Inputs:
         """Prompt ids made once (with the reference tokenizer), hashed; the candidate must agree."""
         source = ckpt if ref.is_recorded else ref
         ids = [prompt_ids(source, p.prompt) for p in self.spec.prompts]
-        if not ref.is_recorded and tokenizer_sha256(ref.checkpoint) != tokenizer_sha256(ckpt.checkpoint):
+        if not ref.is_recorded and ref.checkpoint.tokenizer_sha256 != ckpt.checkpoint.tokenizer_sha256:
             other = [prompt_ids(ckpt, p.prompt) for p in self.spec.prompts]
             for prompt, a, b in zip(self.spec.prompts, ids, other, strict=True):
                 if a != b:
@@ -106,54 +194,12 @@ class Smoke:
                     )
         return {"prompt_ids": ids, "prompts_sha256": ids_sha256(ids), "n_prompts": len(ids)}
 
-    def observe(self, side: Side, inputs: dict[str, Any], folder: Path) -> Observation:
-        """Each prompt's greedy answer: its tokens, text, and the top-k log-probs of every step."""
-        k = self.spec.generation.top_k
-        step = side.steps(f"{side.role}: smoke prompts", len(self.spec.prompts))
-        tokens, offsets, top_ids, top_logp, texts, top_text, char_ends = [], [0], [], [], [], [], []
-        for prompt, ids in zip(self.spec.prompts, inputs["prompt_ids"], strict=True):
-            batch = {
-                "input_ids": torch.tensor([ids]),
-                "attention_mask": torch.ones((1, len(ids)), dtype=torch.long),
-            }
-            gen = side.model.generate_greedy(batch, prompt.max_new_tokens, top_k=k)
-            tokens += gen.tokens
-            offsets.append(len(tokens))
-            top_ids.append(gen.top_ids)
-            top_logp.append(gen.top_logp)
-            texts.append(side.tokenizer.decode(gen.tokens, skip_special_tokens=True))
-            # Where each token ends in the text, so the report can mark the divergence inside the answer.
-            char_ends.append(
-                [
-                    len(side.tokenizer.decode(gen.tokens[: j + 1], skip_special_tokens=True))
-                    for j in range(len(gen.tokens))
-                ]
-            )
-            # The top-k as text, so a report can say which words the reference hesitated between.
-            top_text.append([[side.tokenizer.decode([t]) for t in row] for row in gen.top_ids.tolist()])
-            step()
-        return Observation(
-            task="smoke",
-            key="",
-            meta={
-                "texts": texts,
-                "top_text": top_text,
-                "char_ends": char_ends,
-                "prompts_sha256": inputs["prompts_sha256"],
-            },
-            arrays={
-                "tokens": np.asarray(tokens, dtype=np.int64),
-                "offsets": np.asarray(offsets, dtype=np.int64),
-                "top_ids": np.concatenate(top_ids).astype(np.int64),
-                "top_logp": np.concatenate(top_logp).astype(np.float32),
-            },
-        )
+    def needs(self) -> list[Need]:
+        observer = SmokeGenerations(self.spec)
+        return [Need("ref", "ref", observer), Need("ckpt", "ckpt", observer)]
 
-    def record(self, obs: Observation, folder: Path) -> Observation:
-        """A smoke observation is already compact: it is its own recording."""
-        return obs
-
-    def compare(self, ref: Observation, ckpt: Observation, artifacts: Path) -> TaskResult:
+    def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
+        ref, ckpt = observed["ref"], observed["ckpt"]
         if ref.meta["prompts_sha256"] != ckpt.meta["prompts_sha256"]:
             raise InputError("the sides were given different prompt tokens")
         rows, n = [], len(self.spec.prompts)
@@ -173,7 +219,7 @@ class Smoke:
             counts["ref_pass_ckpt_fail"] += row["ref_pass"] and not row["ckpt_pass"]
             rows.append(row)
         values: dict[str, Any] = {"n_prompts": n, **counts}
-        checks = self.spec.threshold_checks(values)
+        checks, _ = self.spec.threshold_checks(values)
         return TaskResult.from_checks(values, checks, details=rows)
 
     def compare_prompt(self, i: int, prompt: Prompt, ref: Observation, ckpt: Observation) -> dict[str, Any]:

@@ -17,8 +17,8 @@ from evalsuite.errors import InputError
 from evalsuite.formats import ModuleRules, Verification, verify_tensors
 from evalsuite.run_folder import write_atomic
 from evalsuite.side import Side
-from evalsuite.spec import Check, StrictModel, TaskSpec, apply_threshold
-from evalsuite.task import RunContext, TaskResult, TaskSkipped, task
+from evalsuite.spec import Check, StrictModel, TaskSpec
+from evalsuite.task import Inputs, RunContext, TaskResult, TaskSkipped, task
 
 SOURCE_FORMATS = ("bf16", "fp16", "fp32")
 
@@ -59,14 +59,31 @@ def _vocab_size(config: dict[str, Any]) -> Any:
 class Tensors:
     """Each source tensor quantized, protected or missing; decoded, measured and checked with the config."""
 
-    needs_model: ClassVar[bool] = False
     spec_model: ClassVar[type[TaskSpec]] = TensorsSpec
+    metric_names: ClassVar[tuple[str, ...]] = (
+        "source_tensors",
+        "protected_total",
+        "protected_identical",
+        "quantized_int4",
+        "quantized_int8",
+        "quantized_other",
+        "decode_exact",
+        "missing",
+        "unexpected",
+        "config_mismatches",
+        "payload_bytes",
+        "avg_bits_per_weight",
+        "avg_bits_per_weight_all",
+        "worst_rel_err",
+        "worst_channel_rel_err",
+        "bpw_claim_error",
+    )
 
     def __init__(self, spec: TensorsSpec, context: RunContext) -> None:
         self.spec = spec
         self.context = context
 
-    def prepare(self, ref: Side, ckpt: Side) -> dict[str, Any]:
+    def prepare(self, ref: Side, ckpt: Side) -> Inputs:
         """Refuse sides that are not a source and a candidate of the same model; skip a recorded reference."""
         if ref.is_recorded:
             raise TaskSkipped("the reference is a recording, which holds no tensors: pass the source folder")
@@ -89,14 +106,10 @@ class Tensors:
         rules = self.spec.modules
         found = verify_tensors(ref.checkpoint, ckpt.checkpoint, rules)
         values = found.summary()
-        checks, unchecked = [], []
         # A statistic the candidate's format has nothing to measure for (None or absent, e.g. decode_exact of
         # an EXL3 pack, bpw_claim_error without a bits claim) is listed as not measured, never passed.
-        for name, threshold in self.spec.thresholds.items():
-            if values.get(name) is None:
-                unchecked.append(name)
-            else:
-                checks += apply_threshold(name, values[name], threshold)
+        measured = frozenset(name for name, value in values.items() if value is not None)
+        checks, unchecked = self.spec.threshold_checks(values, measurable=measured)
         for name, expected in self.spec.compare.equal.items():
             if values.get(name) is None:
                 unchecked.append(name)
@@ -104,8 +117,6 @@ class Tensors:
             want = values.get(expected) if isinstance(expected, str) else expected
             value = values.get(name)
             checks.append(Check(name=name, value=value, op="==", threshold=want, passed=value == want))
-        if unchecked:
-            values["not_measured"] = ", ".join(unchecked)  # e.g. no decoded tensor in an EXL3 candidate
         # A statistic over all tensors that fails names where it was measured, before the listed problems.
         details = [
             {
@@ -121,7 +132,9 @@ class Tensors:
             more = len(found.problems) - self.spec.compare.details_limit
             details.append({"check": "…", "tensor": f"{more} more", "detail": "see tensors.json"})
         artifact_paths = self.write(found, values, artifacts)
-        return TaskResult.from_checks(values, checks, artifacts=artifact_paths, details=details)
+        return TaskResult.from_checks(
+            values, checks, artifacts=artifact_paths, details=details, not_measured=unchecked
+        )
 
     def write(self, found: Verification, values: dict[str, Any], folder: Path) -> dict[str, str]:
         """tensors.json (every row, the problems, the summary) and the error map, relative to the run."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import io
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -15,10 +16,14 @@ from pydantic import field_validator
 from evalsuite import metrics
 from evalsuite.errors import InputError
 from evalsuite.multimodal import NoImagePath, image_question_inputs
+from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
-from evalsuite.task import Observation, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, TaskSkipped, task
+
+if TYPE_CHECKING:
+    from evalsuite.backends import Backend
 
 RGB = tuple[int, int, int]
 
@@ -100,18 +105,72 @@ def tensors_sha256(inputs: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
+class VisionAnswer:
+    """Observer: the vision tower + merger features of the image, and the greedy answer with the full
+    next-token distributions of its first steps."""
+
+    name = "vision-answer"
+
+    def __init__(self, spec: VisionSpec) -> None:
+        self.spec = spec
+
+    def identity(self) -> dict[str, Any]:
+        return {
+            "image": self.spec.image.model_dump(mode="json"),
+            "generation": self.spec.generation.model_dump(mode="json"),
+        }
+
+    def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
+        gen_spec = self.spec.generation
+        step = progress("vision answer", 1)
+        features = backend.image_features(inputs["tensors"])
+        gen = backend.generate_greedy(
+            inputs["tensors"], gen_spec.max_new_tokens, top_k=5, full_steps=gen_spec.kld_steps
+        )
+        step()
+        return Observation(
+            name=self.name,
+            meta={
+                "answer": backend.tokenizer.decode(gen.tokens, skip_special_tokens=True),
+                "image_sha256": inputs["image_sha256"],
+                "inputs_sha256": inputs["inputs_sha256"],
+                "processing": inputs["processing"],
+                "execution": backend.describe(),
+            },
+            arrays={
+                "features": features.numpy(),
+                "tokens": np.asarray(gen.tokens, dtype=np.int64),
+                "first_logp": gen.full_logp,
+            },
+        )
+
+    def record(self, obs: Observation, folder: Path) -> Observation:
+        """Features, tokens and the first steps' distributions are what a replay needs: kept as they are."""
+        return Observation(name=obs.name, key=obs.key, meta=obs.meta, arrays=obs.arrays)
+
+
 @task("vision")
 class Vision:
     """Both sides describe the same generated image; their vision features and first tokens are compared."""
 
-    needs_model: ClassVar[bool] = True
     spec_model: ClassVar[type[TaskSpec]] = VisionSpec
+    metric_names: ClassVar[tuple[str, ...]] = (
+        "ref_pass",
+        "ckpt_pass",
+        "vision_cosine",
+        "vision_rel_err",
+        "vision_max_abs",
+        "vision_tokens",
+        "first_tokens_kld",
+        "first_tokens_compared",
+        "answers_identical",
+    )
 
     def __init__(self, spec: VisionSpec, context: RunContext) -> None:
         self.spec = spec
         self.context = context
 
-    def prepare(self, ref: Side, ckpt: Side) -> dict[str, Any]:
+    def prepare(self, ref: Side, ckpt: Side) -> Inputs:
         """The image, drawn once, and the processed inputs fed to both sides."""
         source = ckpt if ref.is_recorded else ref
         config = source.checkpoint.config
@@ -147,34 +206,12 @@ class Vision:
             "processing": path,
         }
 
-    def observe(self, side: Side, inputs: dict[str, Any], folder: Path) -> Observation:
-        """The vision tower + merger features, and the greedy answer with its first steps' distributions."""
-        gen_spec = self.spec.generation
-        features = side.model.image_features(inputs["tensors"])
-        gen = side.model.generate_greedy(
-            inputs["tensors"], gen_spec.max_new_tokens, top_k=5, full_steps=gen_spec.kld_steps
-        )
-        return Observation(
-            task="vision",
-            key="",
-            meta={
-                "answer": side.tokenizer.decode(gen.tokens, skip_special_tokens=True),
-                "image_sha256": inputs["image_sha256"],
-                "inputs_sha256": inputs["inputs_sha256"],
-                "processing": inputs["processing"],
-            },
-            arrays={
-                "features": features.numpy(),
-                "tokens": np.asarray(gen.tokens, dtype=np.int64),
-                "first_logp": gen.full_logp,
-            },
-        )
+    def needs(self) -> list[Need]:
+        observer = VisionAnswer(self.spec)
+        return [Need("ref", "ref", observer), Need("ckpt", "ckpt", observer)]
 
-    def record(self, obs: Observation, folder: Path) -> Observation:
-        """Features, tokens and the first steps' distributions are what a replay needs: kept as they are."""
-        return obs
-
-    def compare(self, ref: Observation, ckpt: Observation, artifacts: Path) -> TaskResult:
+    def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
+        ref, ckpt = observed["ref"], observed["ckpt"]
         if ref.meta["inputs_sha256"] != ckpt.meta["inputs_sha256"]:
             raise InputError("the sides were given different image inputs")
         fa, fb = ref.arrays["features"], ckpt.arrays["features"]
@@ -198,7 +235,7 @@ class Vision:
             "first_tokens_compared": steps,
             "answers_identical": d is None,
         }
-        checks = self.spec.threshold_checks(values)
+        checks, _ = self.spec.threshold_checks(values)
         # Drawn again from the spec for the report (the observation keys guarantee the same spec).
         png = io.BytesIO()
         draw(self.spec.image).save(png, format="PNG")

@@ -9,11 +9,12 @@ import re
 import pytest
 from safetensors import safe_open
 
-from evalsuite.backends.intref import IntrefBackend, unsupported_reason
+from evalsuite.backends.intref import IntrefBackend
+from evalsuite.backends.intref_plan import unsupported_reason
+from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.corpus import python_docs_text
 from evalsuite.errors import InputError
-from evalsuite.side import BackendOptions
 from tests.conftest import copy_checkpoint, edit_tensors, run_cli, wrong_scale_copy
 
 METRICS = (

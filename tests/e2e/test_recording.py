@@ -128,7 +128,8 @@ def test_recording_with_another_spec_is_refused(tiny_pair, tiny_recording, tmp_p
     rec = tmp_path / "rec"
     shutil.copytree(tiny_recording, rec)
     manifest = json.loads((rec / "manifest.json").read_text())
-    manifest["tasks"]["ppl"]["spec_sha256"] = "0" * 64  # as if recorded with another protocol
+    # As if recorded with another protocol.
+    manifest["observations"]["window-logits"]["identity"]["protocol"]["window"] = 256
     (rec / "manifest.json").write_text(json.dumps(manifest))
     res = run_cli(
         "run",

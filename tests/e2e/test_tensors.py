@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.fixtures import MANIFEST_NAME, read_manifest
-from evalsuite.side import BackendOptions, Side
+from evalsuite.side import Side
 from evalsuite.spec import default_spec_path, load_spec
 from evalsuite.task import RunContext, TaskSkipped
 from evalsuite.tasks.tensors import Tensors, TensorsSpec
@@ -358,7 +359,7 @@ def test_another_vocabulary_is_refused_in_one_line(tiny_pair, candidate, tmp_pat
 def test_a_recorded_reference_is_skipped_with_its_reason(tiny_pair):
     spec = load_spec(TensorsSpec, default_spec_path("tensors"))
     task = Tensors(spec, RunContext())
-    recorded = Side("ref", None, BackendOptions(), recording=object())
-    ckpt = Side("ckpt", Checkpoint.open(tiny_pair[TINY_W4A8]), BackendOptions())
+    recorded = Side("ref", BackendOptions(), recording=object())
+    ckpt = Side("ckpt", BackendOptions(), checkpoint=Checkpoint.open(tiny_pair[TINY_W4A8]))
     with pytest.raises(TaskSkipped, match="recording, which holds no tensors"):
         task.prepare(recorded, ckpt)

@@ -26,8 +26,8 @@ from evalsuite.backends._intlinear import (
     unpack_int4,
 )
 from evalsuite.backends.intref import IntrefBackend
+from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
-from evalsuite.side import BackendOptions
 
 CARD = ActivationQuant(divisor=127.5, rounding="half_even")  # the convention of the MiniCPM-V 4.7 card
 ROWS = 48
@@ -92,7 +92,9 @@ def integer_layers(backend: IntrefBackend) -> dict[str, IntLinear]:
 @pytest.fixture(scope="module")
 def tiny_intref(tiny_pair):
     checkpoint = Checkpoint.open(tiny_pair["tiny-minicpmv47-w4a8"])
-    backend = IntrefBackend(checkpoint, BackendOptions(backend="intref"), activations=CARD)
+    backend = IntrefBackend(
+        checkpoint, BackendOptions().with_backend("intref", {"divisor": 127.5, "rounding": "half_even"})
+    )
     yield checkpoint, backend
     backend.close()
 
@@ -133,7 +135,9 @@ def test_integer_layers_match_compressed_tensors_fake_quantization(tiny_pair, ti
 @pytest.mark.slow
 def test_every_smollm2_layer_is_exact(smollm2_pair):
     checkpoint = Checkpoint.open(smollm2_pair["smollm2-135m-w4a8"])
-    backend = IntrefBackend(checkpoint, BackendOptions(backend="intref"), activations=CARD)
+    backend = IntrefBackend(
+        checkpoint, BackendOptions().with_backend("intref", {"divisor": 127.5, "rounding": "half_even"})
+    )
     try:
         layers = integer_layers(backend)
         assert len(layers) == 30 * 7  # INT8 q/k/v/o and INT4 gate/up/down in each of 30 layers

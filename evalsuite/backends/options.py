@@ -1,0 +1,80 @@
+"""How a side is executed: the backend, its dtype and device, and the conventions a task hands it.
+
+Part of every observation's key: the same checkpoint under another dtype, device, backend or convention is
+another observation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from evalsuite.errors import DependencyError, InputError
+
+DTYPE_NAMES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+}
+BACKEND_NAMES = ("hf", "intref")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """How one side runs. `conventions` are backend-specific settings (intref's activation divisor and
+    rounding) that the task running the side takes from its spec; no backend reads a spec file."""
+
+    backend: str = "hf"
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    conventions: tuple[tuple[str, Any], ...] = ()
+
+    def with_backend(self, backend: str, conventions: Mapping[str, Any] | tuple = ()) -> BackendOptions:
+        """The same options on another backend with its conventions."""
+        items = tuple(sorted(conventions.items())) if isinstance(conventions, Mapping) else tuple(conventions)
+        return replace(self, backend=backend, conventions=items)
+
+    @property
+    def convention_map(self) -> dict[str, Any]:
+        return dict(self.conventions)
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "backend": self.backend,
+            "dtype": self.dtype,
+            "device": self.device,
+            "trust_remote_code": self.trust_remote_code,
+        }
+        if self.conventions:
+            doc["conventions"] = dict(self.conventions)
+        return doc
+
+    def check(self) -> BackendOptions:
+        """Refuse options that cannot run on this machine, before anything loads; returns the options with
+        the dtype spelled canonically."""
+        if self.backend not in BACKEND_NAMES:
+            raise InputError(f"unknown backend {self.backend!r}; known backends: {', '.join(BACKEND_NAMES)}")
+        if self.dtype not in DTYPE_NAMES:
+            raise InputError(f"unknown dtype {self.dtype!r}; use bfloat16, float16 or float32")
+        check_device(self.device)
+        return replace(self, dtype=DTYPE_NAMES[self.dtype])
+
+
+def check_device(device: str) -> None:
+    """`cpu`, `cuda`, `cuda:N` or `auto`; the CUDA ones only where CUDA is available."""
+    if device == "cpu":
+        return
+    index = device.removeprefix("cuda:")
+    if device not in ("cuda", "auto") and not (device.startswith("cuda:") and index.isdigit()):
+        raise InputError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DependencyError(f"--device {device} needs CUDA, and this machine has none")
+    if device.startswith("cuda:") and int(index) >= torch.cuda.device_count():
+        raise DependencyError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA devices")

@@ -1,0 +1,69 @@
+"""The registry of task plugins: the built-in ones and those of installed `evalsuite.tasks` entry points,
+each with the spec file it ships.
+
+A plugin module names its class with `@task("name")` (`evalsuite.task`); this module, one floor above the
+plugins, imports them. A built-in task's spec is `tasks/NAME.toml` (the wheel's copy of it when installed);
+a third-party task ships its own beside its code and says where with a `spec_file` class attribute, a path
+relative to its module's package.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from evalsuite.errors import InputError
+from evalsuite.spec import default_spec_path
+
+ENTRY_POINT_GROUP = "evalsuite.tasks"
+
+
+def _builtin_tasks() -> list[type]:
+    # One line per built-in task: adding a task is adding a line.
+    from evalsuite.tasks.intref import IntegerReference
+    from evalsuite.tasks.ppl import Perplexity
+    from evalsuite.tasks.smoke import Smoke
+    from evalsuite.tasks.tensors import Tensors
+    from evalsuite.tasks.vision import Vision
+
+    return [Perplexity, Smoke, Vision, Tensors, IntegerReference]
+
+
+def registered_tasks() -> dict[str, type]:
+    """Every task by name: the built-in ones, then those of installed entry points (which cannot replace a
+    built-in name)."""
+    tasks: dict[str, type] = {}
+    for cls in _builtin_tasks():
+        tasks[cls.name] = cls
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in tasks:
+            continue
+        try:
+            cls = ep.load()
+        except Exception as exc:
+            raise InputError(
+                f"entry point {ep.value!r} of task {ep.name!r} cannot be loaded: {exc}"
+            ) from None
+        if getattr(cls, "name", None) != ep.name:
+            raise InputError(f"entry point {ep.name!r} names {ep.value!r}, which is not a task of that name")
+        tasks[ep.name] = cls
+    return dict(sorted(tasks.items()))
+
+
+def get_task(name: str) -> type:
+    """The task class registered as `name`; InputError listing the known names otherwise."""
+    tasks = registered_tasks()
+    if name not in tasks:
+        raise InputError(f"unknown task {name!r}; known tasks: {', '.join(tasks)}")
+    return tasks[name]
+
+
+def spec_source(cls: type) -> Path:
+    """The spec file a task runs with unless `--spec` replaces it: the one its package ships beside its code
+    (`spec_file`), or evalsuite's own `tasks/NAME.toml`."""
+    spec_file = getattr(cls, "spec_file", None)
+    if spec_file:
+        package = cls.__module__.rpartition(".")[0] or cls.__module__
+        return Path(str(resources.files(package).joinpath(spec_file)))
+    return default_spec_path(cls.name)

@@ -1,0 +1,110 @@
+"""Full-vocabulary logit rows of the scored positions, one `.npy` file per window, written while the next
+window runs and read back a few rows at a time.
+
+The raw logits are stored, not log-probs: lossless at half the bytes of float32 for a bf16 model, and the
+comparison normalises them in float64. One file per window makes an interrupted observation resumable at the
+window it stopped at: a window's file appears (renamed from a temporary name) only once it is complete.
+Plain reads and writes rather than a memory map: mapped pages count as resident memory, and on a 248 k
+vocabulary one side's logits are 1 GB.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from evalsuite.errors import InputError
+
+# Logits are stored as the model produced them: bf16 logits as their raw 16 bits (numpy has no bfloat16).
+STORED_DTYPES = {torch.bfloat16: "<u2", torch.float16: "<f2", torch.float32: "<f4"}
+
+
+def window_file(folder: Path, window: int) -> Path:
+    """Where window `window`'s logits live in an observation folder."""
+    return folder / f"logits-{window:04d}.npy"
+
+
+class LogitsWriter:
+    """Writes each window's logit rows to its own file in a background thread, one write in flight (which
+    bounds the memory held to one window's logits)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logits-writer")
+        self._pending: Future[None] | None = None
+
+    def done(self, window: int) -> bool:
+        """Whether the window's file was completed (by this or an interrupted earlier observation)."""
+        return window_file(self.folder, window).is_file()
+
+    def write(self, window: int, rows: torch.Tensor) -> None:
+        """Queue the rows (a CPU tensor, kept alive until written) for the window's file."""
+        if rows.dtype not in STORED_DTYPES:
+            raise InputError(f"cannot store logits of dtype {rows.dtype}", self.folder)
+        self.flush()
+        self._pending = self._writer.submit(self._write, window, rows.contiguous())
+
+    def _write(self, window: int, rows: torch.Tensor) -> None:
+        final = window_file(self.folder, window)
+        tmp = final.with_suffix(".npy.tmp")
+        raw = rows.view(torch.uint16) if rows.dtype == torch.bfloat16 else rows
+        header = {"descr": STORED_DTYPES[rows.dtype], "fortran_order": False, "shape": tuple(rows.shape)}
+        with tmp.open("wb") as fh:
+            np.lib.format.write_array_header_1_0(fh, header)
+            fh.write(memoryview(raw.numpy()))  # a view, not a copy
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp.replace(final)
+
+    def flush(self) -> None:
+        """Wait for the write in flight; re-raises its error."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._writer.shutdown()
+
+
+def read_header(path: Path) -> tuple[tuple[int, int], torch.dtype, int]:
+    """(shape, dtype, data offset) of a logits file; InputError unless a row-major 2-D logits array."""
+    with path.open("rb") as fh:
+        fmt = np.lib.format
+        try:
+            version = fmt.read_magic(fh)
+            readers = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}
+            shape, fortran, descr = readers[version](fh) if version in readers else ((), True, None)
+        except ValueError:
+            shape, fortran, descr = (), True, None
+        offset = fh.tell()
+    dtypes = {np.dtype(v): k for k, v in STORED_DTYPES.items()}
+    if fortran or len(shape) != 2 or descr not in dtypes:
+        raise InputError("not a row-major 2-D logits array", path)
+    return shape, dtypes[descr], offset
+
+
+def read_rows(paths: list[Path], n_rows: int) -> Iterator[torch.Tensor]:
+    """Successive blocks of up to `n_rows` rows of the files in order (a block never spans two files),
+    read into one reused buffer: each block is valid until the next."""
+    buffer: torch.Tensor | None = None
+    for path in paths:
+        shape, dtype, offset = read_header(path)
+        if buffer is None or buffer.dtype != dtype or buffer.shape[1] != shape[1]:
+            buffer = torch.empty((n_rows, shape[1]), dtype=dtype)
+        raw = buffer.view(torch.uint16) if dtype == torch.bfloat16 else buffer
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            for start in range(0, shape[0], n_rows):
+                rows = min(n_rows, shape[0] - start)
+                block = raw[:rows].numpy()
+                if fh.readinto(memoryview(block).cast("B")) != block.nbytes:
+                    raise InputError("logits file is shorter than its header says", path)
+                yield buffer[:rows]

@@ -1,0 +1,293 @@
+"""The observation behind `ppl` and `intref`: next-token logits at fixed positions of fixed token windows.
+
+`WindowProtocol` is the declarative protocol (window length, starts, scored positions); `prepare_windows`
+tokenizes the text once and cuts the windows both sides get; `WindowLogits` observes one side (the raw
+logits of the scored positions on disk, one file per window, and per scored token the true token's NLL and
+the top token) and records the compact form a recording keeps. The KL divergence between two observations,
+full-vocabulary or against a recording, is computed here from the files, a few rows at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from evalsuite import metrics
+from evalsuite.errors import InputError
+from evalsuite.observation import Observation
+from evalsuite.spec import StrictModel
+from evalsuite.task import Inputs, Progress
+from evalsuite.tasks.logits_file import LogitsWriter, read_rows, window_file
+
+if TYPE_CHECKING:
+    from evalsuite.backends import Backend
+    from evalsuite.corpus import Corpus
+    from evalsuite.side import Side
+
+OBSERVER_NAME = "window-logits"
+
+
+class Starts(StrictModel):
+    first: int = 0
+    step: int = 4096
+    count: int = 8
+
+
+class Scored(StrictModel):
+    first: int = 256
+    last: int = 510
+
+
+class WindowProtocol(StrictModel):
+    """Non-overlapping windows of `window` tokens at `starts`; the logits at positions `scored` of each
+    window predict the next token."""
+
+    window: int = 512
+    starts: Starts = Starts()
+    scored: Scored = Scored()
+    add_special_tokens: bool = False
+
+    def model_post_init(self, _: Any) -> None:
+        if not 0 <= self.scored.first <= self.scored.last <= self.window - 2:
+            raise ValueError(
+                f"scored positions {self.scored.first}..{self.scored.last} must lie in 0..{self.window - 2}"
+            )
+        if self.starts.count < 1 or self.starts.step < self.window or self.starts.first < 0:
+            raise ValueError("windows must not overlap: starts.step >= window, count >= 1, first >= 0")
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """The scored positions of a window."""
+        return torch.arange(self.scored.first, self.scored.last + 1)
+
+    def window_starts(self, n_tokens: int) -> list[int]:
+        """Start of every window that fits entirely in `n_tokens` tokens."""
+        starts = [self.starts.first + i * self.starts.step for i in range(self.starts.count)]
+        return [start for start in starts if start + self.window <= n_tokens]
+
+
+class RecordOptions(StrictModel):
+    """What a recording keeps per scored token: the top-k, and ids drawn (seeded) beyond it."""
+
+    top_k: int = 64
+    tail_samples: int = 64
+    seed: int = 0
+
+
+def tokens_sha256(tokens: np.ndarray) -> str:
+    """Hash of the token ids fed to both sides (int64 little-endian)."""
+    return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i8").tobytes()).hexdigest()
+
+
+def _tokenize(side: Side, corpus: Corpus, protocol: WindowProtocol) -> np.ndarray:
+    ids = side.tokenizer(corpus.text, add_special_tokens=protocol.add_special_tokens, verbose=False)[
+        "input_ids"
+    ]
+    return np.asarray(ids, dtype=np.int64)
+
+
+def prepare_windows(protocol: WindowProtocol, corpus: Corpus, ref: Side, ckpt: Side) -> Inputs:
+    """Tokenize once with the reference's tokenizer (the candidate's must give the same ids) and cut the
+    windows. A recorded reference has no tokenizer: the candidate's tokens are used, and checked against
+    the recording's hash before anything runs."""
+    tokens = _tokenize(ckpt if ref.is_recorded else ref, corpus, protocol)
+    # Byte-identical tokenizer files give identical ids: the second tokenization would only cost time.
+    if not ref.is_recorded and ref.checkpoint.tokenizer_sha256 != ckpt.checkpoint.tokenizer_sha256:
+        other = _tokenize(ckpt, corpus, protocol)
+        if other.shape != tokens.shape or not np.array_equal(other, tokens):
+            where = metrics.first_divergence(tokens, other)
+            raise InputError(
+                f"its tokenizer disagrees with the reference's on the {corpus.name} text "
+                f"(first differing token at index {where}); the sides cannot be compared",
+                ckpt.checkpoint.path,
+            )
+    starts = protocol.window_starts(len(tokens))
+    if not starts:
+        raise InputError(
+            f"the {corpus.name} text has {len(tokens)} tokens, fewer than one {protocol.window}-token window"
+        )
+    windows = np.stack([tokens[s : s + protocol.window] for s in starts])
+    return {
+        "corpus": corpus.name,
+        "corpus_sha256": corpus.sha256,
+        "n_tokens_text": len(tokens),
+        "starts": starts,
+        "windows": windows,
+        "tokens_sha256": tokens_sha256(windows),
+    }
+
+
+def log_softmax64(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities in float64 from stored logits."""
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+class WindowLogits:
+    """Observer: the raw logits of every scored position (one file per window), the true token's NLL and the
+    top token per scored position. Resumes at the first window without a completed file."""
+
+    name = OBSERVER_NAME
+
+    def __init__(
+        self, protocol: WindowProtocol, record: RecordOptions | None = None, chunk_rows: int = 16
+    ) -> None:
+        self.protocol = protocol
+        self.record_options = record or RecordOptions()
+        self.chunk_rows = chunk_rows
+
+    def identity(self) -> dict[str, Any]:
+        return {"protocol": self.protocol.model_dump(mode="json")}
+
+    def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
+        positions = self.protocol.positions
+        windows = torch.from_numpy(np.ascontiguousarray(inputs["windows"]))
+        step = progress("window logits", len(windows))
+        writer = LogitsWriter(folder)
+        todo = [w for w in range(len(windows)) if not writer.done(w)]
+        for _ in range(len(windows) - len(todo)):
+            step()
+        expected = (len(positions), backend.vocab_size)
+        try:
+            for w, logits in zip(todo, backend.window_logits(windows[todo], positions), strict=True):
+                if tuple(logits.shape) != expected:
+                    raise InputError(
+                        f"the model returned logits of shape {tuple(logits.shape)}, expected {expected}"
+                    )
+                writer.write(w, logits.cpu())
+                step()
+        finally:
+            writer.close()
+        files = {f"window-{w:04d}": window_file(folder, w) for w in range(len(windows))}
+        nll, top = self._scores(list(files.values()), windows, positions)
+        return Observation(
+            name=self.name,
+            meta={
+                "vocab_size": backend.vocab_size,
+                "n_windows": len(windows),
+                "window_starts": list(inputs["starts"]),
+                "tokens_sha256": inputs["tokens_sha256"],
+                "corpus": inputs["corpus"],
+                "n_tokens_text": inputs["n_tokens_text"],
+                "execution": backend.describe(),
+            },
+            arrays={"nll": nll, "top": top},
+            files=files,
+        )
+
+    def _scores(self, paths: list[Path], windows: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """NLL of the true next token (log-softmax in float32, as the forward's own dtype allows) and the top
+        token of every scored position, from the stored logits."""
+        nll, top = [], []
+        for path, window in zip(paths, windows, strict=True):
+            targets = window[positions + 1]
+            offset = 0
+            for block in read_rows([path], self.chunk_rows):
+                lp = torch.log_softmax(block, dim=-1, dtype=torch.float32)
+                rows = targets[offset : offset + len(block)]
+                nll.append(-lp.gather(1, rows[:, None])[:, 0].double().numpy())
+                top.append(lp.argmax(dim=-1).numpy())
+                offset += len(block)
+        return np.concatenate(nll), np.concatenate(top).astype(np.int64)
+
+    def record(self, obs: Observation, folder: Path) -> Observation:
+        """The compact form a later comparison needs (no full logits).
+
+        Per scored token: the true token's NLL, the top-k ids and log-probs, the probability mass outside the
+        top-k, and `tail_samples` ids drawn (seeded) from the distribution restricted to that tail, with their
+        log-probs: enough for an unbiased KL divergence against any candidate.
+        """
+        opts = self.record_options
+        generator = torch.Generator().manual_seed(opts.seed)
+        parts: dict[str, list[torch.Tensor]] = {
+            k: [] for k in ("top_ids", "top_logp", "tail_mass", "tail_ids", "tail_logp")
+        }
+        for block in read_rows(window_paths(obs), self.chunk_rows):
+            lp = log_softmax64(block)
+            top_logp, top_ids = lp.topk(min(opts.top_k, lp.shape[-1]), dim=-1)
+            tail = lp.scatter(1, top_ids, float("-inf"))
+            tail_log_mass = torch.logsumexp(tail, dim=-1)
+            parts["top_ids"].append(top_ids.int())
+            parts["top_logp"].append(top_logp.float())
+            parts["tail_mass"].append(tail_log_mass.exp())
+            if opts.tail_samples and lp.shape[-1] > opts.top_k:
+                q = (tail - tail_log_mass[:, None]).exp()
+                ids = torch.multinomial(q, opts.tail_samples, replacement=True, generator=generator)
+            else:
+                ids = torch.empty((len(lp), 0), dtype=torch.long)
+            parts["tail_ids"].append(ids.int())
+            parts["tail_logp"].append(lp.gather(1, ids).float())
+        arrays = {k: torch.cat(v).numpy() for k, v in parts.items()}
+        arrays.update(nll=obs.arrays["nll"], top=obs.arrays["top"])
+        meta = {**obs.meta, "kind": "recorded", "top_k": opts.top_k, "tail_samples": opts.tail_samples}
+        return Observation(name=obs.name, key=obs.key, meta=meta, arrays=arrays)
+
+
+def window_paths(obs: Observation) -> list[Path]:
+    """The observation's per-window logits files, in window order."""
+    return [obs.files[name] for name in sorted(obs.files) if name.startswith("window-")]
+
+
+def same_inputs(observations: dict[str, Observation]) -> None:
+    """Refuse observations made on different tokens or vocabularies (InputError naming what differs)."""
+    for key in ("tokens_sha256", "vocab_size"):
+        values = {label: obs.meta.get(key) for label, obs in observations.items()}
+        if len(set(map(str, values.values()))) > 1:
+            shown = ", ".join(f"{label} {value}" for label, value in values.items())
+            raise InputError(f"the observations were made on different inputs ({key}: {shown})")
+
+
+def kld_per_token(ref: Observation, ckpt: Observation, chunk_rows: int) -> tuple[np.ndarray, str]:
+    """KL(P_ref ‖ P_ckpt) of every scored token, and the estimator used: full-vocabulary from two live
+    observations, or exact over the recorded top-k with an unbiased estimate beyond it."""
+    if ref.meta.get("kind") == "recorded":
+        return _kld_against_recording(ref, ckpt, chunk_rows), (
+            f"top-{ref.meta['top_k']} exact + {ref.meta['tail_samples']} sampled tail ids (recording)"
+        )
+    out = []
+    pairs = zip(
+        read_rows(window_paths(ref), chunk_rows), read_rows(window_paths(ckpt), chunk_rows), strict=True
+    )
+    for x, y in pairs:
+        if x.shape != y.shape:
+            raise InputError(
+                f"the sides' logits differ in shape: {tuple(x.shape)} vs {tuple(y.shape)} "
+                "(different vocabularies?)"
+            )
+        out.append(metrics.kl_divergence(log_softmax64(x).numpy(), log_softmax64(y).numpy()))
+    return np.concatenate(out), "full-vocabulary"
+
+
+def _kld_against_recording(ref: Observation, ckpt: Observation, chunk_rows: int) -> np.ndarray:
+    a = ref.arrays
+    out, start = [], 0
+    for block in read_rows(window_paths(ckpt), chunk_rows):
+        rows = slice(start, start + len(block))
+        start += len(block)
+        lp = log_softmax64(block)
+        top_ids = torch.from_numpy(a["top_ids"][rows]).long()
+        tail_ids = torch.from_numpy(a["tail_ids"][rows]).long()
+        out.append(
+            metrics.kl_divergence_top_k_tail(
+                a["top_logp"][rows],
+                lp.gather(1, top_ids).numpy(),
+                a["tail_mass"][rows],
+                a["tail_logp"][rows],
+                lp.gather(1, tail_ids).numpy(),
+            )
+        )
+    return np.concatenate(out)
+
+
+def ppl_summary(name: str, nll: np.ndarray, n_windows: int) -> dict[str, float]:
+    """`ppl_NAME` with its per-token and window-clustered standard errors (PPL × the error of ln PPL)."""
+    ppl = metrics.perplexity(nll)
+    labels = metrics.window_labels(n_windows, len(nll) // n_windows)
+    return {
+        f"ppl_{name}": ppl,
+        f"ppl_{name}_stderr": ppl * metrics.ln_perplexity(nll).stderr,
+        f"ppl_{name}_stderr_window": ppl * metrics.clustered_stderr(nll, labels),
+    }

@@ -1,0 +1,146 @@
+"""The package's import graph: one-way floors, as ARCHITECTURE.md draws them, and no circle anywhere.
+
+The graph is read from the source with `ast`, counting every import: at module level, inside functions
+(lazy imports) and under `TYPE_CHECKING` (type-only imports), since each of them is a floor leaning on
+another.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "evalsuite"
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_modules(package: Path = PACKAGE) -> dict[str, Path]:
+    return {module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The evalsuite modules a module imports, explicitly (a package's own `__init__` runs first when one
+    of its modules is imported, but that is Python's doing, not an edge of the design)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        for target in targets:
+            # `from evalsuite.x import y`: an edge to evalsuite.x.y when that is a module, else to evalsuite.x.
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    modules = package_modules(root)
+    return {name: imports_of(name, path, set(modules)) for name, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def floors() -> list[tuple[int, str, list[str]]]:
+    """ARCHITECTURE.md's table of floors: (floor, name, module patterns), top floor first."""
+    text = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    rows = []
+    for line in text.splitlines():
+        match = re.match(r"^\|\s*(\d+)\s*\|\s*([^|]+?)\s*\|([^|]+)\|", line)
+        if match:
+            patterns = re.findall(r"`([\w.*]+)`", match.group(3))
+            rows.append((int(match.group(1)), match.group(2), patterns))
+    return rows
+
+
+def floor_of(module: str, table: list[tuple[int, str, list[str]]]) -> int | None:
+    for floor, _, patterns in table:
+        if any(fnmatch.fnmatchcase(module, p) for p in patterns):
+            return floor
+    return None
+
+
+def test_the_import_graph_has_no_circle():
+    assert circles(import_graph()) == []
+
+
+def test_a_circle_is_found_where_there_is_one(tmp_path):
+    package = tmp_path / "evalsuite"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from evalsuite.sub import b\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import f\n"
+    )
+    assert circles(import_graph(package)) == [["evalsuite.a", "evalsuite.sub.b"]]
+
+
+def test_every_module_sits_on_a_floor_of_architecture_md():
+    table = floors()
+    assert table, "ARCHITECTURE.md has no table of floors"
+    unplaced = [m for m in package_modules() if floor_of(m, table) is None]
+    assert unplaced == [], f"modules missing from ARCHITECTURE.md's floors: {unplaced}"
+
+
+@pytest.mark.parametrize("module", sorted(package_modules()))
+def test_imports_go_to_the_same_floor_or_below(module):
+    table = floors()
+    graph = import_graph()
+    mine = floor_of(module, table)
+    upward = [t for t in sorted(graph[module]) if (floor_of(t, table) or 0) > (mine or 0)]
+    assert upward == [], f"{module} (floor {mine}) imports from higher floors: {upward}"
