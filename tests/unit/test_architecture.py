@@ -45,7 +45,7 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
                 base = ".".join([*anchor, base] if base else anchor)
             targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
         for target in targets:
-            # `from evalsuite.x import y`: an edge to evalsuite.x.y when that is a module, else to evalsuite.x.
+            # `from evalsuite.x import y`: an edge to evalsuite.x.y if that is a module, else to evalsuite.x.
             while target and target not in modules:
                 target = target.rpartition(".")[0]
             if target and target != name:
