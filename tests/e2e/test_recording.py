@@ -71,8 +71,8 @@ def test_recording_is_deterministic(tiny_pair, tiny_recording, tmp_path):
         "--quiet",
     )
     assert res.returncode == 0, res.stderr
-    assert (again / "ppl" / "arrays.safetensors").read_bytes() == (
-        tiny_recording / "ppl" / "arrays.safetensors"
+    assert (again / "window-logits" / "arrays.safetensors").read_bytes() == (
+        tiny_recording / "window-logits" / "arrays.safetensors"
     ).read_bytes()
 
 
