@@ -1,20 +1,17 @@
-"""compressed-tensors on disk: which config group or `ignore` entry covers a module, what a module's stored
-tensors say about its quantization, and two decodes of its weight that must agree bit for bit.
+"""compressed-tensors on disk: what a quantized module stores, which config group or `ignore` entry covers a
+module, what a module's stored tensors say about its quantization, and the library's own decode of a weight.
 
-The decodes are compressed-tensors' own decompressor (what Transformers and vLLM run) and an independent one
-written here from the format's definition: `pack-quantized` stores q + 2^(b−1) ("offset binary") densely in
-int32 words, least significant bits first; `int-quantized` stores q as int8; either way the weight is
-(q − zero_point) × scale, rounded once to the scale's dtype. Matching uses compressed-tensors' own helpers
-(`is_match`, `match_targets`) on stand-in modules, since no model is built: a module whose source weight is a
-2-D Linear-like weight stands in as `torch.nn.Linear`, an embedding as `torch.nn.Embedding`, anything else as
-a plain `torch.nn.Module` (see `ModuleRules`).
+The library decode is compressed-tensors' decompressor (what Transformers and vLLM run); `ct_decode` holds the
+independent one it is checked against. Matching uses compressed-tensors' own helpers (`is_match`,
+`match_targets`) on stand-in modules, since no model is built: a module whose source weight is a 2-D
+Linear-like weight stands in as `torch.nn.Linear`, an embedding as `torch.nn.Embedding`, anything else as a
+plain `torch.nn.Module` (see the tensors task's `ModuleRules`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -23,16 +20,7 @@ import numpy as np
 
 from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.errors import InputError
-from evalsuite.formats import (
-    NUMPY_DTYPES,
-    ErrorAccumulator,
-    ModuleKind,
-    Problem,
-    ShardReader,
-    as_float32,
-    row_blocks,
-    rows_and_cols,
-)
+from evalsuite.formats import ModuleKind, ShardReader, as_float32, rows_and_cols
 
 # Every tensor compressed-tensors may store for a quantized module (int-quantized keeps the name `weight`).
 PARAMS = frozenset(
@@ -52,12 +40,12 @@ PARAMS = frozenset(
     }
 )
 MARKS = frozenset({"weight_packed", "weight_scale"})
-# Formats decoded here; any other (FP8, NVFP4, …) is classified and checked against the config, not decoded.
+# Formats both decodes read (`library_decode` here, `ct_decode.reference_decode`); any other (FP8, NVFP4, …)
+# is classified and checked against the config, not decoded.
 DECODED_FORMATS = frozenset({"pack-quantized", "int-quantized", "naive-quantized"})
 # Kinds of module compressed-tensors gives a scheme to: Linear layers (routers and state projections are
 # Linear layers too) and embeddings.
 QUANTIZABLE_KINDS = frozenset({"linear", "router", "state", "embedding"})
-UNCOVERED_LINEAR = "a Linear left unquantized: no config group targets it and no `ignore` entry names it"
 
 
 @cache
@@ -280,151 +268,29 @@ def scheme_mismatches(stored: StoredQuantization, coverage: Coverage) -> list[st
     return [f"stored as {stored.describe()}, but config group `{coverage.group}` says {said}"]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The independent decode
-# ----------------------------------------------------------------------------------------------------------
+class CompressedTensors:
+    """compressed-tensors as a `QuantizedFormat`, with the candidate's `quantization_config` resolved per
+    module by `lookup`."""
 
+    name = "compressed-tensors"
+    params = PARAMS
+    marks = MARKS
 
-Scratch = Callable[[str, tuple[int, ...], Any], np.ndarray]
-
-
-def _fresh(slot: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    return np.empty(shape, dtype=dtype)
-
-
-def unpack_codes(words: np.ndarray, bits: int, count: int, scratch: Scratch = _fresh) -> np.ndarray:
-    """The first `count` b-bit codes of each row of 32-bit words packed densely, least significant bits first
-    (code i occupies bits i·b … i·b + b − 1 of the row's little-endian bit stream), as uint8 (rows, count)."""
-    rows = words.shape[0]
-    if words.dtype not in (np.dtype("<i4"), np.dtype("<u4")):
-        words = words.astype("<u4")
-    little = np.ascontiguousarray(words).view(np.uint8).reshape(rows, -1)
-    if bits == 4:
-        # Two codes per byte, the low nibble first: the common case, done without a bit stream. Each byte b
-        # is spread over a little-endian 16-bit word as (b | b << 4) & 0x0F0F, whose two bytes are then the
-        # low and the high nibble, in order: contiguous passes instead of interleaved writes.
-        spread = scratch("codes", little.shape, "<u2")
-        spread[...] = little
-        wide = scratch("codes-shifted", little.shape, "<u2")
-        np.left_shift(spread, 4, out=wide)
-        np.bitwise_or(spread, wide, out=spread)
-        np.bitwise_and(spread, 0x0F0F, out=spread)
-        return spread.view(np.uint8).reshape(rows, -1)[:, :count]
-    if bits == 8:
-        return little[:, :count]
-    stream = np.unpackbits(little, axis=1, bitorder="little")[:, : count * bits]
-    weights = (1 << np.arange(bits, dtype=np.uint16)).astype(np.uint16)
-    return (stream.reshape(rows, count, bits).astype(np.uint16) @ weights).astype(np.uint8)
-
-
-def unpack_offset_binary(words: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """The signed values q of `unpack_codes`: each code minus 2^(b−1) (offset binary), as int16."""
-    return unpack_codes(words, bits, count).astype(np.int16) - np.int16(1 << (bits - 1))
-
-
-def round_to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values rounded to nearest-even in `dtype` (BF16, F16 or F32), as the raw bits of that dtype."""
-    if dtype == "BF16":
-        return (rounded_to(values.copy(), "BF16").view(np.uint32) >> 16).astype(np.uint16)
-    return (
-        rounded_to(values.copy(), dtype).astype(NUMPY_DTYPES[dtype]).view(f"<u{2 if dtype == 'F16' else 4}")
-    )
-
-
-def rounded_to(
-    values: np.ndarray, dtype: str, may_hold_nan: bool = True, scratch: Scratch = _fresh
-) -> np.ndarray:
-    """float32 values rounded in place to nearest-even in `dtype` (BF16, F16 or F32) and kept as float32,
-    which holds every bf16 and fp16 value exactly. A NaN stays a (quiet) NaN; `may_hold_nan=False` skips the
-    pass that sees to it."""
-    if dtype == "F32":
-        return values
-    if dtype == "F16":
-        values[...] = values.astype(np.float16)
-        return values
-    if dtype != "BF16":
-        raise ValueError(f"no rounding to {dtype}")
-    nan = np.isnan(values) if may_hold_nan else None
-    u = values.view(np.uint32)
-    # Adding 0x7FFF plus the lowest kept bit, then clearing the low 16 bits, rounds half to even.
-    lowest_kept = scratch("round", values.shape, np.uint32)
-    np.right_shift(u, 16, out=lowest_kept)
-    np.bitwise_and(lowest_kept, 1, out=lowest_kept)
-    np.add(u, lowest_kept, out=u)
-    np.add(u, 0x7FFF, out=u)
-    np.bitwise_and(u, 0xFFFF0000, out=u)
-    if nan is not None and nan.any():
-        u[nan] = 0x7FC00000
-    return values
-
-
-def _expand(values: np.ndarray, stored: StoredQuantization, rows: int, cols: int, g_idx: Any) -> np.ndarray:
-    """Per-row scales or zero points broadcastable against a (rows, cols) block."""
-    s = values.reshape(-1, values.shape[-1] if values.ndim else 1)
-    if stored.strategy == "tensor":
-        return s.reshape(1, 1)
-    if stored.strategy == "channel":
-        return s
-    if stored.strategy == "group":
-        if g_idx is None:
-            return np.repeat(s, stored.group_size, axis=1)
-        return s[:, g_idx]
-    bh, bw = stored.block
-    return np.repeat(np.repeat(s, bh, axis=0), bw, axis=1)[:rows, :cols]
-
-
-def reference_decode(
-    stored: StoredQuantization,
-    weight: np.ndarray,
-    scale: np.ndarray,
-    scale_dtype: str,
-    cols: int,
-    zero_point: np.ndarray | None = None,
-    g_idx: np.ndarray | None = None,
-    scratch: Scratch = _fresh,
-) -> np.ndarray:
-    """Rows of a weight decoded by evalsuite: (q − zero_point) × scale in float32, exact for integer q and a
-    16-bit scale, then rounded once to the scale's dtype; returns those values as float32 (exact).
-
-    `weight` holds the stored rows (int32 words for pack-quantized, int8 otherwise), `scale` the matching
-    scale rows as float32, `zero_point` the zero points (q units) in the scale's layout, `g_idx` the group of
-    each input column when the weight was quantized in activation order.
-    """
-    rows = weight.shape[0]
-    q = scratch("q", (rows, cols), np.float32)
-    if stored.format == "pack-quantized":
-        codes = unpack_codes(weight, stored.num_bits, cols, scratch)
-        np.subtract(codes, np.float32(1 << (stored.num_bits - 1)), out=q)
-    else:
-        q[...] = weight
-    if zero_point is not None:
-        q -= _expand(zero_point.astype(np.float32), stored, rows, cols, g_idx)
-    if stored.strategy == "group" and g_idx is None:
-        groups = q.reshape(rows, -1, stored.group_size)  # in place: no per-element scale array
-        np.multiply(groups, scale.reshape(rows, -1, 1), out=groups)
-    else:
-        np.multiply(q, _expand(scale, stored, rows, cols, g_idx), out=q)
-    # Integer q times a finite scale is finite: only a non-finite scale can make a NaN.
-    finite = np.isfinite(scale).all() and (zero_point is None or np.isfinite(zero_point).all())
-    return rounded_to(q, scale_dtype, may_hold_nan=not finite, scratch=scratch)
-
-
-def first_difference(ours: np.ndarray, theirs: np.ndarray) -> tuple[int, int] | None:
-    """Where two decoded blocks (float32 holding values of the scale's dtype) first differ in their bits.
-
-    Widening to float32 is one-to-one, so equal float32 bits are equal bits in the scale's dtype. Two NaNs
-    agree: their bits vary between torch's kernels, and a NaN scale fails the error checks anyway.
-    """
-    a, b = ours.view(np.uint32), theirs.view(np.uint32)
-    if np.array_equal(a, b):
-        return None
-    differ = (a != b) & ~(np.isnan(ours) & np.isnan(theirs))
-    return (int(differ.argmax() // a.shape[-1]), int(differ.argmax() % a.shape[-1])) if differ.any() else None
+    def __init__(self, candidate: Checkpoint) -> None:
+        self.lookup = SchemeLookup(candidate.quantization_config or {}, candidate.path / "config.json")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The handler
+# The library decode
 # ----------------------------------------------------------------------------------------------------------
+
+
+@cache
+def _decompressor(stored: StoredQuantization) -> tuple[Any, Any]:
+    # Built once per distinct scheme: a QuantizationScheme is a pydantic model, too slow to build per block.
+    from compressed_tensors.compressors import BaseCompressor
+
+    return BaseCompressor.get_value_from_registry(stored.format), stored.scheme()
 
 
 def _torch_view(array: np.ndarray, dtype: str) -> Any:
@@ -451,159 +317,33 @@ def _float32_of_bits(bits: np.ndarray, dtype: str, out: np.ndarray | None = None
     return as_float32(bits.view(np.float16 if dtype == "F16" else np.float32), dtype, out)
 
 
-class CompressedTensors:
-    """The format handler of compressed-tensors checkpoints (see `evalsuite.formats.FormatHandler`)."""
+def library_decode(
+    stored: StoredQuantization,
+    weight: np.ndarray,
+    scale: np.ndarray,
+    scale_dtype: str,
+    cols: int,
+    zero_point: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Rows of a weight decoded by compressed-tensors' own decompressor, as float32 (into `out` when given)
+    holding values of the scale's dtype exactly, to be compared with `ct_decode.reference_decode`.
 
-    name = "compressed-tensors"
-    params = PARAMS
-    marks = MARKS
+    Every array is as stored, for the same rows: `weight` the int32 words (pack-quantized) or int8 values,
+    `scale` the scale rows (bf16 as its raw bits), `zero_point` the zero points (pack-quantized packs them
+    along the rows, 32 / b rows per word). The decompressor does not apply `weight_g_idx`.
+    """
+    import torch
 
-    def __init__(self, candidate: Checkpoint) -> None:
-        self.lookup = SchemeLookup(candidate.quantization_config or {}, candidate.path / "config.json")
-
-    def measure(
-        self, source: TensorInfo, tensors: dict[str, TensorInfo], reader: ShardReader, row: dict[str, Any]
-    ) -> list[Problem]:
-        """Read the module's scheme, decode it both ways block by block, and measure it against the source."""
-        coverage = self.lookup.covering(row["module"], row["kind"])
-        row["group"] = coverage.group
-        hint = coverage.scheme.weights if coverage.scheme is not None else None
-        stored, problems = stored_quantization(source, tensors, hint, reader)
-        found = [Problem("config", source.name, p) for p in problems]
-        if stored is None:
-            row["format"] = "unreadable"
-            return found
-        row.update(
-            format=stored.format,
-            bits=stored.num_bits,
-            bits_per_weight=stored.num_bits,
-            strategy=stored.strategy,
-            group_size=stored.group_size,
-            symmetric=stored.symmetric,
-        )
-        if stored.format not in DECODED_FORMATS:
-            row["note"] = f"{stored.format} is not decoded here"
-            return found
-        mismatch = self._decode(source, tensors, stored, reader, row)
-        if mismatch:
-            found.append(Problem("decode", source.name, mismatch))
-        return found
-
-    def _decode(
-        self,
-        source: TensorInfo,
-        tensors: dict[str, TensorInfo],
-        stored: StoredQuantization,
-        reader: ShardReader,
-        row: dict[str, Any],
-    ) -> str | None:
-        import torch
-        from compressed_tensors.compressors import BaseCompressor
-
-        rows, cols = rows_and_cols(source.shape)
-        weight = tensors.get("weight_packed") or tensors["weight"]
-        scale_info = tensors["weight_scale"]
-        scale = reader.tensor(scale_info)
-        scale = scale.reshape(rows_and_cols(scale.shape))
-        scale32 = as_float32(scale, scale_info.dtype)
-        zp_info, g_info = tensors.get("weight_zero_point"), tensors.get("weight_g_idx")
-        zp = reader.tensor(zp_info) if zp_info is not None else None
-        zp = zp.reshape(rows_and_cols(zp.shape)) if zp is not None else None
-        g_idx = reader.tensor(g_info).astype(np.int64).reshape(-1) if g_info is not None else None
-        compressor = BaseCompressor.get_value_from_registry(stored.format)
-        scheme = stored.scheme()
-        packed_zp = zp is not None and stored.format == "pack-quantized"
-        # Blocks of rows must start where scales (and zero points packed along rows) start.
-        align = stored.block[0] if stored.block else 32 if packed_zp else 1
-        errors, mismatch = ErrorAccumulator(), None
-        for r0, r1 in row_blocks(rows, cols, align):
-            block = reader.rows(weight, r0, r1, "weight")
-            s0, s1 = (0, 1) if stored.strategy == "tensor" else (r0, r1)
-            if stored.block:
-                s0, s1 = r0 // stored.block[0], math.ceil(r1 / stored.block[0])
-            theirs_in = {"weight_scale": _torch_view(scale[s0:s1], scale_info.dtype)}
-            ours_zp = None
-            if zp is not None:
-                if packed_zp:
-                    bits = stored.num_bits
-                    words = zp[r0 * bits // 32 : math.ceil(r1 * bits / 32)]
-                    theirs_in["weight_zero_point"] = torch.from_numpy(np.ascontiguousarray(words))
-                    ours_zp = unpack_offset_binary(words.T, bits, r1 - r0).T
-                else:
-                    theirs_in["weight_zero_point"] = torch.from_numpy(np.ascontiguousarray(zp[s0:s1]))
-                    ours_zp = zp[s0:s1]
-            if stored.format == "pack-quantized":
-                theirs_in["weight_packed"] = torch.from_numpy(block)
-                theirs_in["weight_shape"] = torch.tensor([r1 - r0, cols])
-            else:
-                theirs_in["weight"] = torch.from_numpy(block)
-            theirs = _bits_view(compressor.decompress(theirs_in, scheme)["weight"].reshape(r1 - r0, cols))
-            shape = (r1 - r0, cols)
-            decoded = _float32_of_bits(theirs, scale_info.dtype, reader.scratch("decoded", shape, np.float32))
-            ours = reference_decode(
-                stored, block, scale32[s0:s1], scale_info.dtype, cols, ours_zp, g_idx, reader.scratch
-            )
-            if mismatch is None and (at := first_difference(ours, decoded)) is not None:
-                index = [int(i) for i in np.unravel_index((r0 + at[0]) * cols + at[1], source.shape)]
-                a, b = decoded[at[0], at[1]], ours[at[0], at[1]]
-                mismatch = (
-                    f"compressed-tensors and evalsuite decode element {index} differently: {a:.6g} vs {b:.6g}"
-                )
-            ref = reader.scratch("ref", shape, np.float32)
-            as_float32(reader.rows(source, r0, r1, "source"), source.dtype, ref)
-            errors.add(r0, ref, decoded, reader.scratch("difference", shape, np.float32))
-        row["decode_exact"] = mismatch is None
-        errors.fill(row)
-        if mismatch and g_idx is not None:
-            mismatch += " (the weight stores weight_g_idx, which the decompressor does not apply)"
-        return mismatch
-
-    def check_config(self, rows: list[dict[str, Any]]) -> tuple[list[Problem], dict[str, Any]]:
-        """Every module a group targets is stored in its format, bits and strategy; every module in `ignore`
-        is stored as in the source; no Linear is left unquantized without being ignored; every target matches
-        some module."""
-        problems: list[Problem] = []
-        modules: dict[str, ModuleKind] = {}
-        for row in rows:
-            if row["tensor_class"] == "unexpected" or not row["name"].endswith(".weight"):
-                continue
-            modules[row["module"]] = row["kind"]
-            if row["tensor_class"] == "missing" or row["format"] == "unreadable":
-                continue  # already a problem of its own
-            coverage = self.lookup.covering(row["module"], row["kind"])
-            ct_quantized = row["tensor_class"] == "quantized" and row["strategy"] is not None
-            quantized = row["tensor_class"] == "quantized"
-            stored = f"stored as {row['format']}" if quantized else "stored unquantized"
-            if coverage.scheme is not None and not ct_quantized:
-                said = describe_scheme(coverage.scheme, coverage.format)
-                problems.append(
-                    Problem(
-                        "config",
-                        row["name"],
-                        f"config group `{coverage.group}` says {said}, but it is {stored} ({row['dtype']})",
-                    )
-                )
-            elif coverage.scheme is not None:
-                stored_q = StoredQuantization(
-                    row["format"],
-                    "float" if row["format"] == "float-quantized" else "int",
-                    row["bits"],
-                    row["strategy"],
-                    row.get("group_size"),
-                    None,
-                    row["symmetric"],
-                    False,
-                )
-                problems += [Problem("config", row["name"], p) for p in scheme_mismatches(stored_q, coverage)]
-            elif row["tensor_class"] == "quantized":
-                why = "it is in `ignore`" if coverage.ignored else "no config group targets it"
-                problems.append(Problem("config", row["name"], f"{stored}, but {why}"))
-            elif row["kind"] == "linear" and not coverage.ignored and row["tensor_class"] == "protected":
-                problems.append(Problem("config", row["name"], UNCOVERED_LINEAR))
-        for group, target in self.lookup.unmatched_targets(modules):
-            problems.append(
-                Problem("config", f"config_groups.{group}", f"target {target!r} matches no source module")
-            )
-        config = self.lookup.config
-        claims = {"config_format": config.format, "config_groups": len(config.config_groups)}
-        return problems, claims
+    compressor, scheme = _decompressor(stored)
+    rows = weight.shape[0]
+    state = {"weight_scale": _torch_view(scale, scale_dtype)}
+    if zero_point is not None:
+        state["weight_zero_point"] = torch.from_numpy(np.ascontiguousarray(zero_point))
+    if stored.format == "pack-quantized":
+        state["weight_packed"] = torch.from_numpy(weight)
+        state["weight_shape"] = torch.tensor([rows, cols])
+    else:
+        state["weight"] = torch.from_numpy(weight)
+    bits = _bits_view(compressor.decompress(state, scheme)["weight"].reshape(rows, cols))
+    return _float32_of_bits(bits, scale_dtype, out)

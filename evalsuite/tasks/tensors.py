@@ -1,7 +1,7 @@
 """What was quantized, how well, and that nothing else changed: proved from the files of both checkpoints.
 
 A file-only task: it streams the source and the candidate tensor by tensor (no model is built) through
-`evalsuite.formats.verify_tensors`, then turns the rows into metrics, checks, `tensors.json` and a plot.
+`tensor_verification.verify_tensors`, then turns the rows into metrics, checks, `tensors.json` and a plot.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pydantic import Field
 
 from evalsuite import plots
 from evalsuite.errors import InputError
-from evalsuite.formats import ModuleRules, Verification, verify_tensors
 from evalsuite.run_folder import write_atomic
 from evalsuite.side import Side
 from evalsuite.spec import Check, StrictModel, TaskSpec
 from evalsuite.task import Inputs, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.tasks.tensor_verification import ModuleRules, Verification, verify_tensors
 
 SOURCE_FORMATS = ("bf16", "fp16", "fp32")
 
@@ -146,11 +146,11 @@ class Tensors:
             "tensors": found.rows,
         }
         write_atomic(folder / "tensors.json", json.dumps(doc, indent=1, allow_nan=True) + "\n")
-        measured = [r for r in found.rows if r.get("rel_err") is not None]
+        measured = [r for r in found.tensors if r.rel_err is not None]
         plots.relative_error_by_layer(
-            [r["layer"] for r in measured],
-            [r["projection"] for r in measured],
-            [r["rel_err"] for r in measured],
+            [r.layer for r in measured],
+            [r.projection for r in measured],
+            [r.rel_err for r in measured],
             folder / "tensors_rel_err.png",
         )
         return {"tensors": f"{folder.name}/tensors.json", "rel_err_map": f"{folder.name}/tensors_rel_err.png"}

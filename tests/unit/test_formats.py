@@ -13,16 +13,15 @@ from safetensors.torch import save_file
 
 from evalsuite import metrics
 from evalsuite.checkpoint import Checkpoint, TensorInfo
-from evalsuite.formats import (
+from evalsuite.formats import ShardReader, ct_decode, exl3
+from evalsuite.formats import compressed_tensors as ct
+from evalsuite.tasks.tensor_verification import (
     ErrorAccumulator,
     ModuleRules,
-    ShardReader,
-    exl3,
     layer_and_projection,
     pair_tensors,
     verify_tensors,
 )
-from evalsuite.formats import compressed_tensors as ct
 
 RULES = ModuleRules(
     embedding=("re:.*embed",),
@@ -43,8 +42,8 @@ def test_offset_binary_nibbles_unpack_low_nibble_first():
     codes = [9, 6, 15, 0, 8, 11, 7, 13]
     word = sum(c << (4 * i) for i, c in enumerate(codes))
     words = np.array([[word - (1 << 32)]], dtype=np.int32)  # stored as a signed int32
-    assert ct.unpack_offset_binary(words, 4, 8).tolist() == [[1, -2, 7, -8, 0, 3, -1, 5]]
-    assert ct.unpack_offset_binary(words, 4, 3).tolist() == [[1, -2, 7]]  # padding codes are dropped
+    assert ct_decode.unpack_offset_binary(words, 4, 8).tolist() == [[1, -2, 7, -8, 0, 3, -1, 5]]
+    assert ct_decode.unpack_offset_binary(words, 4, 3).tolist() == [[1, -2, 7]]  # padding codes are dropped
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
@@ -55,20 +54,20 @@ def test_unpack_inverts_compressed_tensors_pack(bits):
     half = 1 << (bits - 1)
     q = torch.randint(-half, half, (5, 37), generator=gen, dtype=torch.int8)
     packed = pack_to_int32(q, bits).numpy()
-    assert np.array_equal(ct.unpack_offset_binary(packed, bits, 37), q.numpy())
+    assert np.array_equal(ct_decode.unpack_offset_binary(packed, bits, 37), q.numpy())
 
 
 def test_bf16_rounding_is_to_nearest_even():
     # Between 1 (0x3F80) and 1 + 2^-7 (0x3F81): 1 + 2^-8 is the midpoint and goes to the even 0x3F80;
     # 1 + 3·2^-8 is the midpoint above 0x3F81 and goes to the even 0x3F82; a hair above a midpoint goes up.
     values = np.array([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8)], dtype=np.float32)
-    assert ct.round_to_dtype(values, "BF16").tolist() == [0x3F80, 0x3F82, 0x3F81, 0xBF80]
+    assert ct_decode.round_to_dtype(values, "BF16").tolist() == [0x3F80, 0x3F82, 0x3F81, 0xBF80]
 
 
 def test_bf16_rounding_agrees_with_torch_on_random_values():
     x = np.random.default_rng(0).normal(scale=3.0, size=10_000).astype(np.float32)
     x[:4] = [np.nan, np.inf, -np.inf, 3.3e38]  # NaN gets torch's 0x7FC0; the largest floats round to inf
-    ours = ct.round_to_dtype(x, "BF16")
+    ours = ct_decode.round_to_dtype(x, "BF16")
     theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert ours[0] & 0x7F80 == 0x7F80 and ours[0] & 0x7F  # a NaN (its bits vary between torch's kernels)
     assert np.array_equal(ours[1:], theirs[1:])
@@ -133,8 +132,8 @@ def test_reference_decode_is_bit_identical_to_the_decompressor(
     weight = compressed["weight_packed" if fmt == "pack-quantized" else "weight"].numpy()
     zp = compressed.get("weight_zero_point")
     if zp is not None and fmt == "pack-quantized":
-        zp = torch.from_numpy(ct.unpack_offset_binary(zp.numpy().T, bits, 48).T.copy())
-    ours = ct.reference_decode(
+        zp = torch.from_numpy(ct_decode.unpack_offset_binary(zp.numpy().T, bits, 48).T.copy())
+    ours = ct_decode.reference_decode(
         stored,
         weight,
         scale.float().numpy().reshape(-1, scale.shape[-1] if scale.ndim else 1),
@@ -153,7 +152,7 @@ def test_a_flipped_code_is_a_decode_mismatch():
     theirs = BaseCompressor.get_value_from_registry("pack-quantized").decompress(compressed, scheme)["weight"]
     packed = compressed["weight_packed"].numpy().copy()
     packed[3, 2] ^= 1 << 4  # one bit of one code
-    ours = ct.reference_decode(stored, packed, compressed["weight_scale"].float().numpy(), "BF16", 64)
+    ours = ct_decode.reference_decode(stored, packed, compressed["weight_scale"].float().numpy(), "BF16", 64)
     differ = np.argwhere(ours.view(np.uint32) != theirs.float().numpy().view(np.uint32))
     assert differ.tolist() == [[3, 17]]  # word 2 holds codes 16..23; bit 4 is code 17's lowest
 

@@ -1,0 +1,50 @@
+"""What a quantized checkpoint stores, proved from its files against its source: the `tensors` task's engine.
+
+A candidate tensor pairs with a source tensor in one of two ways: under the same name (a tensor kept as it
+was: *protected*, and it must be byte-identical), or as one of the tensors a format stores for a quantized
+module `X` in place of the source's `X.weight` (*quantized*). A source tensor with neither is *missing*; a
+candidate tensor that pairs with nothing is *unexpected*. `verify_tensors` streams both checkpoints to put
+every source tensor in exactly one class and to measure each pair, with memory bounded by a block of rows
+(`evalsuite.formats.ShardReader`).
+
+The formats (`evalsuite.formats`) say what a quantized module stores and how it decodes; what is checked of
+them is here: `_compressed_tensors` decodes every integer weight twice (compressed-tensors' decompressor and
+`evalsuite.formats.ct_decode`) and checks the config's groups against the stored schemes, `_exl3` checks
+trellis layouts and `tensor_storage`. `_same` compares a tensor kept under its name, `_modules` tells modules
+apart by name and shape, `_rows` holds the typed rows of tensors.json, `_engine` pairs and streams.
+"""
+
+from evalsuite.tasks.tensor_verification._engine import (
+    FormatVerifier,
+    Pair,
+    Verification,
+    format_verifier,
+    pair_tensors,
+    verify_tensors,
+)
+from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection
+from evalsuite.tasks.tensor_verification._rows import (
+    ErrorAccumulator,
+    Problem,
+    TensorClass,
+    TensorRow,
+    UnexpectedRow,
+)
+from evalsuite.tasks.tensor_verification._same import compare_same
+
+__all__ = [
+    "ErrorAccumulator",
+    "FormatVerifier",
+    "ModuleRules",
+    "Pair",
+    "Problem",
+    "TensorClass",
+    "TensorRow",
+    "UnexpectedRow",
+    "Verification",
+    "compare_same",
+    "format_verifier",
+    "layer_and_projection",
+    "pair_tensors",
+    "verify_tensors",
+]

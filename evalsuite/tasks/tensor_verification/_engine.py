@@ -1,0 +1,280 @@
+"""Both checkpoints streamed tensor by tensor: every source tensor paired with what the candidate stores for
+it, classified and measured, and the candidate's config checked against the rows."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from evalsuite.checkpoint import Checkpoint, TensorInfo
+from evalsuite.formats import QuantizedFormat, ShardReader
+from evalsuite.formats.compressed_tensors import CompressedTensors
+from evalsuite.formats.exl3 import Exl3
+from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTensorsVerifier
+from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
+from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection
+from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow, UnexpectedRow
+from evalsuite.tasks.tensor_verification._same import compare_same
+
+# Integer weight formats, counted by their bits (quantized_int4, quantized_int8); anything else is "other".
+INTEGER_FORMATS = frozenset({"pack-quantized", "int-quantized", "naive-quantized"})
+
+
+class FormatVerifier(Protocol):
+    """How the candidate's quantized format is verified: what a quantized module's stored tensors say against
+    its source weight, and what the config claims against every row."""
+
+    @property
+    def format(self) -> QuantizedFormat:
+        """The format whose stored tensors pair with the source's quantized modules."""
+        ...
+
+    def measure(
+        self, source: TensorInfo, tensors: dict[str, TensorInfo], reader: ShardReader, row: TensorRow
+    ) -> list[Problem]:
+        """Fill the row of a quantized module (format, bits, decode, error against the source weight) and
+        return what its stored tensors get wrong."""
+        ...
+
+    def check_config(self, rows: list[TensorRow]) -> tuple[list[Problem], dict[str, Any]]:
+        """The config's claims against the tensors (the row of every source tensor), and the claims
+        themselves."""
+        ...
+
+
+def format_verifier(candidate: Checkpoint) -> FormatVerifier | None:
+    """How a candidate's quantized format is verified; None for a dense (unquantized) candidate."""
+    if candidate.format == "compressed-tensors":
+        return CompressedTensorsVerifier(CompressedTensors(candidate))
+    if candidate.format == "exl3":
+        return Exl3Verifier(Exl3(candidate))
+    return None
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A source tensor and the candidate tensors it pairs with.
+
+    `how` is `same` (`candidate` = {"": the tensor of the same name}), `quantized` (`candidate` maps each
+    stored parameter of the module, e.g. "weight_packed", to its tensor) or `missing` (no candidate tensor).
+    """
+
+    source: str
+    module: str
+    how: Literal["same", "quantized", "missing"]
+    candidate: dict[str, str] = field(default_factory=dict)
+
+
+def pair_tensors(
+    source: dict[str, TensorInfo], candidate: dict[str, TensorInfo], format: QuantizedFormat | None
+) -> tuple[list[Pair], list[str]]:
+    """Pair every source tensor (in source order) and list the candidate tensors that pair with nothing."""
+    quantized: dict[str, dict[str, str]] = {}
+    if format is not None:
+        by_module: dict[str, dict[str, str]] = {}
+        for name in candidate:
+            module, _, param = name.rpartition(".")
+            if param in format.params:
+                by_module.setdefault(module, {})[param] = name
+        quantized = {m: params for m, params in by_module.items() if format.marks & params.keys()}
+    pairs, used = [], set()
+    for name in source:
+        module = name.rpartition(".")[0]
+        if name.endswith(".weight") and module in quantized:
+            pairs.append(Pair(name, module, "quantized", quantized[module]))
+            used.update(quantized[module].values())
+        elif name in candidate:
+            pairs.append(Pair(name, module, "same", {"": name}))
+            used.add(name)
+        else:
+            pairs.append(Pair(name, module, "missing"))
+    return pairs, [name for name in candidate if name not in used]
+
+
+@dataclass
+class Verification:
+    """What `verify_tensors` found: a row per source tensor (by name) and per unexpected candidate tensor,
+    the problems (each naming its tensor), the config's claims, and the candidate's tensor bytes."""
+
+    tensors: list[TensorRow]
+    unexpected: list[UnexpectedRow]
+    problems: list[Problem]
+    claims: dict[str, Any]
+    payload_bytes: int
+    source_params: int
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """The rows of tensors.json: every source tensor, then every unexpected one."""
+        return [row.to_json() for row in self.tensors] + [row.to_json() for row in self.unexpected]
+
+    def summary(self) -> dict[str, Any]:
+        """The counts and statistics of the rows, under the `tensors` task's metric names (None where a
+        statistic has nothing to measure, e.g. no decoded tensor in an EXL3 candidate)."""
+        source = self.tensors
+        quantized = [r for r in source if r.tensor_class == "quantized"]
+        protected = [r for r in source if r.tensor_class == "protected"]
+        integer = [r for r in quantized if r.format in INTEGER_FORMATS]
+        decoded = [r.decode_exact for r in quantized if r.decode_exact is not None]
+        measured = [r for r in quantized if r.rel_err is not None]
+        worst = max(measured, key=lambda r: r.rel_err, default=None)
+        worst_channel = max(measured, key=lambda r: r.worst_channel_rel_err, default=None)
+        backbone = [r for r in quantized if r.part == "text" and r.bits_per_weight is not None]
+        backbone_numel = sum(r.numel for r in backbone)
+        avg_bits = sum(r.numel * r.bits_per_weight for r in backbone) / backbone_numel if backbone else None
+        values: dict[str, Any] = {
+            "source_tensors": len(source),
+            "protected_total": len(protected),
+            "protected_identical": sum(1 for r in protected if r.identical),
+            "quantized_int4": sum(1 for r in integer if r.bits == 4),
+            "quantized_int8": sum(1 for r in integer if r.bits == 8),
+            "quantized_other": len(quantized) - sum(1 for r in integer if r.bits in (4, 8)),
+            "decode_exact": all(decoded) if decoded else None,
+            "missing": sum(1 for r in source if r.tensor_class == "missing"),
+            "unexpected": len(self.unexpected),
+            "config_mismatches": sum(1 for p in self.problems if p.check == "config"),
+            "payload_bytes": self.payload_bytes,
+            "avg_bits_per_weight": avg_bits,
+            "avg_bits_per_weight_all": 8 * self.payload_bytes / self.source_params
+            if self.source_params
+            else None,
+            "worst_rel_err": worst.rel_err if worst else None,
+            "worst_rel_err_tensor": worst.name if worst else None,
+            "worst_channel_rel_err": worst_channel.worst_channel_rel_err if worst_channel else None,
+            "worst_channel_rel_err_tensor": (
+                f"{worst_channel.name} (output channel {worst_channel.worst_channel})"
+                if worst_channel
+                else None
+            ),
+        }
+        if "bits" in self.claims:
+            claimed = self.claims["bits"]
+            values["claimed_bits"] = claimed
+            values["bpw_claim_error"] = abs(avg_bits - claimed) if avg_bits is not None else None
+        return values
+
+
+def _first_row(pair: Pair, info: TensorInfo, rules: ModuleRules) -> TensorRow:
+    """A source tensor's row before it is measured: what its module is, classed missing."""
+    part = rules.part(pair.module)
+    layer, projection = layer_and_projection(pair.module, part)
+    return TensorRow(
+        name=pair.source,
+        tensor_class="missing",
+        module=pair.module,
+        kind=rules.kind(pair.source, info.shape),
+        part=part,
+        layer=layer,
+        projection=projection,
+        dtype=info.dtype,
+        shape=info.shape,
+        numel=info.numel,
+        candidate_tensors=sorted(pair.candidate.values()),
+    )
+
+
+@contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    # The blocks are small: a second OpenMP thread adds a barrier to every operation, which costs
+    # milliseconds whenever the other core is busy, far more than it saves.
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure_pair(
+    pair: Pair,
+    source: Checkpoint,
+    candidate: Checkpoint,
+    verifier: FormatVerifier | None,
+    rules: ModuleRules,
+    reader: ShardReader,
+) -> tuple[TensorRow, list[Problem]]:
+    info = source.tensors[pair.source]
+    row = _first_row(pair, info, rules)
+    if pair.how == "same":
+        problems = compare_same(info, candidate.tensors[pair.candidate[""]], reader, row)
+    elif pair.how == "quantized":
+        assert verifier is not None  # only a candidate's format pairs a tensor as quantized
+        row.tensor_class = "quantized"
+        tensors = {param: candidate.tensors[name] for param, name in pair.candidate.items()}
+        problems = verifier.measure(info, tensors, reader, row)
+    else:
+        problems = [Problem("missing", pair.source, "not in the candidate under any stored form")]
+    row.payload_bytes = sum(candidate.tensors[n].nbytes for n in row.candidate_tensors)
+    return row, problems
+
+
+def verify_tensors(
+    source: Checkpoint, candidate: Checkpoint, rules: ModuleRules, workers: int | None = None
+) -> Verification:
+    """Stream the source tensor by tensor (shard by shard, in file order) with the candidate tensors each one
+    pairs with; classify and measure every pair, then check the candidate's config against the tensors.
+
+    `workers` threads (default: the CPU count, at most 4) measure consecutive tensors at once, each with its
+    own reader and buffers, so memory grows by a few blocks per worker, never by a tensor. The arithmetic
+    (numpy, torch, hashlib, file reads) releases the GIL.
+    """
+    verifier = format_verifier(candidate)
+    pairs, unexpected = pair_tensors(
+        source.tensors, candidate.tensors, verifier.format if verifier is not None else None
+    )
+    shard_order = {shard: i for i, shard in enumerate(source.shards)}
+    # Source order: each shard read once, front to back.
+    where = {name: (shard_order[info.shard], info.data_begin) for name, info in source.tensors.items()}
+    pairs.sort(key=lambda p: where[p.source])
+    workers = workers or min(4, os.cpu_count() or 1)
+    local, readers = threading.local(), []
+
+    def measure(pair: Pair) -> tuple[TensorRow, list[Problem]]:
+        reader = getattr(local, "reader", None)
+        if reader is None:
+            reader = local.reader = ShardReader()
+            readers.append(reader)
+        return _measure_pair(pair, source, candidate, verifier, rules, reader)
+
+    rows: list[TensorRow] = []
+    problems: list[Problem] = []
+    try:
+        with _one_torch_thread(), ThreadPoolExecutor(workers, thread_name_prefix="tensors") as pool:
+            for row, found in pool.map(measure, pairs):
+                rows.append(row)
+                problems += found
+    finally:
+        for reader in readers:
+            reader.__exit__()
+    rows.sort(key=lambda r: r.name)
+    extra: list[UnexpectedRow] = []
+    for name in unexpected:
+        info = candidate.tensors[name]
+        extra.append(UnexpectedRow(name, info.dtype, info.shape))
+        problems.append(
+            Problem("unexpected", name, f"{info.dtype} {list(info.shape)} pairs with no source tensor")
+        )
+    claims: dict[str, Any] = {}
+    if verifier is not None:
+        config_problems, claims = verifier.check_config(rows)
+        problems += config_problems
+    by_tensor: dict[str, list[str]] = {}
+    for problem in problems:
+        by_tensor.setdefault(problem.tensor, []).append(f"{problem.check}: {problem.detail}")
+    for row in [*rows, *extra]:
+        row.problems = by_tensor.get(row.name, [])
+    return Verification(
+        tensors=rows,
+        unexpected=extra,
+        problems=problems,
+        claims=claims,
+        payload_bytes=sum(info.nbytes for info in candidate.tensors.values()),
+        source_params=sum(info.numel for info in source.tensors.values()),
+    )

@@ -1,0 +1,156 @@
+"""What the tensors task records of each tensor: a typed row per source tensor (`TensorRow`) or unexpected
+candidate tensor (`UnexpectedRow`), each written as one row of tensors.json, the problems found, and the error
+statistics of a decoded tensor against its source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import numpy as np
+
+from evalsuite import metrics
+from evalsuite.formats import ModuleKind, Part
+from evalsuite.formats.compressed_tensors import StoredQuantization
+
+TensorClass = Literal["quantized", "protected", "missing"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing the files disagree on, named: `check` is protected, missing, unexpected, config or decode."""
+
+    check: str
+    tensor: str
+    detail: str
+
+    def to_json(self) -> dict[str, str]:
+        """The problem as listed in tensors.json and in the task's details."""
+        return {"check": self.check, "tensor": self.tensor, "detail": self.detail}
+
+
+# Fields of a TensorRow that are not columns of their own: `to_json` writes what they hold.
+_FORMAT_DETAILS = frozenset({"stored", "codebook"})
+
+
+@dataclass
+class TensorRow:
+    """One source tensor: how it pairs (`tensor_class`), what its module is, how the candidate stores it and,
+    for a decoded or cast tensor, its error against the source.
+
+    The fields up to `problems` are the columns every row of tensors.json has, in their order there; the
+    format's details follow them only in rows of that format: a compressed-tensors module's `group_size` and
+    `symmetric` (from `stored`, its scheme as read from its tensors), an EXL3 module's `codebook`.
+    """
+
+    name: str
+    tensor_class: TensorClass
+    module: str
+    kind: ModuleKind
+    part: Part
+    layer: int | None
+    projection: str
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    candidate_tensors: list[str]
+    payload_bytes: int = 0
+    format: str | None = None
+    group: str | None = None
+    strategy: str | None = None
+    bits: int | float | None = None
+    bits_per_weight: int | float | None = None
+    identical: bool | None = None
+    sha256: str | None = None
+    candidate_sha256: str | None = None
+    first_difference: str | None = None
+    decode_exact: bool | None = None
+    rel_err: float | None = None
+    sqnr_db: float | None = None
+    cosine: float | None = None
+    max_abs_err: float | None = None
+    worst_channel: int | None = None
+    worst_channel_rel_err: float | None = None
+    note: str | None = None
+    problems: list[str] = field(default_factory=list)
+    stored: StoredQuantization | None = None
+    codebook: str | None = None  # EXL3: mcg, mul1, 3inst (no marker) or mixed; None for an unreadable trellis
+
+    def to_json(self) -> dict[str, Any]:
+        """The row of tensors.json."""
+        row = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _FORMAT_DETAILS}
+        row["shape"] = list(self.shape)
+        if self.stored is not None:
+            row.update(group_size=self.stored.group_size, symmetric=self.stored.symmetric)
+        if self.format == "exl3":
+            row["codebook"] = self.codebook
+        return row
+
+
+@dataclass
+class UnexpectedRow:
+    """A candidate tensor that pairs with no source tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    problems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """The row of tensors.json."""
+        return {
+            "name": self.name,
+            "tensor_class": "unexpected",
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "problems": self.problems,
+        }
+
+
+class ErrorAccumulator:
+    """Error statistics of a decoded tensor against its source, added up block by block of rows.
+
+    It adds up the sums of `metrics.error_sums` (computed here per row, in reused buffers), and keeps the
+    worst output channel (row): the largest ‖x_r − w_r‖ / ‖w_r‖. A channel above 1 decodes further from its
+    source than zeros would.
+    """
+
+    def __init__(self) -> None:
+        self.sums = metrics.ErrorSums(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        self.worst_channel = -1
+        self.worst_channel_rel_err = 0.0
+
+    def add(self, r0: int, ref: np.ndarray, cand: np.ndarray, work: np.ndarray | None = None) -> None:
+        """Add rows r0.. of the source (`ref`) and of the decoded tensor (`cand`), float32 (rows, cols);
+        `work` is a float32 buffer of the same shape for the difference."""
+        d = np.subtract(cand, ref, out=work)
+        # float32 sums over one row, float64 across rows: the rounding stays near 1e-6 relative.
+        err = np.einsum("ij,ij->i", d, d).astype(np.float64)
+        norm = np.einsum("ij,ij->i", ref, ref).astype(np.float64)
+        flat_ref, flat_cand = ref.reshape(-1), cand.reshape(-1)
+        block = metrics.ErrorSums(
+            n=d.size,
+            ref_sq=float(norm.sum()),
+            err_sq=float(err.sum()),
+            cand_sq=float(np.dot(flat_cand, flat_cand)),
+            dot=float(np.dot(flat_ref, flat_cand)),
+            max_abs=float(max(d.max(), -d.min())) if d.size else 0.0,
+        )
+        self.sums = self.sums + block
+        if not err.size:
+            return
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(err == 0, 0.0, np.sqrt(err / norm))
+        i = int(np.argmax(rel))
+        if rel[i] > self.worst_channel_rel_err:
+            self.worst_channel, self.worst_channel_rel_err = r0 + i, float(rel[i])
+
+    def fill(self, row: TensorRow) -> None:
+        """Write the statistics into a row."""
+        s = self.sums
+        row.rel_err = s.relative_frobenius_error
+        row.sqnr_db = s.sqnr_db
+        row.cosine = s.cosine
+        row.max_abs_err = s.max_abs
+        row.worst_channel = self.worst_channel if self.worst_channel >= 0 else None
+        row.worst_channel_rel_err = self.worst_channel_rel_err

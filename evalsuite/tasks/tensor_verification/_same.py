@@ -1,0 +1,90 @@
+"""A source tensor the candidate keeps under its own name: protected (its bytes must be identical) or cast to
+another floating-point dtype (measured like a decode)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from evalsuite.checkpoint import DTYPE_SIZES, FLOAT_DTYPES, TensorInfo
+from evalsuite.formats import NUMPY_DTYPES, ShardReader, as_float32, row_blocks, rows_and_cols
+from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
+
+# Floating-point dtypes a tensor may be cast between, by their bits.
+DTYPE_BITS = {"BF16": 16, "F16": 16, "F32": 32, "F64": 64}
+
+
+def _value_text(raw: np.ndarray, dtype: str) -> str:
+    """One stored element (its raw bytes, uint8) as a number, with its bits for floating-point dtypes (only
+    the bits for a dtype numpy cannot read, e.g. FP8)."""
+    bits = f"0x{int.from_bytes(raw.tobytes(), 'little'):0{2 * raw.size}x}"
+    if dtype not in NUMPY_DTYPES:
+        return bits
+    value = raw.view(NUMPY_DTYPES[dtype])[:1]
+    if dtype in FLOAT_DTYPES:
+        return f"{float(as_float32(value, dtype)[0]):.6g} ({bits})"
+    return str(value[0].item())
+
+
+def compare_same(
+    source: TensorInfo, candidate: TensorInfo, reader: ShardReader, row: TensorRow
+) -> list[Problem]:
+    """A tensor kept under its name: protected when dtype and shape are kept (its bytes must be identical),
+    a cast when only a floating-point dtype changed (measured like a decode, classed as quantized)."""
+    if source.shape != candidate.shape or source.dtype != candidate.dtype:
+        if source.shape == candidate.shape and {source.dtype, candidate.dtype} <= DTYPE_BITS.keys():
+            bits = DTYPE_BITS[candidate.dtype]
+            row.tensor_class, row.format = "quantized", candidate.dtype.lower()
+            row.bits = row.bits_per_weight = bits
+            _measure_cast(source, candidate, reader, row)
+            return []
+        row.tensor_class, row.identical = "protected", False
+        what = f"{source.dtype} {list(source.shape)} → {candidate.dtype} {list(candidate.shape)}"
+        row.first_difference = what
+        return [Problem("protected", source.name, f"stored as {what}")]
+    row.tensor_class = "protected"
+    src_hash, cand_hash = hashlib.sha256(), None
+    offset, first = 0, None
+    cand_blocks = reader.blocks(candidate, "same-candidate")
+    for block in reader.blocks(source, "same-source"):
+        other = next(cand_blocks)
+        if cand_hash is None and not np.array_equal(block, other):
+            # Up to here both sides held the same bytes: the candidate's digest starts from the source's.
+            cand_hash = src_hash.copy()
+            byte = int(np.flatnonzero(block != other)[0])
+            first = offset + byte
+        src_hash.update(block)
+        if cand_hash is not None:
+            cand_hash.update(other)
+        offset += block.size
+    row.sha256 = src_hash.hexdigest()
+    row.identical = cand_hash is None
+    if cand_hash is None:
+        return []
+    row.candidate_sha256 = cand_hash.hexdigest()
+    itemsize = DTYPE_SIZES[source.dtype]
+    element = first // itemsize
+    index = [int(i) for i in np.unravel_index(element, source.shape)] if source.shape else []
+    begin = element * itemsize
+    values = [
+        _value_text(reader.tensor_bytes(info, begin, itemsize), source.dtype) for info in (source, candidate)
+    ]
+    row.first_difference = f"element {index}: {values[0]} → {values[1]}"
+    digests = f"sha256 {row.sha256[:12]}… → {row.candidate_sha256[:12]}…"
+    detail = f"bytes differ ({digests}); first differing {row.first_difference}"
+    return [Problem("protected", source.name, detail)]
+
+
+def _measure_cast(source: TensorInfo, candidate: TensorInfo, reader: ShardReader, row: TensorRow) -> None:
+    rows, cols = rows_and_cols(source.shape)
+    errors = ErrorAccumulator()
+    for r0, r1 in row_blocks(rows, cols):
+        shape = (r1 - r0, cols)
+        ref = as_float32(
+            reader.rows(source, r0, r1, "source"), source.dtype, reader.scratch("ref", shape, "f4")
+        )
+        cand = reader.rows(candidate, r0, r1, "candidate")
+        cand = as_float32(cand, candidate.dtype, reader.scratch("decoded", shape, "f4"))
+        errors.add(r0, ref, cand, reader.scratch("difference", shape, "f4"))
+    errors.fill(row)
