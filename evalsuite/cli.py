@@ -38,19 +38,23 @@ DEMO_TASKS = "ppl,tensors,intref"
 
 
 def resolve_source(source: str, fixtures: Path = DEFAULT_FIXTURES) -> str:
-    """A folder as given; a fixture name (`smollm2-135m-w4a8`) from the fixtures folder; else a hub id."""
+    """A folder as given; a fixture name (`smollm2-135m-w4a8`) from the fixtures folder; else a hub id.
+
+    A name is a fixture when `fixtures/NAME` holds a fixture manifest, so no builder is imported to resolve
+    it; a known fixture name without a finished build there is an error that says how to build it.
+    """
     if Path(source).exists():
         return source
-    from evalsuite.fixtures import FIXTURE_NAMES
+    from evalsuite.fixtures.names import FIXTURE_NAMES, MANIFEST_NAME
 
-    if source not in FIXTURE_NAMES:
-        return source
     folder = fixtures / source
-    if not folder.is_dir():
+    if Path(source).name == source and (folder / MANIFEST_NAME).is_file():
+        return str(folder)
+    if source in FIXTURE_NAMES:
         raise InputError(
             f"fixture {source!r} is not built; run `evalsuite fixtures --out {fixtures}`", folder
         )
-    return str(folder)
+    return source
 
 
 def read_thresholds(path: Path | None) -> dict:

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from evalsuite.fixtures import build_fixtures
+from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
 
 FIXTURES = Path(
     os.environ.get("EVALSUITE_TEST_FIXTURES", Path.home() / ".cache" / "evalsuite" / "test-fixtures")
 )
-TINY = ("tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8")
-SMOLLM2 = ("smollm2-135m-bf16", "smollm2-135m-w4a8")
+TINY = (TINY_BF16, TINY_W4A8)
+SMOLLM2 = (SMOLLM2_BF16, SMOLLM2_W4A8)
 
 
 @pytest.fixture(scope="session")

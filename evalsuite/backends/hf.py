@@ -265,3 +265,8 @@ class HFBackend:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def refuse_partial_load(checkpoint, info):  # noqa
+    """Raise InputError when Transformers' loading info shows missing, unexpected or mismatched weights."""
+    HFBackend._refuse_partial_load(checkpoint, info)

