@@ -266,7 +266,3 @@ class HFBackend:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-
-def refuse_partial_load(checkpoint, info):  # noqa
-    """Raise InputError when Transformers' loading info shows missing, unexpected or mismatched weights."""
-    HFBackend._refuse_partial_load(checkpoint, info)
