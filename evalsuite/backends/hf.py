@@ -265,4 +265,3 @@ class HFBackend:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-

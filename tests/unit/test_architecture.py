@@ -43,9 +43,9 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
                 anchor = name.split(".") if is_package else name.split(".")[:-1]
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join([*anchor, base] if base else anchor)
-            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
-        for target in targets:
             # `from evalsuite.x import y`: an edge to evalsuite.x.y if that is a module, else to evalsuite.x.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for target in targets:
             while target and target not in modules:
                 target = target.rpartition(".")[0]
             if target and target != name:
