@@ -29,7 +29,7 @@ def _text(value: Any) -> str:
 
 def failure_message(check: dict[str, Any]) -> str:
     """`NAME: value OP threshold`: the condition the check required, numbers as the report shows them."""
-    value, threshold = format_number(check["value"]), format_number(check["threshold"])
+    value, threshold = format_number(check["value"], 6), format_number(check["threshold"], 6)
     return f"{check['name']}: {value} {check['op']} {threshold}"
 
 

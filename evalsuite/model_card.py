@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from evalsuite.report import format_number, with_stderr
+from evalsuite.report import failed_prompts, format_number, threshold_caveats, with_stderr
 
 WIKITEXT = "wikitext-2-raw-v1"
 FULL_VOCABULARY = "full-vocabulary"
@@ -92,12 +92,13 @@ def _measured(entry: dict[str, Any] | None) -> dict[str, Any]:
 def model_index(results: dict[str, Any]) -> dict[str, Any]:
     """The Hugging Face `model-index` front matter as data: the candidate's ppl metrics on its corpus.
 
-    Values are the results.json floats themselves (YAML writes them exactly). A non-finite value is left out,
-    as the hub's metadata does not take NaN; with no ppl measurement `results` is an empty list.
+    Values are the results.json floats rounded to the digits the report shows (4 significant): a card
+    claims no more precision than the error bars allow. A non-finite value is left out, as the hub's
+    metadata does not take NaN; with no ppl measurement `results` is an empty list.
     """
     ppl = _measured(results["tasks"].get("ppl"))
     metrics = [
-        {"type": kind, "value": ppl[key], "name": name}
+        {"type": kind, "value": float(format_number(float(ppl[key]))), "name": name}
         for key, kind, name in MODEL_INDEX_METRICS
         if _is_number(ppl.get(key)) and math.isfinite(ppl[key])
     ]
@@ -242,7 +243,10 @@ def _results_table(results: dict[str, Any]) -> list[str]:
     # A list, not a paragraph: each line is one statement a reader checks against results.json.
     if "n_scored_tokens" in m:
         n = format_number(m["n_scored_tokens"])
-        lines.append(f"- sample size: {n} scored tokens per side; ± is one standard error")
+        lines.append(
+            f"- sample size: {n} scored tokens per side; ± is one standard error, the larger of the "
+            "per-token one and the one from the window means (marked (w))"
+        )
     lines.append(f"- KLD estimator: {m.get('kld_estimator') or 'not stated in results.json'}")
     spread = [(label, key) for label, key in _KLD_SPREAD if key in m]
     if spread:
@@ -300,7 +304,7 @@ def _checks(results: dict[str, Any]) -> list[str]:
 def caveats(results: dict[str, Any]) -> list[str]:
     """What the numbers do not show, derived from what was and was not run; one sentence per caveat."""
     tasks = results["tasks"]
-    notes = []
+    notes = threshold_caveats(results) + failed_prompts(results)
     execution = EXECUTION_BY_FORMAT.get(results["ckpt"].get("format", ""), DEFAULT_EXECUTION)
     for task, missing in MISSING_WHEN_NOT_RUN.items():
         entry = tasks.get(task)

@@ -31,8 +31,9 @@ def _save(fig, path: Path) -> None:
     write_atomic(path, buf.getvalue())
 
 
-def kld_histogram(kld: np.ndarray, path: Path, estimator: str) -> None:
-    """Histogram of per-token KL divergence on a log-spaced axis, with the mean and the p99 marked."""
+def kld_histogram(kld: np.ndarray, path: Path, estimator: str, title: str = "KL(ref ‖ ckpt)") -> None:
+    """Histogram of per-token KL divergence on a log-spaced axis, with the mean and the p99 marked; `title`
+    names the divergence plotted (which distribution from which)."""
     fig = _figure()
     ax = fig.add_subplot()
     values = np.asarray(kld, dtype=np.float64)
@@ -50,7 +51,7 @@ def kld_histogram(kld: np.ndarray, path: Path, estimator: str) -> None:
         ax.text(0.5, 0.5, "KLD is 0 at every token", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel(f"KL divergence per token (nats, {estimator})")
     ax.set_ylabel("tokens")
-    ax.set_title(f"Per-token KLD from the reference ({values.size} tokens)")
+    ax.set_title(f"Per-token {title} ({values.size} tokens)")
     _save(fig, path)
 
 

@@ -14,9 +14,12 @@ from rich.table import Table
 
 from evalsuite.run_folder import RunFolder, write_atomic
 
+SIGNIFICANT_DIGITS = 4
 
-def format_number(value: Any) -> str:
-    """A metric for people: 6 significant digits, ints and strings as they are."""
+
+def format_number(value: Any, digits: int = SIGNIFICANT_DIGITS) -> str:
+    """A metric for people: `digits` significant digits (4: what an error bar of a few percent supports),
+    ints and strings as they are; results.json keeps every digit."""
     if isinstance(value, bool) or value is None:
         return "—" if value is None else str(value).lower()
     if isinstance(value, int):
@@ -24,7 +27,7 @@ def format_number(value: Any) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "nan"
-        return f"{value:.6g}"
+        return f"{value:.{digits}g}"
     return str(value)
 
 
@@ -88,7 +91,10 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
         for name, check in checks.items():
             if name in used:
                 continue
-            rows.append([task, name, "", with_stderr(m, name), "", _threshold(check), _verdict(check)])
+            # A check on a metric shows it with its error bar; a derived check (`kld_mean_vs_baseline`)
+            # shows the value it compared.
+            value = with_stderr(m, name) if name in m else format_number(check["value"])
+            rows.append([task, name, "", value, "", _threshold(check), _verdict(check)])
     return rows
 
 
@@ -108,28 +114,132 @@ def _cell(value: Any) -> str:
     return "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in text)
 
 
+def side_label(side: dict[str, Any]) -> str:
+    """A side as a reader names it: its folder name and format (the full path is in results.json)."""
+    path = str(side.get("path", ""))
+    name = path.rstrip("/").rsplit("/", 1)[-1] or path
+    return f"`{name}` ({side.get('format', 'unknown format')})"
+
+
+def _metric_rows(entry: dict[str, Any]) -> list[str]:
+    """The task's metrics: those with a meaning given first, each with it, the rest folded below."""
+    metrics = entry.get("metrics", {})
+    described = entry.get("descriptions", {})
+    nulls = entry.get("null_reasons", {})
+    shown = [name for name in metrics if name in described]
+    rest = [
+        name for name in metrics if name not in described and not name.endswith(("_stderr", "_stderr_window"))
+    ]
+    lines = []
+    if shown:
+        lines += ["| metric | value | what it is |", "| --- | --- | --- |"]
+        for name in shown:
+            value = (
+                with_stderr(metrics, name) if metrics[name] is not None else f"— ({nulls.get(name, 'null')})"
+            )
+            lines.append(f"| {name} | {_cell(value)} | {_cell(described[name])} |")
+    if rest:
+        lines += [
+            "",
+            f"<details><summary>{len(rest)} more values</summary>",
+            "",
+            "| metric | value |",
+            "| --- | --- |",
+        ]
+        lines += [f"| {name} | {_cell(with_stderr(metrics, name))} |" for name in rest]
+        lines += ["", "</details>"]
+    return lines
+
+
+def threshold_caveats(results: dict[str, Any]) -> list[str]:
+    """Tasks judged by the shipped default thresholds, which are loose: said, never implied by a PASS."""
+    defaults = [
+        task
+        for task, entry in results["tasks"].items()
+        if entry.get("checks") and (entry.get("spec") or {}).get("thresholds") == "shipped default"
+    ]
+    if not defaults:
+        return []
+    named = ", ".join(f"`{t}`" for t in defaults)
+    return [
+        f"{named}: the thresholds are the shipped defaults, calibrated on a 135 M-parameter demo pair "
+        "(SmolLM2, round-to-nearest W4A8) to pass it with room; they are loose for a large model: tighten "
+        "them with --thresholds"
+    ]
+
+
+def failed_prompts(results: dict[str, Any]) -> list[str]:
+    """One line per smoke prompt the reference answers right and the candidate does not."""
+    rows = results["tasks"].get("smoke", {}).get("details") or []
+    return [
+        f"smoke prompt `{row.get('id')}`: the reference's answer passes, the candidate's does not"
+        for row in rows
+        if row.get("ref_pass") and not row.get("ckpt_pass")
+    ]
+
+
+def caveats(results: dict[str, Any]) -> list[str]:
+    """What the verdict does not say, from results.json alone: default thresholds, failed prompts, the
+    text scored, the KLD estimator, what did not run. One sentence per caveat, without the final stop."""
+    tasks = results["tasks"]
+    notes = threshold_caveats(results) + failed_prompts(results)
+    for task, entry in tasks.items():
+        if entry["status"] in ("skipped", "error"):
+            what = "was skipped" if entry["status"] == "skipped" else "failed to run"
+            notes.append(f"`{task}` {what}: {entry.get('reason', '')}")
+    ppl = (
+        tasks.get("ppl", {}).get("metrics", {})
+        if tasks.get("ppl", {}).get("status") in ("pass", "fail")
+        else {}
+    )
+    if ppl:
+        notes.append(
+            "± is one standard error: the larger of the per-token one and the one computed from the "
+            f"{format_number(ppl.get('n_windows'))} window means, marked (w); with few windows the latter is "
+            "itself uncertain by about ±25%"
+        )
+        if ppl.get("corpus") != "wikitext-2-raw-v1":
+            notes.append(
+                f"the text scored is `{ppl.get('corpus')}`, not WikiText-2: PPL is not comparable with "
+                "published figures"
+            )
+        if ppl.get("kld_estimator") not in (None, "full-vocabulary"):
+            notes.append(
+                f"KLD is an estimate ({ppl['kld_estimator']}), not the full-vocabulary KL divergence"
+            )
+        if "lmeval" not in tasks:
+            notes.append(
+                "a PPL increase is not an accuracy drop: downstream accuracy was not measured (task `lmeval`)"
+            )
+    return notes
+
+
 def render_markdown(results: dict[str, Any]) -> str:
-    """report.md: the verdict, the summary table, then every metric of every task."""
+    """report.md: the verdict, the summary table, the caveats, then each task: its key metrics with what
+    they mean, its rows and its plots."""
     lines = [
         f"# evalsuite report: {results['verdict'].upper()}",
         "",
-        f"- candidate (`--ckpt`): `{results['ckpt']['path']}` ({results['ckpt']['format']})",
-        f"- reference (`--ref`): `{results['ref']['path']}` ({results['ref']['format']})",
+        f"Candidate {side_label(results['ckpt'])} against reference {side_label(results['ref'])}. "
+        "Numbers are shown to 4 significant digits; results.json has them all, with the paths.",
         "",
         "| task | metric | ref | ckpt | Δ | threshold | verdict |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    lines += [
-        "| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in summary_rows(results)
-    ]
+    lines += ["| " + " | ".join(_cell(cell) for cell in row) + " |" for row in summary_rows(results)]
+    notes = caveats(results)
+    if notes:
+        lines += ["", "## Caveats", ""] + [f"- {n[:1].upper()}{n[1:]}." for n in notes]
     for task, entry in results["tasks"].items():
         lines += ["", f"## {task}: {entry['status']}", ""]
         if entry.get("reason"):
             lines += [f"{entry['reason']}", ""]
-        metrics = entry.get("metrics", {})
-        if metrics:
-            lines += ["| metric | value |", "| --- | --- |"]
-            lines += [f"| {name} | {format_number(value)} |" for name, value in metrics.items()]
+        if entry.get("not_measured"):
+            lines += [
+                f"Not measured (nothing to measure in this format): {', '.join(entry['not_measured'])}.",
+                "",
+            ]
+        lines += _metric_rows(entry)
         details = entry.get("details") or []
         if details:
             columns = list(dict.fromkeys(k for row in details for k in row))
@@ -157,7 +267,16 @@ def write_reports(results: dict[str, Any], folder: RunFolder) -> None:
 
 
 def print_summary(results: dict[str, Any], console: Console) -> None:
-    """The summary table on the console."""
+    """The summary table on the console: a rich table on a terminal; piped or redirected, plain text rows
+    at full width (no wrapping, nothing cut), one per line, for logs and grep."""
+    if not console.is_terminal:
+        rows = [["task", "metric", "ref", "ckpt", "Δ", "threshold", "verdict"], *summary_rows(results)]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        console.print(f"evalsuite: {results['verdict'].upper()}", soft_wrap=True, highlight=False)
+        for row in rows:
+            text = "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+            console.print(text, soft_wrap=True, highlight=False, markup=False)
+        return
     table = Table(title=f"evalsuite: {results['verdict'].upper()}")
     for col in ("task", "metric", "ref", "ckpt", "Δ", "threshold", "verdict"):
         table.add_column(col, overflow="fold")

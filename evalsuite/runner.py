@@ -213,6 +213,7 @@ class RunPlan:
     skipped: dict[str, TaskResult]
     observations: dict[str, PlannedObservation]  # by key, in observation order (reference first)
     wiring: dict[str, dict[str, str]]  # task -> label -> key
+    provenance: dict[str, dict[str, str]] = field(default_factory=dict)  # task -> where its spec came from
 
 
 def side_options(side: Side, need: Need) -> BackendOptions:
@@ -310,7 +311,21 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
     for role, options in sorted(loads, key=lambda load: load[0] != "ref"):
         side = ref if role == "ref" else ckpt
         check_load_plan(side.checkpoint, options)
-    return RunPlan(ref, ckpt, tasks, inputs, skipped, observations, wiring)
+    provenance = {t.name: spec_provenance(t, request) for t in tasks}
+    return RunPlan(ref, ckpt, tasks, inputs, skipped, observations, wiring, provenance)
+
+
+def spec_provenance(task: Task, request: RunRequest) -> dict[str, str]:
+    """Where a task's spec and thresholds came from, for results.json (a report says when they are the
+    shipped defaults, which are calibrated on a 135 M demo pair)."""
+    source = request.specs.get(task.name) or spec_source(type(task))
+    if task.name in request.thresholds:
+        thresholds = f"--thresholds {request.thresholds_file or ''}".rstrip()
+    elif task.name in request.specs:
+        thresholds = "--spec"
+    else:
+        thresholds = "shipped default"
+    return {"file": str(source), "thresholds": thresholds}
 
 
 def intref_conventions(request: RunRequest) -> dict[str, Any]:
@@ -463,6 +478,10 @@ def run(
         for t in plan.tasks:
             if results[t.name].status in ("pass", "fail"):
                 results[t.name] = with_regression_checks(t, results[t.name], baseline)
+    for t in plan.tasks:
+        described = getattr(t, "metric_descriptions", {})
+        results[t.name].descriptions = {k: v for k, v in described.items() if k in results[t.name].metrics}
+        results[t.name].spec = plan.provenance[t.name]
     if request.keep_observations:
         folder.prune_observations(keep=set(plan.observations))
     else:

@@ -110,6 +110,10 @@ class TaskResult:
     null_reasons: dict[str, str] = field(default_factory=dict)
     # Metrics a threshold names that the task had nothing to measure for (an EXL3 pack's decode_exact).
     not_measured: list[str] = field(default_factory=list)
+    # What a metric means, for the reader of report.md (the task's `metric_descriptions`, set by the runner).
+    descriptions: dict[str, str] = field(default_factory=dict)
+    # Where the spec and its thresholds came from (set by the runner): a report says when they are defaults.
+    spec: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_checks(cls, metrics: dict[str, MetricValue], checks: list[Check], **kw: Any) -> TaskResult:
@@ -135,6 +139,10 @@ class TaskResult:
         doc["checks"] = [_finite_check(c.model_dump()) for c in self.checks]
         if self.not_measured:
             doc["not_measured"] = list(self.not_measured)
+        if self.descriptions:
+            doc["descriptions"] = {k: self.descriptions[k] for k in metrics if k in self.descriptions}
+        if self.spec:
+            doc["spec"] = dict(self.spec)
         doc["artifacts"] = self.artifacts
         if self.details:
             doc["details"] = [_finite_row(row) for row in self.details]
@@ -167,7 +175,8 @@ class Task(Protocol):
     """What every task has: `name` (set by `@task`), `spec_model` and a validated `spec`.
 
     `metric_names` lists the metrics a threshold may name (a misspelled metric in `--thresholds` is refused
-    before anything runs); empty means the task does not say.
+    before anything runs); empty means the task does not say. An optional `metric_descriptions` (name → one
+    line) says what the main ones mean, for report.md.
     """
 
     name: ClassVar[str]

@@ -45,9 +45,11 @@ class CliResult:
         return [line for line in self.stderr.splitlines() if line.startswith("evalsuite: error:")]
 
 
-def run_cli(*args: str | Path, cwd: Path | None = None, timeout: float = 1200) -> CliResult:
-    """Run `evalsuite ARGS` as a subprocess, the way users and CI run it."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_cli(
+    *args: str | Path, cwd: Path | None = None, timeout: float = 1200, env: dict[str, str] | None = None
+) -> CliResult:
+    """Run `evalsuite ARGS` as a subprocess, the way users and CI run it (`env` adds variables)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "evalsuite.cli", *map(str, args)],
         capture_output=True,

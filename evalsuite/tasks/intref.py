@@ -68,6 +68,18 @@ class IntegerReference:
         "int_experts",
     )
 
+    metric_descriptions: ClassVar[dict[str, str]] = {
+        "ppl_int": "perplexity of the candidate executed in integers (INT8 activations × INT4/INT8 weights)",
+        "ppl_int_ratio": "ppl_int / ppl_ref: the W4A8 model's own PPL increase over the reference",
+        "ppl_hf": "perplexity of the same candidate as Transformers runs it (dequantized weights)",
+        "kld_int_mean": "mean KL(ref ‖ int): the integer model against the reference",
+        "kld_int_vs_hf": "mean KL(int ‖ hf): how far Transformers' execution is from the integer model",
+        "same_top_int_vs_hf": "share of positions where the integer and Transformers executions agree on top",
+        "int_layers": "integer Linear layers that ran (of int_layers_total)",
+        "int_experts": "routed experts that ran in integers (of int_experts_total)",
+        "activation_divisor": "per-token activation scale = max|x| / this divisor (the spec's convention)",
+    }
+
     def __init__(self, spec: IntrefSpec, context: RunContext) -> None:
         self.spec = spec
         self.context = context
@@ -146,7 +158,9 @@ class IntegerReference:
             "int_experts_total": execution["int_experts_total"],
         }
         checks, _ = self.spec.threshold_checks(values)
-        plots.kld_histogram(kld_ih, artifacts / "intref_kld_int_vs_hf.png", "full-vocabulary, KL(int ‖ hf)")
+        plots.kld_histogram(
+            kld_ih, artifacts / "intref_kld_int_vs_hf.png", "full-vocabulary", title="KL(int ‖ hf)"
+        )
         return TaskResult.from_checks(
             values,
             checks,

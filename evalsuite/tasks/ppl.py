@@ -57,6 +57,19 @@ class Perplexity:
         "rms_delta_p",
     )
 
+    metric_descriptions: ClassVar[dict[str, str]] = {
+        "n_scored_tokens": "scored tokens per side (the sample size of every statistic below)",
+        "ppl_ref": "perplexity of the reference on the scored tokens",
+        "ppl_ckpt": "perplexity of the candidate on the same tokens",
+        "ppl_ratio": "ppl_ckpt / ppl_ref, from the mean per-token NLL difference (paired by token)",
+        "kld_mean": "mean KL(ref ‖ ckpt) of the next-token distributions over scored positions (nats)",
+        "kld_p99": "99th percentile of the per-token KLD: how bad the worst 1% of tokens are",
+        "same_top_p": "share of scored positions where both sides rank the same token first",
+        "delta_p_mean": "mean change of the probability given to the true next token (ckpt − ref)",
+        "rms_delta_p": "root mean square of that change: how much the probabilities move either way",
+        "kld_estimator": "how KLD was computed: full vocabulary, or top-k + sampled tail from a recording",
+    }
+
     def __init__(self, spec: PplSpec, context: RunContext) -> None:
         self.spec = spec
         self.context = context
@@ -137,7 +150,7 @@ class Perplexity:
         n = ref.meta["n_windows"]
         ppl_ref = [metrics.perplexity(w) for w in np.split(ref.arrays["nll"], n)]
         ppl_ckpt = [metrics.perplexity(w) for w in np.split(nll_ckpt, n)]
-        plots.kld_histogram(kld, folder / "ppl_kld_histogram.png", f"{estimator}, KL(ref ‖ ckpt)")
+        plots.kld_histogram(kld, folder / "ppl_kld_histogram.png", estimator, title="KL(ref ‖ ckpt)")
         plots.window_ppl(ppl_ref, ppl_ckpt, ref.meta["window_starts"], folder / "ppl_window_ppl.png")
         return {
             "kld_histogram": f"{folder.name}/ppl_kld_histogram.png",

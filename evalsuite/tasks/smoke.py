@@ -34,10 +34,15 @@ class Prompt(StrictModel):
     prompt: str
     max_new_tokens: int
     expect: str
+    # An answer that also matches `reject` fails: "Jupiter, but it's actually Saturn" names the expected
+    # word and still answers wrongly.
+    reject: str | None = None
 
-    @field_validator("expect")
+    @field_validator("expect", "reject")
     @classmethod
-    def _compiles(cls, value: str) -> str:
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         try:
             re.compile(value)
         except re.error as exc:
@@ -52,6 +57,9 @@ class Prompt(StrictModel):
         return value
 
     def matches(self, answer: str) -> bool:
+        """The answer holds the expected answer and nothing the prompt rejects (case-insensitive)."""
+        if self.reject is not None and re.search(self.reject, answer, flags=re.IGNORECASE):
+            return False
         return re.search(self.expect, answer, flags=re.IGNORECASE) is not None
 
 
@@ -175,6 +183,15 @@ class Smoke:
         "ref_pass_ckpt_fail",
     )
 
+    metric_descriptions: ClassVar[dict[str, str]] = {
+        "n_prompts": "greedy prompts answered by both sides",
+        "ref_pass": "prompts whose reference answer matches the expected answer",
+        "ckpt_pass": "prompts whose candidate answer matches the expected answer",
+        "identical": "prompts answered token for token the same",
+        "diverged_outside_top5": "answers parting on a token outside the reference's top-5 (real divergence)",
+        "ref_pass_ckpt_fail": "prompts the reference gets right and the candidate gets wrong",
+    }
+
     def __init__(self, spec: SmokeSpec, context: RunContext) -> None:
         self.spec = spec
         self.context = context
@@ -265,6 +282,16 @@ class Smoke:
                 f"{text!r} {float(lp):.3g}"
                 for text, lp in zip(ref.meta["top_text"][i][d], top_logp, strict=True)
             ),
-            ckpt_token=repr(ckpt.meta["top_text"][i][d][0]),
+            # The tokens each side chose, as text (from where each token ends in its answer): greedy
+            # decoding's argmax, not the top-k list, whose order among tied logits is not the argmax's.
+            ref_token=repr(_token_text(ref, i, d, ref_text)),
+            ckpt_token=repr(_token_text(ckpt, i, d, ckpt_text)),
         )
         return row
+
+
+def _token_text(obs: Observation, prompt: int, step: int, text: str) -> str:
+    """The text of the token an answer chose at `step`."""
+    ends = obs.meta["char_ends"][prompt]
+    start = ends[step - 1] if step > 0 else 0
+    return text[start : ends[step]]

@@ -79,6 +79,22 @@ class Tensors:
         "bpw_claim_error",
     )
 
+    metric_descriptions: ClassVar[dict[str, str]] = {
+        "source_tensors": "tensors of the BF16 source, each classed as quantized, protected or missing",
+        "protected_identical": "tensors kept unquantized whose bytes equal the source's (of protected_total)",
+        "quantized_int4": "INT4 weights (compressed-tensors pack-quantized)",
+        "quantized_int8": "INT8 weights (compressed-tensors int-quantized)",
+        "decode_exact": "compressed-tensors' decompressor and evalsuite's own decode agree bit for bit",
+        "missing": "source tensors absent from the candidate in any stored form",
+        "unexpected": "candidate tensors that pair with no source tensor",
+        "config_mismatches": "disagreements between quantization_config and what the files store",
+        "avg_bits_per_weight": "mean bits per weight of the quantized text-backbone Linear weights only",
+        "avg_bits_per_weight_all": "8 × stored bytes / source parameters (embeddings and scales included)",
+        "worst_rel_err": "relative Frobenius error of the worst decoded tensor against its source",
+        "worst_channel_rel_err": "the same for the worst single output channel (above 1: further than zeros)",
+        "payload_bytes": "bytes of every tensor the candidate stores",
+    }
+
     def __init__(self, spec: TensorsSpec, context: RunContext) -> None:
         self.spec = spec
         self.context = context

@@ -166,6 +166,15 @@ class Vision:
         "answers_identical",
     )
 
+    metric_descriptions: ClassVar[dict[str, str]] = {
+        "ref_pass": "the reference's answer names the red square and the blue circle",
+        "ckpt_pass": "the candidate's answer names them",
+        "vision_cosine": "cosine of the two sides' vision tower + merger features over every visual token",
+        "vision_rel_err": "relative Frobenius error of the candidate's vision features against the ref's",
+        "vision_max_abs": "largest absolute difference of one vision feature",
+        "first_tokens_kld": "mean KL(ref ‖ ckpt) over the first generated tokens, while both share a prefix",
+    }
+
     def __init__(self, spec: VisionSpec, context: RunContext) -> None:
         self.spec = spec
         self.context = context
