@@ -6,10 +6,12 @@ missing dependency); the reason is one line on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -26,7 +28,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Validate a quantized checkpoint against its reference and write a diff report.",
 )
-console = Console(stderr=True)
+# Soft wrap: a piped line is never folded at 80 columns (paths and metric names stay whole for grep).
+console = Console(stderr=True, soft_wrap=True)
 
 DEFAULT_FIXTURES = Path(
     os.environ.get("EVALSUITE_FIXTURES", Path.home() / ".cache" / "evalsuite" / "fixtures")
@@ -118,14 +121,54 @@ def _announce_load(side, options) -> None:
     )
 
 
+@contextlib.contextmanager
+def third_party_quiet() -> Iterator[list[str]]:
+    """Transformers' log lines collected instead of printed (the list yielded): its warnings (kernels
+    falling back to reference implementations) are about speed on this machine, not about the result, and
+    would bury evalsuite's own lines; compressed-tensors' logger is off (see `main`). EVALSUITE_VERBOSE=1
+    shows them all as they come."""
+    import logging
+
+    collected: list[str] = []
+    if os.environ.get("EVALSUITE_VERBOSE"):
+        yield collected
+        return
+    from transformers.utils import logging as hf_logging
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            collected.append(record.getMessage().splitlines()[0] if record.getMessage() else "")
+
+    handler = Collect(level=logging.WARNING)
+    root = hf_logging.get_logger()
+    hf_logging.disable_default_handler()
+    root.addHandler(handler)
+    try:
+        yield collected
+    finally:
+        root.removeHandler(handler)
+        hf_logging.enable_default_handler()
+
+
+def _summarise_noise(collected: list[str]) -> None:
+    if collected:
+        distinct = list(dict.fromkeys(collected))
+        console.print(
+            f"note: {len(collected)} log lines from Transformers / compressed-tensors were held back "
+            f"({len(distinct)} distinct, e.g. {distinct[0][:100]!r}); EVALSUITE_VERBOSE=1 shows them",
+            highlight=False,
+        )
+
+
 def execute(request, quiet: bool = False, junit: Path | None = None, model_card: bool = False) -> int:
     """Run a request with progress bars, write the reports, print the table; return the exit code."""
     from evalsuite.report import print_summary, write_reports
     from evalsuite.runner import run
 
     Progress, columns = _progress_columns()
-    with Progress(*columns, console=console, disable=quiet) as progress:
+    with third_party_quiet() as noise, Progress(*columns, console=console, disable=quiet) as progress:
         result = run(request, progress=_progress_factory(progress), on_load=_announce_load)
+    _summarise_noise(noise)
     write_reports(result.results, result.folder)
     if junit is not None:
         from evalsuite.junit import render_junit
@@ -136,7 +179,15 @@ def execute(request, quiet: bool = False, junit: Path | None = None, model_card:
 
         write_atomic(result.folder.root / "model-card.md", render_model_card(result.results))
     print_summary(result.results, Console())
-    console.print(f"report: {result.folder.report_md}")
+    console.print(f"report: {result.folder.report_md}", highlight=False)
+    if result.exit_code == 2:
+        # Nothing failed a check, but nothing could be compared either (every task skipped, or one failed to
+        # run): say why in the one line the exit code promises.
+        tasks = result.results["tasks"]
+        why = "; ".join(
+            f"{name} {entry['status']}: {entry.get('reason', '')}" for name, entry in tasks.items()
+        )
+        raise EvalsuiteError(f"no verdict: {why}")
     return result.exit_code
 
 
@@ -357,16 +408,27 @@ def main(argv: list[str] | None = None) -> None:
     # Hub libraries read these at import; without them a missing dataset or model retries the network for
     # half a minute before failing. --allow-download lifts them for the one run that asks.
     os.environ.setdefault("TQDM_DISABLE", "1")  # third-party tqdm bars would interleave with evalsuite's own
+    if not os.environ.get("EVALSUITE_VERBOSE"):
+        # compressed-tensors' own switch, read when it configures its logger at import.
+        os.environ.setdefault("COMPRESSED_TENSORS_LOG_DISABLED", "1")
     if "--allow-download" not in args:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    if not sys.stdout.isatty():
+        # Piped help is typer's rich panels at 80 columns, which cut option names: give it room.
+        os.environ.setdefault("TERMINAL_WIDTH", "120")
     try:
         code = app(args=args, prog_name="evalsuite", standalone_mode=False)
+        if code == 130:  # typer turns Ctrl-C into exit code 130, silently
+            raise KeyboardInterrupt
     except EvalsuiteError as exc:
         print(f"evalsuite: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
-        print("evalsuite: interrupted; run the same command again to resume", file=sys.stderr)
+        print(
+            "evalsuite: interrupted; run the same command again to resume where it stopped (exit 130)",
+            file=sys.stderr,
+        )
         sys.exit(130)
     except TyperException as exc:  # usage errors: typer vendors click, so its exceptions live here
         exc.show()
