@@ -341,13 +341,22 @@ def demo_command(
     record: Annotated[
         Path | None, typer.Option(help="Also (re)record the reference into this folder first.")
     ] = None,
+    vision: Annotated[
+        bool, typer.Option(help="Show the vision task instead, on the tiny MiniCPM-V 4.7 pair (see below).")
+    ] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
     """Build the SmolLM2-135M BF16 / W4A8 pair if needed, run the suite on it, and write the model card.
 
     The committed examples are regenerated, from the repository root, by
     `evalsuite demo --corpus python-docs --record reference_outputs/smollm2-135m-bf16`.
+
+    `--vision` runs `vision` on the tiny MiniCPM-V 4.7 pair instead. No model that can see can be had
+    offline (no vision-language model ships in a package index wheel), so the pair has random weights: its
+    vision-tower parity passes (the W4A8 copy keeps the tower byte for byte) and both answers fail.
     """
+    if vision:
+        return _vision_demo(fixtures, quiet)
     from evalsuite.fixtures import build_fixtures
     from evalsuite.runner import RecordRequest, RunRequest
     from evalsuite.runner import record as record_reference
@@ -369,8 +378,30 @@ def demo_command(
         tasks=task_names(tasks),
         out=out,
         context=RunContext(corpus_name=corpus),
+        # The demo's reports are what it is for; its observations (about 0.6 GB of logits) are not kept.
+        keep_observations=False,
     )
     return execute(request, quiet=quiet, model_card=True)
+
+
+def _vision_demo(fixtures: Path, quiet: bool) -> int:
+    from evalsuite.fixtures import TINY_BF16, TINY_W4A8, build_fixtures
+    from evalsuite.runner import RunRequest
+
+    built = build_fixtures(fixtures, [TINY_BF16, TINY_W4A8], progress=lambda msg: console.print(msg))
+    console.print(
+        "note: no vision-language model can be had offline, so this is the tiny random-weight MiniCPM-V 4.7: "
+        "vision-tower parity passes, the answer checks fail (a random model names no shapes)",
+        highlight=False,
+    )
+    request = RunRequest(
+        ckpt=str(built[TINY_W4A8]),
+        ref=str(built[TINY_BF16]),
+        tasks=["vision"],
+        out=Path("reports") / "tiny-minicpmv47-vision",
+        keep_observations=False,
+    )
+    return execute(request, quiet=quiet)
 
 
 @app.command("tasks")

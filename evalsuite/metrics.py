@@ -202,6 +202,12 @@ def first_divergence(a: ArrayLike, b: ArrayLike) -> int | None:
     return None if x.size == y.size else n
 
 
+def _dot(a: np.ndarray, b: np.ndarray) -> float:
+    """Σ a·b of two 1-D arrays in one fixed order (einsum's loop, not a BLAS dot, whose split over threads
+    varies between runs): the same inputs give the same bits, run after run."""
+    return float(np.einsum("i,i->", a, b))
+
+
 def relative_frobenius_error(reference: ArrayLike, candidate: ArrayLike) -> float:
     """‖candidate − reference‖_F / ‖reference‖_F, in float64; exactly 0 for identical arrays."""
     ref, cand = np.asarray(reference, dtype=np.float64), np.asarray(candidate, dtype=np.float64)
@@ -221,8 +227,8 @@ def cosine_similarity(reference: ArrayLike, candidate: ArrayLike) -> float:
     b = np.asarray(candidate, dtype=np.float64).reshape(-1)
     if a.shape != b.shape:
         raise ValueError(f"arrays differ in size: {a.size} vs {b.size}")
-    denominator = float(np.sqrt(np.dot(a, a) * np.dot(b, b)))
-    return float(np.dot(a, b)) / denominator if denominator else float("nan")
+    denominator = float(np.sqrt(_dot(a, a) * _dot(b, b)))
+    return _dot(a, b) / denominator if denominator else float("nan")
 
 
 def max_abs_error(reference: ArrayLike, candidate: ArrayLike) -> float:
@@ -295,14 +301,14 @@ def error_sums(ref: ArrayLike, cand: ArrayLike) -> ErrorSums:
     if r.size == 0:
         return ErrorSums(0, 0.0, 0.0, 0.0, 0.0, 0.0)
     d = x - r
-    err_sq = float(np.dot(d, d))
+    err_sq = _dot(d, d)
     np.abs(d, out=d)
     return ErrorSums(
         n=int(r.size),
-        ref_sq=float(np.dot(r, r)),
+        ref_sq=_dot(r, r),
         err_sq=err_sq,
-        cand_sq=float(np.dot(x, x)),
-        dot=float(np.dot(r, x)),
+        cand_sq=_dot(x, x),
+        dot=_dot(r, x),
         max_abs=float(d.max()),
     )
 

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from evalsuite.backends.hf import HFBackend
 from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
 
 FIXTURES = Path(
@@ -86,3 +88,28 @@ def wrong_scale_copy(src: Path, dst: Path, factor: float = 4.0) -> Path:
     copy_checkpoint(src, dst)
     edit_tensors(dst, lambda t: t.update({k: v * factor for k, v in t.items() if k.endswith("weight_scale")}))
     return dst
+
+
+class Models:
+    """What the models were asked: loads and forwarded windows per (checkpoint folder, backend)."""
+
+    def __init__(self) -> None:
+        self.loads: list[tuple[str, str]] = []
+        self.windows: Counter[tuple[str, str]] = Counter()
+
+    def watch(self, mp: pytest.MonkeyPatch) -> Models:
+        """Wrap HFBackend (and so IntrefBackend) to count loads and windows."""
+        init, window_logits = HFBackend.__init__, HFBackend.window_logits
+
+        def counting_init(backend, checkpoint, options):
+            self.loads.append((checkpoint.path.name, options.backend))
+            init(backend, checkpoint, options)
+
+        def counting_window_logits(backend, windows, positions):
+            for logits in window_logits(backend, windows, positions):
+                self.windows[backend.checkpoint.path.name, backend.options.backend] += 1
+                yield logits
+
+        mp.setattr(HFBackend, "__init__", counting_init)
+        mp.setattr(HFBackend, "window_logits", counting_window_logits)
+        return self

@@ -9,45 +9,19 @@ from __future__ import annotations
 import json
 import shutil
 import textwrap
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from evalsuite.backends.hf import HFBackend
 from evalsuite.errors import InputError
+from evalsuite.report import write_reports
 from evalsuite.runner import RunRequest, run
 from evalsuite.task import RunContext
-from tests.conftest import copy_checkpoint, edit_tensors, run_cli
+from tests.conftest import Models, copy_checkpoint, edit_tensors, run_cli
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
 # Bounds the good tiny copy meets (it measures ppl_ratio 1.0008, same_top_p 0.91).
 TIGHT = "[ppl]\nppl_ratio = { max = 1.01 }\nsame_top_p = { min = 0.85 }\n"
-
-
-class Models:
-    """What the models were asked: loads and forwarded windows per (checkpoint folder, backend)."""
-
-    def __init__(self) -> None:
-        self.loads: list[tuple[str, str]] = []
-        self.windows: Counter[tuple[str, str]] = Counter()
-
-    def watch(self, mp: pytest.MonkeyPatch) -> Models:
-        """Wrap HFBackend (and so IntrefBackend) to count loads and windows."""
-        init, window_logits = HFBackend.__init__, HFBackend.window_logits
-
-        def counting_init(backend, checkpoint, options):
-            self.loads.append((checkpoint.path.name, options.backend))
-            init(backend, checkpoint, options)
-
-        def counting_window_logits(backend, windows, positions):
-            for logits in window_logits(backend, windows, positions):
-                self.windows[backend.checkpoint.path.name, backend.options.backend] += 1
-                yield logits
-
-        mp.setattr(HFBackend, "__init__", counting_init)
-        mp.setattr(HFBackend, "window_logits", counting_window_logits)
-        return self
 
 
 @pytest.fixture
@@ -76,6 +50,7 @@ def ppl_intref_out(tiny_pair, tmp_path_factory):
         result = run(request(tiny_pair[TINY_W4A8], tiny_pair[TINY_BF16], out, "ppl,intref"))
     finally:
         mp.undo()
+    write_reports(result.results, result.folder)
     return result, seen, out
 
 

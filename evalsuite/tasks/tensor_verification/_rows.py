@@ -124,16 +124,17 @@ class ErrorAccumulator:
         """Add rows r0.. of the source (`ref`) and of the decoded tensor (`cand`), float32 (rows, cols);
         `work` is a float32 buffer of the same shape for the difference."""
         d = np.subtract(cand, ref, out=work)
-        # float32 sums over one row, float64 across rows: the rounding stays near 1e-6 relative.
+        # float32 sums over one row, float64 across rows: the rounding stays near 1e-6 relative. einsum, not
+        # BLAS: a BLAS dot splits its sum over however many threads it gets, so the same tensor gave cosines
+        # differing in the 7th digit from run to run; einsum's loop sums in one fixed order.
         err = np.einsum("ij,ij->i", d, d).astype(np.float64)
         norm = np.einsum("ij,ij->i", ref, ref).astype(np.float64)
-        flat_ref, flat_cand = ref.reshape(-1), cand.reshape(-1)
         block = metrics.ErrorSums(
             n=d.size,
             ref_sq=float(norm.sum()),
             err_sq=float(err.sum()),
-            cand_sq=float(np.dot(flat_cand, flat_cand)),
-            dot=float(np.dot(flat_ref, flat_cand)),
+            cand_sq=float(np.einsum("ij,ij->i", cand, cand).astype(np.float64).sum()),
+            dot=float(np.einsum("ij,ij->i", ref, cand).astype(np.float64).sum()),
             max_abs=float(max(d.max(), -d.min())) if d.size else 0.0,
         )
         self.sums = self.sums + block
