@@ -179,7 +179,7 @@ def execute(request, quiet: bool = False, junit: Path | None = None, model_card:
 
         write_atomic(result.folder.root / "model-card.md", render_model_card(result.results))
     print_summary(result.results, Console())
-    console.print(f"report: {result.folder.report_md}", highlight=False)
+    print(f"report: {result.folder.report_md}")
     if result.exit_code == 2:
         # Nothing failed a check, but nothing could be compared either (every task skipped, or one failed to
         # run): say why in the one line the exit code promises.
