@@ -201,3 +201,33 @@ def test_smoke_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tmp_path
     assert smoke["metrics"]["ref_pass"] == 1 and smoke["metrics"]["ckpt_pass"] == 0
     failed = {c["name"] for c in smoke["checks"] if not c["passed"]}
     assert failed == {"ref_pass_ckpt_fail", "diverged_outside_top5"}
+
+
+def test_a_baseline_keeps_every_detail_row(tiny_pair, tiny_smoke_vision, tmp_path):
+    """--baseline adds regression checks and keeps what the run found: the 11 smoke rows stay in results.json
+    and report.md (the observations are reused: no model is loaded)."""
+    import shutil
+
+    _, _, root = tiny_smoke_vision
+    out = shutil.copytree(root / "live", tmp_path / "again")
+    res = run_cli(
+        "run",
+        "--ckpt",
+        tiny_pair["tiny-minicpmv47-w4a8"],
+        "--ref",
+        tiny_pair["tiny-minicpmv47-bf16"],
+        "--tasks",
+        "smoke,vision",
+        "--baseline",
+        root / "live" / "results.json",
+        "--out",
+        out,
+        "--quiet",
+    )
+    assert res.returncode == 1, res.stderr  # vision's answer checks still fail; the baseline adds none
+    assert "loading" not in res.stderr
+    live, again = task_result(root / "live", "smoke"), task_result(out, "smoke")
+    assert len(again["details"]) == len(live["details"]) == 11
+    assert again["details"] == live["details"]
+    assert any(c["name"].endswith("_vs_baseline") for c in task_result(out, "vision")["checks"])
+    assert (out / "report.md").read_text().count("capital-france") >= 1
