@@ -268,8 +268,11 @@ def pack_states(states: torch.Tensor, bits: int) -> torch.Tensor:
     return signed.reshape(*lead, 16 * bits)
 
 
-def _choose_scale(tiles: torch.Tensor, bits: int, codebook: str, effort: int) -> float:
-    """The candidate scale whose search on a sample of tiles gives the least error in weight units."""
+def _choose_scale(tiles: torch.Tensor, bits: int, codebook: str, effort: int) -> tuple[float, torch.Tensor]:
+    """The candidate scale whose search on a sample of tiles gives the least error in weight units.
+
+    Also returns the sample's states at that scale: the whole encoding when the sample is every tile.
+    """
     count = tiles.shape[0]
     sample = tiles[torch.linspace(0, count - 1, min(count, _SCALE_SAMPLE_TILES)).round().long()]
     grid = [_SCALE_PRIOR[bits] * step for step in _SCALE_STEPS]
@@ -278,7 +281,8 @@ def _choose_scale(tiles: torch.Tensor, bits: int, codebook: str, effort: int) ->
     states = trellis_search(trial * scales, bits, codebook, effort)
     values = codebook_table(codebook).to(torch.float32)
     errors = (values[states] / scales - trial).square().view(len(grid), -1).mean(dim=1)
-    return grid[int(errors.argmin())]
+    best = int(errors.argmin())
+    return grid[best], states.view(len(grid), -1, 256)[best]
 
 
 def encode_weight(
@@ -318,14 +322,15 @@ def encode_weight(
     tiles_in, tiles_out = in_p // _TILE, out_p // _TILE
     tiles = w.view(tiles_in, _TILE, tiles_out, _TILE).permute(0, 2, 1, 3).reshape(-1, 256)[:, order]
     del w
-    scale = _choose_scale(tiles, bits, codebook, effort)
+    scale, states = _choose_scale(tiles, bits, codebook, effort)
     su /= scale
-    states = torch.empty(tiles.shape[0], 256, dtype=torch.int64)
-    step = _block_tiles(bits, effort)
-    for first in range(0, tiles.shape[0], step):
-        states[first : first + step] = trellis_search(
-            tiles[first : first + step] * scale, bits, codebook, effort
-        )
+    if states.shape[0] < tiles.shape[0]:  # else the sample was every tile, and is encoded already
+        states = torch.empty(tiles.shape[0], 256, dtype=torch.int64)
+        step = _block_tiles(bits, effort)
+        for first in range(0, tiles.shape[0], step):
+            states[first : first + step] = trellis_search(
+                tiles[first : first + step] * scale, bits, codebook, effort
+            )
 
     su[~live_rows] = 0.0
     sv[~live_columns] = 0.0
