@@ -1,0 +1,199 @@
+#!/usr/bin/env bash
+# Check evalsuite's CPU EXL3 decoder against exllamav3 itself, on a machine with CUDA.
+#
+# Written on a machine without a GPU and not yet run: the calls below follow exllamav3 1.6.5's sources
+# (exllamav3_ext/bindings.cpp: decode, unpack_trellis, unpack_trellis_frac, reconstruct,
+# reconstruct_had_slice; tests/test_reconstruct_had.py and tests/test_quant_fn.py use them the same way).
+#
+# Part 1 (exactness): for every codebook (3inst, mcg, mul1) and K = 1..8, plus the half-integer rates 1.5,
+# 2.5, 3.5 that 1.6.5 accepts with mul1, random trellises are decoded by exllamav3 on the GPU and by
+# evalsuite.formats.exl3_decode on the CPU, and compared bit for bit: the 65,536-entry codebooks
+# (ext.decode), the unpacked states (ext.unpack_trellis[_frac]) and W_hat (ext.reconstruct). The dense
+# weight (ext.reconstruct_had_slice, fp16) is compared with decode_weight within fp16 rounding. A small set
+# of trellises with exllamav3's W_hat and the three codebook tables is written as golden vectors, by default
+# to tests/data/exl3_golden.safetensors, which tests/unit/test_exl3_codec.py then checks on every CPU run.
+#
+# Part 2 (logits): TODO, untested. When the EXL3 fixture `smollm2-135m-exl3` (built by evalsuite.fixtures
+# from smollm2-135m-bf16 with evalsuite.exl3_encoder; not built yet) is present, it is loaded in exllamav3
+# and its logits on a fixed token sequence are compared with those of the HF model whose Linear weights are
+# the CPU decode of the same tensors. Skipped with a message while the fixture is absent.
+#
+# Usage, from anywhere (the repository root is found from this file):
+#     bash bench/exl3_gpu_check.sh [GOLDEN_OUT] [FIXTURE_DIR]
+# The first `import exllamav3` compiles its CUDA extension with torch.utils.cpp_extension (needs nvcc and
+# several minutes; MAX_JOBS and TORCH_CUDA_ARCH_LIST, e.g. "9.0" for an H100/H200, speed it up). Without
+# network access, install exllamav3 from a wheel carried along: pip install --no-deps ./exllamav3-1.6.5-*.whl
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+GOLDEN_OUT="${1:-$ROOT/tests/data/exl3_golden.safetensors}"
+FIXTURE_DIR="${2:-${HOME}/.cache/evalsuite/test-fixtures/smollm2-135m-exl3}"
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+python - <<'PY'
+import torch
+assert torch.cuda.is_available(), "this check needs a CUDA device"
+print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
+PY
+if ! python -c "import exllamav3" 2>/dev/null; then
+    pip install "exllamav3==1.6.5"
+fi
+
+# ------------------------------------------------------------------------------------------------------------
+# Part 1: bit-exactness and golden vectors
+# ------------------------------------------------------------------------------------------------------------
+python - "$GOLDEN_OUT" <<'PY'
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import exllamav3
+from exllamav3.ext import exllamav3_ext as ext
+from evalsuite.formats.exl3_decode import codebook_table, decode_w_hat, decode_weight, unpack_states
+
+golden_out = Path(sys.argv[1])
+cuda = torch.device("cuda:0")
+FLAGS = {"3inst": (False, False), "mcg": (True, False), "mul1": (False, True)}
+failures = []
+
+
+def check(name, ok, detail=""):
+    print(f"  {'PASS' if ok else 'FAIL'} {name} {detail}")
+    if not ok:
+        failures.append(name)
+
+
+def random_trellis(seed, in_features, out_features, bits):
+    generator = torch.Generator().manual_seed(seed)
+    words = round(16 * bits)
+    return torch.randint(-(2**15), 2**15, (in_features // 16, out_features // 16, words), generator=generator,
+                         dtype=torch.int16)
+
+
+print("codebooks (ext.decode of every state)")
+states = torch.arange(65536, dtype=torch.int32)
+states = torch.where(states >= 32768, states - 65536, states).to(torch.int16).view(256, 256)
+tables = {}
+for codebook, (mcg, mul1) in FLAGS.items():
+    out = torch.empty(256, 256, dtype=torch.half, device=cuda)
+    ext.decode(states.to(cuda), out, mcg, mul1)
+    tables[codebook] = out.cpu().view(-1)
+    check(f"codebook {codebook}", torch.equal(tables[codebook].view(torch.int16), codebook_table(codebook).view(torch.int16)))
+
+cases = [(codebook, bits) for codebook in FLAGS for bits in range(1, 9)] + [("mul1", b) for b in (1.5, 2.5, 3.5)]
+shapes = [(256, 384), (1024, 512), (128, 4096)]  # (in, out), out a multiple of 128 as ext.reconstruct needs
+golden, golden_cases = {}, []
+print("states (ext.unpack_trellis) and W_hat (ext.reconstruct), bit for bit")
+for index, (codebook, bits) in enumerate(cases):
+    mcg, mul1 = FLAGS[codebook]
+    for shape_index, (in_features, out_features) in enumerate(shapes):
+        trellis = random_trellis(1000 * index + shape_index, in_features, out_features, bits)
+        label = f"{codebook} K={bits} {in_features}x{out_features}"
+        if shape_index == 0:
+            unpacked = torch.empty(*trellis.shape[:2], 256, dtype=torch.int16, device=cuda)
+            if float(bits).is_integer():
+                ext.unpack_trellis(unpacked, trellis.to(cuda), int(bits))
+            else:
+                ext.unpack_trellis_frac(unpacked, trellis.to(cuda), int(bits), 0xAAAA)
+            ours = unpack_states(trellis)
+            check(f"states {label}", torch.equal(unpacked.cpu().to(torch.int32) & 0xFFFF, ours))
+        w_hat = torch.empty(in_features, out_features, dtype=torch.half, device=cuda)
+        ext.reconstruct(w_hat, trellis.to(cuda), bits, mcg, mul1)
+        w_hat = w_hat.cpu()
+        ours = decode_w_hat(trellis, codebook)
+        check(f"W_hat {label}", torch.equal(w_hat.view(torch.int16), ours.view(torch.int16)))
+        if shape_index == 0:
+            generator = torch.Generator().manual_seed(index)
+            suh = torch.randn(in_features, generator=generator).half()
+            svh = torch.randn(out_features, generator=generator).half()
+            dense = torch.empty(in_features, out_features, dtype=torch.half, device=cuda)
+            ext.reconstruct_had_slice(dense, trellis.to(cuda), suh.to(cuda), svh.to(cuda), bits, mcg, mul1, 0)
+            ours = decode_weight(trellis, suh, svh, codebook, in_features, out_features)
+            dense = dense.cpu().float().t()
+            error = ((ours - dense).abs().max() / dense.abs().max()).item()
+            check(f"dense {label}", error < 2e-3, f"max |diff| / max = {error:.2e}")
+            # small golden cases: every codebook and bitrate, 128 x 128
+            small = random_trellis(7000 + index, 128, 128, bits)
+            small_w_hat = torch.empty(128, 128, dtype=torch.half, device=cuda)
+            ext.reconstruct(small_w_hat, small.to(cuda), bits, mcg, mul1)
+            name = f"{codebook}_k{str(bits).replace('.', 'p')}"
+            golden[f"{name}.trellis"] = small
+            golden[f"{name}.w_hat"] = small_w_hat.cpu()
+            golden_cases.append({"name": name, "codebook": codebook, "bits": bits})
+
+for codebook, table in tables.items():
+    golden[f"codebook.{codebook}"] = table.contiguous()
+golden_out.parent.mkdir(parents=True, exist_ok=True)
+save_file(golden, str(golden_out), metadata={
+    "cases": json.dumps(golden_cases),
+    "exllamav3": exllamav3.__version__ if hasattr(exllamav3, "__version__") else "unknown",
+    "torch": torch.__version__,
+    "device": torch.cuda.get_device_name(0),
+})
+print(f"golden vectors: {golden_out} ({golden_out.stat().st_size:,} bytes, {len(golden_cases)} cases)")
+if failures:
+    sys.exit(f"{len(failures)} checks failed: {', '.join(failures)}")
+print("part 1: all checks passed")
+PY
+
+# ------------------------------------------------------------------------------------------------------------
+# Part 2: logits of an EXL3 fixture in exllamav3 against the CPU decode (TODO: untested, needs the fixture)
+# ------------------------------------------------------------------------------------------------------------
+if [ ! -d "$FIXTURE_DIR" ]; then
+    echo "part 2 skipped: TODO build the EXL3 fixture 'smollm2-135m-exl3' (not found at $FIXTURE_DIR)"
+    exit 0
+fi
+python - "$FIXTURE_DIR" <<'PY'
+import sys
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from exllamav3 import Config, Model
+from evalsuite.formats.exl3_decode import codebook_of, decode_weight
+
+fixture = sys.argv[1]
+tokens = torch.tensor([[1, 504, 3458, 282, 4649, 314, 7042, 30, 216, 1350, 3458, 282, 4649, 314]])
+
+config = Config.from_directory(fixture)
+model = Model.from_config(config)
+model.load(device="cuda:0")
+exl3_logits = model.forward(tokens, {"attn_mode": "flash_attn_nc"}).float().cpu()
+model.unload()
+
+hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(fixture), torch_dtype=torch.float32)
+state = {}
+from pathlib import Path
+for shard in sorted(Path(fixture).glob("*.safetensors")):
+    with safe_open(str(shard), "pt") as f:
+        names = list(f.keys())
+        prefixes = sorted({n.rsplit(".", 1)[0] for n in names if n.endswith(".trellis")})
+        for prefix in prefixes:
+            parts = {n.rsplit(".", 1)[1]: f.get_tensor(n) for n in names if n.rsplit(".", 1)[0] == prefix}
+            linear = hf.get_submodule(prefix)
+            state[f"{prefix}.weight"] = decode_weight(
+                parts["trellis"], parts.get("suh", parts.get("su")), parts.get("svh", parts.get("sv")),
+                codebook_of(parts), linear.in_features, linear.out_features)
+            if "bias" in parts:
+                state[f"{prefix}.bias"] = parts["bias"].float()
+        for n in names:
+            if not any(n.startswith(p + ".") for p in prefixes):
+                state[n] = f.get_tensor(n).float()
+missing, unexpected = hf.load_state_dict(state, strict=False)
+assert not unexpected, unexpected
+assert all("lm_head" in m for m in missing), missing  # a tied head
+hf.tie_weights()
+with torch.inference_mode():
+    cpu_logits = hf(tokens).logits.float()
+ref = torch.log_softmax(exl3_logits, -1)
+ours = torch.log_softmax(cpu_logits, -1)
+kl = (ref.exp() * (ref - ours)).sum(-1)
+same_top = (ref.argmax(-1) == ours.argmax(-1)).float().mean().item()
+print(f"part 2: max |logit diff| {(exl3_logits - cpu_logits).abs().max().item():.4f}, "
+      f"mean KL(exl3 || cpu) {kl.mean().item():.2e}, same top token {same_top:.3f}")
+PY
