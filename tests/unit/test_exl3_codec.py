@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from evalsuite.errors import InputError
-from evalsuite.exl3_encoder import encode_weight, pack_states, trellis_search
+from evalsuite.fixtures.exl3_encoder import encode_weight, pack_states, trellis_search
 from evalsuite.formats import exl3_decode
 from evalsuite.formats.exl3_decode import (
     codebook_of,
