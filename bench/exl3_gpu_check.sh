@@ -14,7 +14,7 @@
 # to tests/data/exl3_golden.safetensors, which tests/unit/test_exl3_codec.py then checks on every CPU run.
 #
 # Part 2 (logits): TODO, untested. When the EXL3 fixture `smollm2-135m-exl3` (built by evalsuite.fixtures
-# from smollm2-135m-bf16 with evalsuite.exl3_encoder; not built yet) is present, it is loaded in exllamav3
+# from smollm2-135m-bf16 with evalsuite.fixtures.exl3_encoder; not built yet) is present, it is loaded in exllamav3
 # and its logits on a fixed token sequence are compared with those of the HF model whose Linear weights are
 # the CPU decode of the same tensors. Skipped with a message while the fixture is absent.
 #
