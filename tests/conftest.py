@@ -1,4 +1,10 @@
-"""Session fixtures: the project's own offline test checkpoints, built once and cached by recipe hash."""
+"""Session fixtures: the project's own offline test checkpoints (built once, cached by recipe hash) and the
+expensive runs many tests assert on, each made once per session.
+
+The suite's budget is 8 minutes on 2 cores, so a model run is never repeated to check one more thing:
+`tiny_run` and `smollm2_run` put each pair through every task once; `rerun` repeats a run in a copy of its
+folder, where every observation is reused under its key, so a test of thresholds, baselines or a recorded
+reference costs a comparison, not a model."""
 
 from __future__ import annotations
 
@@ -113,3 +119,85 @@ class Models:
         mp.setattr(HFBackend, "__init__", counting_init)
         mp.setattr(HFBackend, "window_logits", counting_window_logits)
         return self
+
+
+@dataclass
+class Run:
+    """A CLI run and its folder."""
+
+    cli: CliResult
+    out: Path
+
+    @property
+    def results(self) -> dict[str, Any]:
+        import json
+
+        return json.loads((self.out / "results.json").read_text(encoding="utf-8"))
+
+    def task(self, name: str) -> dict[str, Any]:
+        return self.results["tasks"][name]
+
+    def metrics(self, name: str) -> dict[str, Any]:
+        return self.task(name)["metrics"]
+
+    @property
+    def loads(self) -> list[str]:
+        """The `loading …` lines the run printed: which models it loaded."""
+        return [line for line in self.cli.stderr.splitlines() if line.startswith("loading")]
+
+
+def run_pair(ckpt: Path | str, ref: Path | str, out: Path, tasks: str, *extra: str | Path) -> Run:
+    """`evalsuite run` of a candidate against a reference on the offline corpus, quietly."""
+    args = ("run", "--ckpt", ckpt, "--ref", ref, "--tasks", tasks, "--corpus", "python-docs", "--out", out)
+    return Run(run_cli(*args, "--quiet", *extra), out)
+
+
+def rerun(run: Run, out: Path, *args: str | Path) -> Run:
+    """`evalsuite ARGS` in a copy of `run`'s folder: observations whose keys still match are reused."""
+    shutil.copytree(run.out, out)
+    return Run(run_cli(*args, "--out", out, "--quiet"), out)
+
+
+TINY_TASKS = "ppl,smoke,vision,tensors,intref"
+SMOLLM2_TASKS = "ppl,smoke,tensors,intref"
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_pair, tmp_path_factory) -> Run:
+    """The tiny MiniCPM-V 4.7 W4A8 copy against its source through every built-in task, once."""
+    out = tmp_path_factory.mktemp("tiny-run") / "run"
+    return run_pair(tiny_pair[TINY_W4A8], tiny_pair[TINY_BF16], out, TINY_TASKS)
+
+
+@pytest.fixture(scope="session")
+def tiny_recording(tiny_pair, tmp_path_factory) -> Path:
+    """A recording of the tiny source for every recordable built-in task."""
+    out = tmp_path_factory.mktemp("tiny-recording") / "rec"
+    args = ("record", "--ckpt", tiny_pair[TINY_BF16], "--tasks", "ppl,smoke,vision,intref")
+    res = run_cli(*args, "--corpus", "python-docs", "--out", out, "--quiet")
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_replay(tiny_pair, tiny_run, tiny_recording, tmp_path_factory) -> Run:
+    """`tiny_run` again with the recording as reference: the candidate's observations are reused, so no
+    model is loaded at all."""
+    out = tmp_path_factory.mktemp("tiny-replay") / "run"
+    args = (
+        "run",
+        "--ckpt",
+        tiny_pair[TINY_W4A8],
+        "--ref",
+        tiny_recording,
+        "--tasks",
+        "ppl,smoke,vision,intref",
+    )
+    return rerun(tiny_run, out, *args, "--corpus", "python-docs")
+
+
+@pytest.fixture(scope="session")
+def smollm2_run(smollm2_pair, tmp_path_factory) -> Run:
+    """SmolLM2-135M W4A8 against its BF16 source through every text task, once."""
+    out = tmp_path_factory.mktemp("smollm2-run") / "run"
+    return run_pair(smollm2_pair[SMOLLM2_W4A8], smollm2_pair[SMOLLM2_BF16], out, SMOLLM2_TASKS)

@@ -15,7 +15,7 @@ from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.corpus import python_docs_text
 from evalsuite.errors import InputError
-from tests.conftest import copy_checkpoint, edit_tensors, run_cli, wrong_scale_copy
+from tests.conftest import copy_checkpoint, edit_tensors, rerun, run_cli, wrong_scale_copy
 
 METRICS = (
     "ppl_ref",
@@ -41,30 +41,8 @@ def intref_metrics(out) -> dict:
     return results["tasks"]["intref"]
 
 
-@pytest.fixture(scope="module")
-def tiny_intref_run(tiny_pair, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-intref")
-    res = run_cli(
-        "run",
-        "--ckpt",
-        tiny_pair["tiny-minicpmv47-w4a8"],
-        "--ref",
-        tiny_pair["tiny-minicpmv47-bf16"],
-        "--tasks",
-        "intref",
-        "--corpus",
-        "python-docs",
-        "--out",
-        out,
-        "--quiet",
-    )
-    return res, out
-
-
-def test_every_routed_expert_of_the_tiny_pair_runs_on_the_integer_path(tiny_pair, tiny_intref_run):
-    res, out = tiny_intref_run
-    assert res.returncode == 0, res.stderr
-    entry = intref_metrics(out)
+def test_every_routed_expert_of_the_tiny_pair_runs_on_the_integer_path(tiny_pair, tiny_run):
+    entry = tiny_run.task("intref")
     m = entry["metrics"]
     assert entry["status"] == "pass" and all(name in m for name in METRICS)
     config = json.loads((tiny_pair["tiny-minicpmv47-w4a8"] / "config.json").read_text())["text_config"]
@@ -78,43 +56,23 @@ def test_every_routed_expert_of_the_tiny_pair_runs_on_the_integer_path(tiny_pair
     assert m["activation_divisor"] == 127.5 and m["activation_rounding"] == "half_even"
 
 
-def test_backend_intref_runs_ppl_as_the_intref_task_does(tiny_pair, tiny_intref_run, tmp_path):
-    """`--backend intref` gives `ppl` the same integer model: its candidate PPL is the task's ppl_int."""
-    _, intref_out = tiny_intref_run
-    res = run_cli(
-        "run",
-        "--ckpt",
-        tiny_pair["tiny-minicpmv47-w4a8"],
-        "--ref",
-        tiny_pair["tiny-minicpmv47-bf16"],
-        "--tasks",
-        "ppl",
-        "--backend",
-        "intref",
-        "--corpus",
-        "python-docs",
-        "--out",
-        tmp_path,
-        "--quiet",
+def test_backend_intref_runs_ppl_as_the_intref_task_does(tiny_pair, tiny_run, tmp_path):
+    """`--backend intref` gives `ppl` the same integer model: its candidate observation is the very one the
+    `intref` task made (same key), so nothing is loaded and ppl_ckpt is ppl_int."""
+    args = ("run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], "--ref", tiny_pair["tiny-minicpmv47-bf16"])
+    again = rerun(
+        tiny_run, tmp_path / "run", *args, "--tasks", "ppl", "--backend", "intref", "--corpus", "python-docs"
     )
-    assert res.returncode in (0, 1), res.stderr
-    ppl = json.loads((tmp_path / "results.json").read_text())["tasks"]["ppl"]["metrics"]
-    m = intref_metrics(intref_out)["metrics"]
-    assert ppl["ppl_ckpt"] == m["ppl_int"] and ppl["ppl_ref"] == m["ppl_ref"]
+    assert again.cli.returncode == 0 and again.loads == [], again.cli.stderr
+    m = tiny_run.metrics("intref")
+    assert (
+        again.metrics("ppl")["ppl_ckpt"] == m["ppl_int"] and again.metrics("ppl")["ppl_ref"] == m["ppl_ref"]
+    )
+    assert "integer" in again.metrics("ppl")["ckpt_execution"]
 
 
-def test_a_recorded_reference_replays_the_live_intref_run(tiny_pair, tiny_intref_run, tmp_path):
-    _, live_out = tiny_intref_run
-    rec = tmp_path / "rec"
-    args = ("--corpus", "python-docs", "--quiet")
-    recorded = run_cli(
-        "record", "--ckpt", tiny_pair["tiny-minicpmv47-bf16"], "--tasks", "intref", "--out", rec, *args
-    )
-    assert recorded.returncode == 0, recorded.stderr
-    ckpt = tiny_pair["tiny-minicpmv47-w4a8"]
-    res = run_cli("run", "--ckpt", ckpt, "--ref", rec, "--tasks", "intref", "--out", tmp_path / "run", *args)
-    assert res.returncode == 0, res.stderr
-    live, replay = intref_metrics(live_out)["metrics"], intref_metrics(tmp_path / "run")["metrics"]
+def test_a_recorded_reference_replays_the_live_intref_run(tiny_run, tiny_replay):
+    live, replay = tiny_run.metrics("intref"), tiny_replay.metrics("intref")
     for name in ("ppl_ref", "ppl_int", "ppl_hf", "kld_int_vs_hf", "same_top_int_vs_hf", "int_experts"):
         assert replay[name] == live[name], name
     assert replay["kld_int_mean"] == pytest.approx(live["kld_int_mean"], rel=0.05)
@@ -195,30 +153,17 @@ def test_weight_only_quantization_has_no_integer_path(tiny_pair, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_pair_passes_intref_with_every_layer_integer(smollm2_pair, tmp_path):
-    res = run_cli(
-        "run",
-        "--ckpt",
-        smollm2_pair["smollm2-135m-w4a8"],
-        "--ref",
-        smollm2_pair["smollm2-135m-bf16"],
-        "--tasks",
-        "intref",
-        "--corpus",
-        "python-docs",
-        "--out",
-        tmp_path,
-        "--quiet",
-    )
-    assert res.returncode == 0, res.stderr  # the default thresholds are calibrated on this pair
-    m = intref_metrics(tmp_path)["metrics"]
+def test_smollm2_pair_passes_intref_with_every_layer_integer(smollm2_run):
+    entry = smollm2_run.task("intref")
+    assert entry["status"] == "pass", entry  # the default thresholds are calibrated on this pair
+    m = entry["metrics"]
     assert m["int_layers"] == m["int_layers_total"] == 30 * 7 and m["int_experts"] == 0
     assert 1.0 < m["ppl_int_ratio"] < 1.7
     # One W4A8 model executed twice: they differ by rounding, which W4A8 amplifies (see intref.toml).
     assert abs(math.log(m["ppl_int"] / m["ppl_hf"])) < 0.05 and m["same_top_int_vs_hf"] > 0.8
 
 
-def test_intref_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tmp_path):
+def test_intref_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tiny_run, tmp_path):
     """Every weight scale ×4: bounds the good tiny copy meets (1.0008, 1.5e-6, 0.978) all fail."""
     broken = wrong_scale_copy(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "wrong-scale")
     bounds = tmp_path / "tiny.toml"
@@ -237,9 +182,9 @@ def test_intref_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tmp_pat
         bounds,
         "--quiet",
     )
-    good = run_cli("run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], "--out", tmp_path / "good", *args)
+    good = rerun(tiny_run, tmp_path / "good", "run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], *args[:-1])
     bad = run_cli("run", "--ckpt", broken, "--out", tmp_path / "bad", *args)
-    assert good.returncode == 0, good.stderr
+    assert good.cli.returncode == 0 and good.loads == [], good.cli.stderr
     assert bad.returncode == 1, bad.stderr
     checks = json.loads((tmp_path / "bad" / "results.json").read_text())["tasks"]["intref"]["checks"]
     assert {c["name"] for c in checks if not c["passed"]} == {

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from evalsuite.corpus import python_docs_text
-from tests.conftest import copy_checkpoint, run_cli
+from tests.conftest import copy_checkpoint, rerun, run_cli
 
 EXACT = ("ppl_ref", "ppl_ckpt", "same_top_p", "delta_p_mean")
 
@@ -17,45 +17,15 @@ def metrics_of(run_dir):
     return json.loads((run_dir / "results.json").read_text())["tasks"]["ppl"]["metrics"]
 
 
-@pytest.fixture(scope="module")
-def tiny_recording(tiny_pair, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rec") / "tiny-bf16"
-    res = run_cli(
-        "record",
-        "--ckpt",
-        tiny_pair["tiny-minicpmv47-bf16"],
-        "--out",
-        out,
-        "--corpus",
-        "python-docs",
-        "--quiet",
-    )
-    assert res.returncode == 0, res.stderr
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny_live_and_replay(tiny_pair, tiny_recording, tmp_path_factory):
-    root = tmp_path_factory.mktemp("replay")
-    ckpt = tiny_pair["tiny-minicpmv47-w4a8"]
-    args = ("--ckpt", ckpt, "--corpus", "python-docs", "--quiet")
-    live = run_cli("run", "--ref", tiny_pair["tiny-minicpmv47-bf16"], "--out", root / "live", *args)
-    replay = run_cli("run", "--ref", tiny_recording, "--out", root / "replay", *args)
-    assert live.returncode == 0, live.stderr
-    assert replay.returncode == 0, replay.stderr
-    assert "loading ref" not in replay.stderr  # the reference model is never loaded
-    return root / "live", root / "replay"
-
-
-def test_replay_gives_the_live_figures(tiny_live_and_replay):
-    live, replay = map(metrics_of, tiny_live_and_replay)
+def test_replay_gives_the_live_figures(tiny_run, tiny_replay):
+    assert tiny_replay.loads == [], tiny_replay.cli.stderr  # no model: the recording and saved observations
+    live, replay = tiny_run.metrics("ppl"), tiny_replay.metrics("ppl")
     for name in EXACT:
         assert replay[name] == pytest.approx(live[name], rel=1e-6, abs=1e-12), name
     assert replay["kld_mean"] == pytest.approx(live["kld_mean"], rel=0.01)
     assert live["kld_estimator"] == "full-vocabulary"
     assert "sampled tail" in replay["kld_estimator"]
-    results = json.loads((tiny_live_and_replay[1] / "results.json").read_text())
-    assert results["ref"]["format"] == "recording"
+    assert tiny_replay.results["ref"]["format"] == "recording"
 
 
 def test_recording_is_deterministic(tiny_pair, tiny_recording, tmp_path):
@@ -66,14 +36,17 @@ def test_recording_is_deterministic(tiny_pair, tiny_recording, tmp_path):
         tiny_pair["tiny-minicpmv47-bf16"],
         "--out",
         again,
+        "--tasks",
+        "ppl,smoke",
         "--corpus",
         "python-docs",
         "--quiet",
     )
     assert res.returncode == 0, res.stderr
-    assert (again / "window-logits" / "arrays.safetensors").read_bytes() == (
-        tiny_recording / "window-logits" / "arrays.safetensors"
-    ).read_bytes()
+    for name in ("window-logits", "smoke-generations"):
+        assert (again / name / "arrays.safetensors").read_bytes() == (
+            tiny_recording / name / "arrays.safetensors"
+        ).read_bytes(), name
 
 
 def test_recording_from_another_text_is_refused(tiny_pair, tmp_path):
@@ -160,69 +133,38 @@ def test_a_recording_cannot_be_the_candidate(tiny_pair, tiny_recording, tmp_path
     assert res.returncode == 2 and "reference" in res.error_lines[0], res.stderr
 
 
-def test_a_better_baseline_fails_the_run_and_junit_names_the_check(tiny_pair, tiny_live_and_replay, tmp_path):
-    live, _ = tiny_live_and_replay
-    accepted = json.loads((live / "results.json").read_text())
+def test_a_better_baseline_fails_the_run_and_junit_names_the_check(tiny_pair, tiny_run, tmp_path):
+    accepted = tiny_run.results
     # The same run passes against itself as a baseline ...
     (tmp_path / "same.json").write_text(json.dumps(accepted))
     # ... and fails against a baseline whose KLD was 20% lower, more than the 5% tolerance of the spec.
     accepted["tasks"]["ppl"]["metrics"]["kld_mean"] *= 0.8
     (tmp_path / "better.json").write_text(json.dumps(accepted))
-    args = (
-        "run",
-        "--ckpt",
-        tiny_pair["tiny-minicpmv47-w4a8"],
-        "--ref",
-        tiny_pair["tiny-minicpmv47-bf16"],
-        "--corpus",
-        "python-docs",
-        "--quiet",
-    )
-    same = run_cli(*args, "--out", tmp_path / "same", "--baseline", tmp_path / "same.json")
-    assert same.returncode == 0, same.stderr
+    args = ("run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], "--ref", tiny_pair["tiny-minicpmv47-bf16"])
+    args += ("--tasks", "ppl", "--corpus", "python-docs")
+    same = rerun(tiny_run, tmp_path / "same", *args, "--baseline", tmp_path / "same.json")
+    assert same.cli.returncode == 0 and same.loads == [], same.cli.stderr
     junit = tmp_path / "junit.xml"
-    worse = run_cli(
-        *args, "--out", tmp_path / "worse", "--baseline", tmp_path / "better.json", "--junit", junit
+    worse = rerun(
+        tiny_run, tmp_path / "worse", *args, "--baseline", tmp_path / "better.json", "--junit", junit
     )
-    assert worse.returncode == 1, worse.stderr
-    checks = json.loads((tmp_path / "worse" / "results.json").read_text())["tasks"]["ppl"]["checks"]
-    failed = [c["name"] for c in checks if not c["passed"]]
+    assert worse.cli.returncode == 1, worse.cli.stderr
+    failed = [c["name"] for c in worse.task("ppl")["checks"] if not c["passed"]]
     assert failed == ["kld_mean_vs_baseline"]
     cases = ET.parse(junit).getroot().iter("testcase")
     failures = [case.get("name") for case in cases if case.find("failure") is not None]
     assert failures == ["kld_mean_vs_baseline"]
 
 
-def test_a_baseline_on_other_tokens_is_refused(tiny_pair, tiny_live_and_replay, tmp_path):
-    live, _ = tiny_live_and_replay
-    accepted = json.loads((live / "results.json").read_text())
-    accepted["tasks"]["ppl"]["metrics"]["tokens_sha256"] = "f" * 64
-    (tmp_path / "base.json").write_text(json.dumps(accepted))
-    res = run_cli(
-        "run",
-        "--ckpt",
-        tiny_pair["tiny-minicpmv47-w4a8"],
-        "--ref",
-        tiny_pair["tiny-minicpmv47-bf16"],
-        "--corpus",
-        "python-docs",
-        "--quiet",
-        "--out",
-        tmp_path / "o",
-        "--baseline",
-        tmp_path / "base.json",
-    )
-    assert res.returncode == 2 and "tokens_sha256" in res.error_lines[0], res.stderr
-
-
-def test_report_re_renders_a_run_from_results_json_alone(tiny_live_and_replay, tmp_path):
+def test_report_re_renders_a_run_from_results_json_alone(tiny_run, tmp_path):
     import shutil
 
     run_dir = tmp_path / "copy"
-    shutil.copytree(tiny_live_and_replay[0], run_dir, ignore=shutil.ignore_patterns("observations"))
+    shutil.copytree(tiny_run.out, run_dir, ignore=shutil.ignore_patterns("observations"))
+    before = (run_dir / "report.md").read_text()
     (run_dir / "report.md").unlink()
     for fmt, name in (("md", "report.md"), ("model-card", "model-card.md"), ("json", "results.json")):
         res = run_cli("report", run_dir, "--format", fmt)
         assert res.returncode == 0, res.stderr
         assert (run_dir / name).is_file()
-    assert "ppl_ratio" in (run_dir / "report.md").read_text()
+    assert (run_dir / "report.md").read_text() == before
