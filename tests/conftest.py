@@ -201,3 +201,22 @@ def smollm2_run(smollm2_pair, tmp_path_factory) -> Run:
     """SmolLM2-135M W4A8 against its BF16 source through every text task, once."""
     out = tmp_path_factory.mktemp("smollm2-run") / "run"
     return run_pair(smollm2_pair[SMOLLM2_W4A8], smollm2_pair[SMOLLM2_BF16], out, SMOLLM2_TASKS)
+
+
+def cli_in_process(capsys, *args: str | Path) -> tuple[int, list[str], str]:
+    """Exit code, stderr lines and stdout of `evalsuite ARGS` run through the CLI's entry point in this
+    process: the same code a user runs, without an interpreter's start-up, for the many refusal tests."""
+    from evalsuite.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return stop.value.code, [line for line in captured.err.splitlines() if line.strip()], captured.out
+
+
+def assert_refused(code: int, lines: list[str], *fragments: str) -> None:
+    """Exit code 2 and exactly one line on stderr, `evalsuite: error: …`, holding every fragment."""
+    assert code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith("evalsuite: error: "), lines
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]

@@ -7,19 +7,26 @@ import struct
 
 import pytest
 
-from tests.conftest import copy_checkpoint, run_cli
+from tests.conftest import assert_refused as assert_exit_2
+from tests.conftest import cli_in_process, copy_checkpoint
+
+
+@pytest.fixture
+def run_against(capsys):
+    """`evalsuite run --ckpt CKPT --ref REF --out OUT` through the CLI's entry point (in this process)."""
+
+    def run(ckpt, ref, out):
+        return cli_in_process(
+            capsys, "run", "--ckpt", ckpt, "--ref", ref, "--corpus", "python-docs", "--out", out, "--quiet"
+        )
+
+    return run
 
 
 def assert_refused(res, *fragments: str) -> None:
-    assert res.returncode == 2, res.stderr
-    assert "Traceback" not in res.stderr
-    assert len(res.error_lines) == 1, res.stderr
-    for fragment in fragments:
-        assert fragment in res.error_lines[0], res.error_lines[0]
-
-
-def run_against(ckpt, ref, out):
-    return run_cli("run", "--ckpt", ckpt, "--ref", ref, "--corpus", "python-docs", "--out", out, "--quiet")
+    code, lines, _ = res
+    assert not any("Traceback" in line for line in lines)
+    assert_exit_2(code, lines, *fragments)
 
 
 @pytest.fixture
@@ -32,30 +39,30 @@ def broken(ref, tmp_path):
     return copy_checkpoint(ref, tmp_path / "broken")
 
 
-def test_missing_path_is_refused(ref, tmp_path):
+def test_missing_path_is_refused(ref, tmp_path, run_against):
     res = run_against(tmp_path / "nowhere", ref, tmp_path / "out")
     assert_refused(res, str(tmp_path / "nowhere"), "does not exist")
     assert not (tmp_path / "out" / "results.json").exists()
 
 
-def test_folder_without_config_is_refused(broken, ref, tmp_path):
+def test_folder_without_config_is_refused(broken, ref, tmp_path, run_against):
     (broken / "config.json").unlink()
     assert_refused(run_against(broken, ref, tmp_path / "out"), "config.json")
 
 
-def test_invalid_config_json_is_refused_with_its_position(broken, ref, tmp_path):
+def test_invalid_config_json_is_refused_with_its_position(broken, ref, tmp_path, run_against):
     (broken / "config.json").write_text('{"model_type": "minicpmv4_7",\n  oops}')
     assert_refused(run_against(broken, ref, tmp_path / "out"), "config.json", "line 2")
 
 
-def test_truncated_shard_is_rejected_with_its_path(broken, ref, tmp_path):
+def test_truncated_shard_is_rejected_with_its_path(broken, ref, tmp_path, run_against):
     shard = broken / "model.safetensors"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - 100])
     assert_refused(run_against(broken, ref, tmp_path / "out"), "model.safetensors")
 
 
-def test_header_claiming_more_bytes_than_the_file_is_rejected(broken, ref, tmp_path):
+def test_header_claiming_more_bytes_than_the_file_is_rejected(broken, ref, tmp_path, run_against):
     shard = broken / "model.safetensors"
     data = bytearray(shard.read_bytes())
     data[:8] = struct.pack("<Q", len(data) * 2)
@@ -63,7 +70,7 @@ def test_header_claiming_more_bytes_than_the_file_is_rejected(broken, ref, tmp_p
     assert_refused(run_against(broken, ref, tmp_path / "out"), "model.safetensors")
 
 
-def test_shard_index_path_leaving_the_folder_is_rejected(broken, ref, tmp_path):
+def test_shard_index_path_leaving_the_folder_is_rejected(broken, ref, tmp_path, run_against):
     shard = broken / "model.safetensors"
     outside = tmp_path / "outside.safetensors"
     shard.rename(outside)
@@ -76,7 +83,7 @@ def test_shard_index_path_leaving_the_folder_is_rejected(broken, ref, tmp_path):
     assert_refused(run_against(broken, ref, tmp_path / "out"), "model.safetensors.index.json", "outside")
 
 
-def test_mismatched_tokenizer_is_refused(broken, ref, tmp_path):
+def test_mismatched_tokenizer_is_refused(broken, ref, tmp_path, run_against):
     # Drop the last BPE merges: the vocabulary is unchanged, but the text tokenizes differently.
     tok = json.loads((broken / "tokenizer.json").read_text())
     tok["model"]["merges"] = tok["model"]["merges"][:-50]
@@ -85,7 +92,7 @@ def test_mismatched_tokenizer_is_refused(broken, ref, tmp_path):
     assert_refused(res, str(broken), "tokenizer disagrees")
 
 
-def test_config_targeting_an_unquantized_module_is_refused(tiny_pair, ref, tmp_path):
+def test_config_targeting_an_unquantized_module_is_refused(tiny_pair, ref, tmp_path, run_against):
     """The silent-random-weights trap: the vision tower's q_proj is stored in BF16 but a group targets it."""
     ckpt = copy_checkpoint(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "ct")
     config = json.loads((ckpt / "config.json").read_text())

@@ -8,25 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from evalsuite.cli import main
-from tests.conftest import Models
+from tests.conftest import Models, assert_refused
+from tests.conftest import cli_in_process as cli
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
-
-
-def cli(capsys, *args) -> tuple[int, list[str], str]:
-    """Exit code, stderr lines and stdout of `evalsuite ARGS` run in this process."""
-    with pytest.raises(SystemExit) as stop:
-        main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return stop.value.code, [line for line in captured.err.splitlines() if line.strip()], captured.out
-
-
-def assert_one_line(code: int, lines: list[str], *fragments: str) -> None:
-    assert code == 2, lines
-    assert len(lines) == 1 and lines[0].startswith("evalsuite: error: "), lines
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 @pytest.fixture
@@ -43,13 +28,13 @@ def test_out_pointing_at_a_file_is_refused(capsys, models, pair, tmp_path):
     target = tmp_path / "results.txt"
     target.write_text("not a folder")
     code, lines, _ = cli(capsys, "run", *pair, "--out", target, "--quiet")
-    assert_one_line(code, lines, str(target), "--out is a file")
+    assert_refused(code, lines, str(target), "--out is a file")
     assert models.loads == []
 
 
 def test_record_into_a_missing_folder_is_refused(capsys, models, tiny_pair, tmp_path):
     code, lines, _ = cli(capsys, "record", "--ckpt", tiny_pair[TINY_BF16], "--out", tmp_path / "a" / "b")
-    assert_one_line(code, lines, str(tmp_path / "a"), "does not exist")
+    assert_refused(code, lines, str(tmp_path / "a"), "does not exist")
     assert models.loads == []
 
 
@@ -71,20 +56,20 @@ def test_an_impossible_execution_is_refused_before_any_model(
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
     code, lines, _ = cli(capsys, "run", *pair, option, value, "--out", tmp_path / "r", "--quiet")
-    assert_one_line(code, lines, fragment)
+    assert_refused(code, lines, fragment)
     assert models.loads == []
 
 
 def test_no_task_is_refused(capsys, models, pair, tmp_path):
     code, lines, _ = cli(capsys, "run", *pair, "--tasks", "", "--out", tmp_path / "r", "--quiet")
-    assert_one_line(code, lines, "no task to run")
+    assert_refused(code, lines, "no task to run")
 
 
 def test_a_misspelled_threshold_names_the_file_and_the_metric(capsys, models, pair, tmp_path):
     thresholds = tmp_path / "mine.toml"
     thresholds.write_text("[ppl]\nppl_ration = { max = 1.05 }\n")
     code, lines, _ = cli(capsys, "run", *pair, "--thresholds", thresholds, "--out", tmp_path / "r", "--quiet")
-    assert_one_line(code, lines, str(thresholds), "ppl_ration", "reports no such metric")
+    assert_refused(code, lines, str(thresholds), "ppl_ration", "reports no such metric")
     assert models.loads == []
 
 
@@ -92,7 +77,7 @@ def test_a_bad_threshold_value_is_blamed_on_the_user_s_file(capsys, models, pair
     thresholds = tmp_path / "mine.toml"
     thresholds.write_text("[ppl]\nppl_ratio = { max = 'high' }\n")
     code, lines, _ = cli(capsys, "run", *pair, "--thresholds", thresholds, "--out", tmp_path / "r", "--quiet")
-    assert_one_line(code, lines, str(thresholds), "ppl_ratio")
+    assert_refused(code, lines, str(thresholds), "ppl_ratio")
     assert "ppl.toml" not in lines[0]
 
 
@@ -101,7 +86,7 @@ def test_vision_on_a_text_only_model_is_skipped_and_says_why(capsys, models, smo
     args = ("--ckpt", smollm2_pair["smollm2-135m-w4a8"], "--ref", smollm2_pair["smollm2-135m-bf16"])
     code, lines, _ = cli(capsys, "run", *args, "--tasks", "vision", "--out", tmp_path / "r", "--quiet")
     # Nothing could be compared: no verdict (exit 2), with the reason in one line; vision itself is skipped.
-    assert_one_line(code, lines, "no verdict", "vision skipped", "text-only")
+    assert_refused(code, lines, "no verdict", "vision skipped", "text-only")
     import json
 
     vision = json.loads((tmp_path / "r" / "results.json").read_text())["tasks"]["vision"]
