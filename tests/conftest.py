@@ -203,15 +203,19 @@ def smollm2_run(smollm2_pair, tmp_path_factory) -> Run:
     return run_pair(smollm2_pair[SMOLLM2_W4A8], smollm2_pair[SMOLLM2_BF16], out, SMOLLM2_TASKS)
 
 
-def cli_in_process(capsys, *args: str | Path) -> tuple[int, list[str], str]:
+def cli_in_process(*args: str | Path) -> tuple[int, list[str], str]:
     """Exit code, stderr lines and stdout of `evalsuite ARGS` run through the CLI's entry point in this
-    process: the same code a user runs, without an interpreter's start-up, for the many refusal tests."""
+    process: the same code a user runs, without an interpreter's start-up (seconds each), for the many tests
+    of refusals and file-only checks."""
+    import contextlib
+    import io
+
     from evalsuite.cli import main
 
-    with pytest.raises(SystemExit) as stop:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
         main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return stop.value.code, [line for line in captured.err.splitlines() if line.strip()], captured.out
+    return stop.value.code, [line for line in err.getvalue().splitlines() if line.strip()], out.getvalue()
 
 
 def assert_refused(code: int, lines: list[str], *fragments: str) -> None:

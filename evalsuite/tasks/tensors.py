@@ -133,6 +133,8 @@ class Tensors:
             want = values.get(expected) if isinstance(expected, str) else expected
             value = values.get(name)
             checks.append(Check(name=name, value=value, op="==", threshold=want, passed=value == want))
+        if unchecked:
+            values["not_measured"] = ", ".join(unchecked)  # e.g. no decoded tensor in an EXL3 candidate
         # A statistic over all tensors that fails names where it was measured, before the listed problems.
         details = [
             {

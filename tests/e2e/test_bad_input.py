@@ -12,12 +12,12 @@ from tests.conftest import cli_in_process, copy_checkpoint
 
 
 @pytest.fixture
-def run_against(capsys):
+def run_against():
     """`evalsuite run --ckpt CKPT --ref REF --out OUT` through the CLI's entry point (in this process)."""
 
     def run(ckpt, ref, out):
         return cli_in_process(
-            capsys, "run", "--ckpt", ckpt, "--ref", ref, "--corpus", "python-docs", "--out", out, "--quiet"
+            "run", "--ckpt", ckpt, "--ref", ref, "--corpus", "python-docs", "--out", out, "--quiet"
         )
 
     return run

@@ -24,16 +24,16 @@ def pair(tiny_pair) -> tuple[str, ...]:
     return ("--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16], "--corpus", "python-docs")
 
 
-def test_out_pointing_at_a_file_is_refused(capsys, models, pair, tmp_path):
+def test_out_pointing_at_a_file_is_refused(models, pair, tmp_path):
     target = tmp_path / "results.txt"
     target.write_text("not a folder")
-    code, lines, _ = cli(capsys, "run", *pair, "--out", target, "--quiet")
+    code, lines, _ = cli("run", *pair, "--out", target, "--quiet")
     assert_refused(code, lines, str(target), "--out is a file")
     assert models.loads == []
 
 
-def test_record_into_a_missing_folder_is_refused(capsys, models, tiny_pair, tmp_path):
-    code, lines, _ = cli(capsys, "record", "--ckpt", tiny_pair[TINY_BF16], "--out", tmp_path / "a" / "b")
+def test_record_into_a_missing_folder_is_refused(models, tiny_pair, tmp_path):
+    code, lines, _ = cli("record", "--ckpt", tiny_pair[TINY_BF16], "--out", tmp_path / "a" / "b")
     assert_refused(code, lines, str(tmp_path / "a"), "does not exist")
     assert models.loads == []
 
@@ -55,36 +55,36 @@ def test_an_impossible_execution_is_refused_before_any_model(
 
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
-    code, lines, _ = cli(capsys, "run", *pair, option, value, "--out", tmp_path / "r", "--quiet")
+    code, lines, _ = cli("run", *pair, option, value, "--out", tmp_path / "r", "--quiet")
     assert_refused(code, lines, fragment)
     assert models.loads == []
 
 
-def test_no_task_is_refused(capsys, models, pair, tmp_path):
-    code, lines, _ = cli(capsys, "run", *pair, "--tasks", "", "--out", tmp_path / "r", "--quiet")
+def test_no_task_is_refused(models, pair, tmp_path):
+    code, lines, _ = cli("run", *pair, "--tasks", "", "--out", tmp_path / "r", "--quiet")
     assert_refused(code, lines, "no task to run")
 
 
-def test_a_misspelled_threshold_names_the_file_and_the_metric(capsys, models, pair, tmp_path):
+def test_a_misspelled_threshold_names_the_file_and_the_metric(models, pair, tmp_path):
     thresholds = tmp_path / "mine.toml"
     thresholds.write_text("[ppl]\nppl_ration = { max = 1.05 }\n")
-    code, lines, _ = cli(capsys, "run", *pair, "--thresholds", thresholds, "--out", tmp_path / "r", "--quiet")
+    code, lines, _ = cli("run", *pair, "--thresholds", thresholds, "--out", tmp_path / "r", "--quiet")
     assert_refused(code, lines, str(thresholds), "ppl_ration", "reports no such metric")
     assert models.loads == []
 
 
-def test_a_bad_threshold_value_is_blamed_on_the_user_s_file(capsys, models, pair, tmp_path):
+def test_a_bad_threshold_value_is_blamed_on_the_user_s_file(models, pair, tmp_path):
     thresholds = tmp_path / "mine.toml"
     thresholds.write_text("[ppl]\nppl_ratio = { max = 'high' }\n")
-    code, lines, _ = cli(capsys, "run", *pair, "--thresholds", thresholds, "--out", tmp_path / "r", "--quiet")
+    code, lines, _ = cli("run", *pair, "--thresholds", thresholds, "--out", tmp_path / "r", "--quiet")
     assert_refused(code, lines, str(thresholds), "ppl_ratio")
     assert "ppl.toml" not in lines[0]
 
 
 @pytest.mark.slow
-def test_vision_on_a_text_only_model_is_skipped_and_says_why(capsys, models, smollm2_pair, tmp_path):
+def test_vision_on_a_text_only_model_is_skipped_and_says_why(models, smollm2_pair, tmp_path):
     args = ("--ckpt", smollm2_pair["smollm2-135m-w4a8"], "--ref", smollm2_pair["smollm2-135m-bf16"])
-    code, lines, _ = cli(capsys, "run", *args, "--tasks", "vision", "--out", tmp_path / "r", "--quiet")
+    code, lines, _ = cli("run", *args, "--tasks", "vision", "--out", tmp_path / "r", "--quiet")
     # Nothing could be compared: no verdict (exit 2), with the reason in one line; vision itself is skipped.
     assert_refused(code, lines, "no verdict", "vision skipped", "text-only")
     import json
@@ -93,7 +93,7 @@ def test_vision_on_a_text_only_model_is_skipped_and_says_why(capsys, models, smo
     assert vision["status"] == "skipped" and models.loads == []
 
 
-def test_help_is_not_cut_when_piped(capsys):
-    code, _, out = cli(capsys, "run", "--help")
+def test_help_is_not_cut_when_piped():
+    code, _, out = cli("run", "--help")
     assert code == 0
     assert "--trust-remote-code" in out

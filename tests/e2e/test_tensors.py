@@ -19,17 +19,20 @@ from evalsuite.side import Side
 from evalsuite.spec import default_spec_path, load_spec
 from evalsuite.task import RunContext, TaskSkipped
 from evalsuite.tasks.tensors import Tensors, TensorsSpec
-from tests.conftest import copy_checkpoint, edit_tensors, run_cli
+from tests.conftest import cli_in_process, copy_checkpoint, edit_tensors
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
 
 
 def run_tensors(ckpt: Path, ref: Path, out: Path) -> tuple[int, dict, str]:
     """Exit code, the `tensors` entry of results.json (empty when none was written) and stderr."""
-    res = run_cli("run", "--ckpt", ckpt, "--ref", ref, "--tasks", "tensors", "--out", out, "--quiet")
+    # A file-only task: through the CLI's entry point in this process (no model, no interpreter start-up).
+    code, err, _ = cli_in_process(
+        "run", "--ckpt", ckpt, "--ref", ref, "--tasks", "tensors", "--out", out, "--quiet"
+    )
     path = out / "results.json"
     entry = json.loads(path.read_text())["tasks"]["tensors"] if path.is_file() else {}
-    return res.returncode, entry, res.stderr
+    return code, entry, "\n".join(err)
 
 
 def failed_checks(entry: dict) -> set[str]:
