@@ -6,62 +6,9 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 from evalsuite.junit import render_junit
+from tests.documents import PPL_METRICS, results_document
 
-PPL_RATIO = 1.8151403081254549
-
-
-def results_document(**tasks: dict[str, Any]) -> dict[str, Any]:
-    """A results.json document with a recorded reference; by default a failed ppl check, a skipped `vision`
-    task and a `tensors` task that could not run."""
-    if not tasks:
-        tasks = {
-            "ppl": {
-                "status": "fail",
-                "metrics": {
-                    "corpus": "wikitext-2-raw-v1",
-                    "n_scored_tokens": 2040,
-                    "ppl_ratio": PPL_RATIO,
-                    "same_top_p": 0.6642156862745098,
-                    "kld_estimator": "top-k + sampled tail",
-                    "kld_is_estimate": True,
-                },
-                "checks": [
-                    {
-                        "name": "ppl_ratio",
-                        "value": PPL_RATIO,
-                        "op": "<=",
-                        "threshold": 1.7,
-                        "passed": False,
-                    },
-                    {
-                        "name": "same_top_p",
-                        "value": 0.6642156862745098,
-                        "op": ">=",
-                        "threshold": 0.6,
-                        "passed": True,
-                    },
-                ],
-                "artifacts": {},
-            },
-            "vision": {"status": "skipped", "reason": "exllamav3 needs CUDA: no GPU on this machine"},
-            "tensors": {"status": "error", "reason": "shard model-00003-of-00007.safetensors is truncated"},
-        }
-    return {
-        "schema": "evalsuite.results/1",
-        "ckpt": {
-            "path": "/packs/MiniCPM-V-4.7-W4A8",
-            "format": "compressed-tensors",
-            "fingerprint": "21c6e5",
-        },
-        "ref": {
-            "path": "reference_outputs/minicpm-v-4.7-bf16",
-            "format": "recording",
-            "fingerprint": "4981b3",
-        },
-        "environment": {"packages": {"evalsuite": "0.1.0"}, "device": "cpu", "dtype": "bfloat16"},
-        "verdict": "fail",
-        "tasks": tasks,
-    }
+PPL_RATIO = PPL_METRICS["ppl_ratio"]
 
 
 def parse(results: dict[str, Any]) -> ET.Element:
@@ -102,7 +49,7 @@ def test_root_totals_count_tests_failures_errors_and_skipped():
 def test_skipped_task_is_one_skipped_testcase_with_its_reason():
     suite = parse(results_document()).find("testsuite[@name='evalsuite.vision']")
     (case,) = suite.iter("testcase")
-    assert case.find("skipped").get("message") == "exllamav3 needs CUDA: no GPU on this machine"
+    assert case.find("skipped").get("message") == "exllamav3 needs CUDA 12: no GPU on this machine"
     assert counts(suite) == {"tests": "1", "failures": "0", "errors": "0", "skipped": "1"}
 
 
@@ -114,7 +61,9 @@ def test_error_task_is_one_error_testcase_with_its_reason():
 
 
 def test_metrics_are_suite_properties_as_json_writes_them():
-    suite = parse(results_document()).find("testsuite[@name='evalsuite.ppl']")
+    results = results_document()
+    results["tasks"]["ppl"]["metrics"]["kld_is_estimate"] = True
+    suite = parse(results).find("testsuite[@name='evalsuite.ppl']")
     props = {p.get("name"): p.get("value") for p in suite.iter("property")}
     assert props["kld_estimator"] == "top-k + sampled tail"
     assert props["ppl_ratio"] == repr(PPL_RATIO)
