@@ -144,3 +144,14 @@ def test_inspect_reads_the_files_only(tiny_pair):
     res = run_cli("inspect", tiny_pair["tiny-minicpmv47-w4a8"])
     assert res.returncode == 0, res.stderr
     assert "format\tcompressed-tensors" in res.stdout and "fingerprint\t" in res.stdout
+
+
+def test_piped_output_has_no_third_party_noise_and_no_wrapped_lines(tiny_run):
+    """Transformers' kernel fallbacks, compressed-tensors' log lines and tqdm bars are held back (one line
+    counts them); evalsuite's own lines are never folded at 80 columns."""
+    err, out = tiny_run.cli.stderr, tiny_run.cli.stdout
+    assert "[transformers]" not in err and "Could not match" not in err and "it/s]" not in err, err
+    assert any(line.startswith("note: ") and "held back" in line for line in err.splitlines()), err
+    for line in tiny_run.loads:
+        assert line.endswith("backend hf)") or line.endswith("backend intref)"), line
+    assert any(line.startswith("ppl ") and "ppl_ratio <= 1.7" in line for line in out.splitlines()), out
