@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from tests.conftest import copy_checkpoint, edit_tensors, run_cli, wrong_scale_copy
+from tests.conftest import run_cli, wrong_scale_copy
 
 
 def task_result(run_dir, name):
@@ -54,36 +53,6 @@ def test_replay_gives_the_live_results_for_smoke_and_vision(tiny_smoke_vision):
         live, again = task_result(root / "live", name), task_result(root / "replay", name)
         assert again["metrics"] == live["metrics"], name
         assert again.get("details") == live.get("details"), name
-
-
-def test_a_perturbed_vision_tower_shows_the_drop(tiny_pair, tmp_path):
-    ckpt = copy_checkpoint(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "perturbed")
-    generator = torch.Generator().manual_seed(0)
-
-    def add_noise(tensors):
-        for name, value in tensors.items():
-            if "vision_tower" in name and name.endswith(".weight") and value.ndim == 2:
-                noise = torch.randn(value.shape, generator=generator) * value.float().std()
-                tensors[name] = (value.float() + noise).to(value.dtype)
-
-    edit_tensors(ckpt, add_noise)
-    res = run_cli(
-        "run",
-        "--ckpt",
-        ckpt,
-        "--ref",
-        tiny_pair["tiny-minicpmv47-bf16"],
-        "--tasks",
-        "vision",
-        "--out",
-        tmp_path / "out",
-        "--quiet",
-    )
-    assert res.returncode == 1, res.stderr
-    vision = task_result(tmp_path / "out", "vision")
-    assert vision["metrics"]["vision_cosine"] < 0.99 and vision["metrics"]["vision_rel_err"] > 0.1
-    failed = {c["name"] for c in vision["checks"] if not c["passed"]}
-    assert {"vision_cosine", "vision_rel_err"} <= failed
 
 
 def test_text_only_checkpoint_skips_vision_with_the_reason(smollm2_pair, tmp_path):
