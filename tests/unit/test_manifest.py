@@ -208,3 +208,18 @@ def test_written_sha256sums_is_what_sha256sum_writes_and_checks(folder):
     manifest = read_manifest(path)
     assert sorted(e.path for e in manifest.entries) == names
     assert verify_manifest(manifest, DigestCache()).ok
+
+
+def test_the_run_hands_its_digest_cache_to_the_file_tasks(tiny_pair, tmp_path):
+    from evalsuite.runner import RunRequest, plan_run
+
+    cache = DigestCache(tmp_path / "digests")
+    request = RunRequest(
+        ckpt=str(tiny_pair["tiny-minicpmv47-w4a8"]),
+        ref=str(tiny_pair["tiny-minicpmv47-bf16"]),
+        tasks=["tensors"],
+        out=tmp_path / "out",
+    )
+    plan = plan_run(request, cache)
+    assert plan.tasks[0].context.digests is cache
+    assert request.context.digests is None  # the request itself is left as it was given
