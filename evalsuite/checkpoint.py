@@ -79,9 +79,13 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 # Files of a checkpoint folder that say nothing about how the model computes: documentation, pictures,
-# repository metadata. Every other top-level file is part of the checkpoint's content.
+# repository metadata, file manifests. Every other top-level file is part of the checkpoint's content.
 _NOT_CONTENT = re.compile(
     r"(?i)^(readme|licen[cs]e|notice|copying|citation|use_policy)|\.(md|rst|png|jpe?g|gif|svg|webp|pdf)$|^\.git"
+    r"|^(sha256sums(\.txt)?|upload_manifest\.json)$"
+    # evalsuite's own fixture manifest records how a fixture was built, not what it computes: a rebuild that
+    # writes the same weights (another recipe hash) must not invalidate observations.
+    r"|^evalsuite-fixture\.json$"
 )
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")

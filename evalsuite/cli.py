@@ -1,4 +1,4 @@
-"""The command line: `run`, `fixtures`, `demo`, `tasks`, `inspect`.
+"""The command line: `run`, `record`, `report`, `fixtures`, `demo`, `manifest`, `tasks`, `inspect`.
 
 Exit codes: 0 every check passed, 1 a check failed (a regression), 2 the run could not be done (bad input, a
 missing dependency); the reason is one line on stderr.
@@ -402,6 +402,21 @@ def _vision_demo(fixtures: Path, quiet: bool) -> int:
         keep_observations=False,
     )
     return execute(request, quiet=quiet)
+
+
+@app.command("manifest")
+def manifest_command(
+    ckpt: Annotated[str, typer.Argument(help="A checkpoint folder (or fixture name) to list.")],
+    fixtures: Annotated[Path, typer.Option(help="Where fixture names are looked up.")] = DEFAULT_FIXTURES,
+) -> int:
+    """Write CKPT/SHA256SUMS: every file of the folder with its SHA-256, in sha256sum's format (`sha256sum -c
+    SHA256SUMS` checks it; the `tensors` task verifies it in a candidate)."""
+    from evalsuite.digest import DigestCache
+    from evalsuite.manifest import write_sha256sums
+
+    path, count = write_sha256sums(Path(resolve_source(ckpt, fixtures)), DigestCache.default())
+    print(f"{path}\t{count} files")
+    return 0
 
 
 @app.command("tasks")

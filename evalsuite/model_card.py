@@ -315,6 +315,11 @@ def caveats(results: dict[str, Any]) -> list[str]:
     for task, entry in tasks.items():
         if task not in MISSING_WHEN_NOT_RUN and entry["status"] in ("skipped", "error"):
             notes.append(f"`{task}` {_status_words(entry)}")
+    # A vision case that could not run here (a video without torchvision) is a claim left unproven.
+    if _measured(tasks.get("vision")).get("skipped_cases"):
+        for row in tasks["vision"].get("details", []):
+            if str(row.get("note", "")).startswith("skipped: "):
+                notes.append(f"vision case `{row.get('case')}` {row['note']}")
     ppl = _measured(tasks.get("ppl"))
     notes.append("a PPL increase is not an accuracy drop: downstream accuracy was not measured")
     if "window_tokens" in ppl:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -214,6 +215,12 @@ def caveats(results: dict[str, Any]) -> list[str]:
     return notes
 
 
+def _picture(path: str) -> str:
+    """An artifact PNG as a picture in a markdown table cell, at thumbnail width (an HTML tag: markdown's own
+    image syntax has no size, and a 1344-pixel image would stretch the table past the page)."""
+    return f'<img src="{path}" alt="{Path(path).stem}" width="240">'
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """report.md: the verdict, the summary table, the caveats, then each task: its key metrics with what
     they mean, its rows and its plots."""
@@ -241,11 +248,19 @@ def render_markdown(results: dict[str, Any]) -> str:
             ]
         lines += _metric_rows(entry)
         details = entry.get("details") or []
+        # A detail that names one of the task's PNG artifacts is shown as that picture, in its row (a case's
+        # image beside both answers), and not again below.
+        pictures = {p for p in entry.get("artifacts", {}).values() if p.endswith(".png")}
+        shown = {v for row in details for v in row.values() if isinstance(v, str) and v in pictures}
         if details:
             columns = list(dict.fromkeys(k for row in details for k in row))
             lines += ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-            lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in details]
+            for row in details:
+                cells = [_picture(v) if v in shown else _cell(v) for v in map(row.get, columns)]
+                lines.append("| " + " | ".join(cells) + " |")
         for name, path in entry.get("artifacts", {}).items():
+            if path in shown:
+                continue
             lines += ["", f"![{name}]({path})" if path.endswith(".png") else f"- {name}: [{path}]({path})"]
     env = results["environment"]
     lines += [

@@ -288,9 +288,9 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
     ref = open_side("ref", request.ref, ref_options)
     ckpt = open_side("ckpt", request.ckpt, ckpt_options)
     check_out_folder(request.out)
-    tasks = build_tasks(
-        request.tasks, request.context, request.thresholds, request.specs, request.thresholds_file
-    )
+    # File tasks hash through the run's digest cache: a file is read once per run, whichever task asks.
+    context = dataclasses.replace(request.context, digests=digests)
+    tasks = build_tasks(request.tasks, context, request.thresholds, request.specs, request.thresholds_file)
     if ckpt.options.backend == "intref" and not ckpt.options.conventions:
         ckpt.options = ckpt.options.with_backend("intref", intref_conventions(request))
     baseline = load_results(request.baseline) if request.baseline is not None else None

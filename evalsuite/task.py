@@ -26,6 +26,7 @@ from evalsuite.spec import Check, TaskSpec
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
+    from evalsuite.digest import DigestCache
     from evalsuite.side import Side
 
 Status = Literal["pass", "fail", "error", "skipped"]
@@ -214,11 +215,13 @@ class FileTask(Task, Protocol):
 
 @dataclass
 class RunContext:
-    """What tasks may ask of the run beyond their spec: the text to score, chosen once for both sides."""
+    """What tasks may ask of the run beyond their spec: the text to score, chosen once for both sides, and
+    the run's file digests (the cache its observation keys are hashed through; None outside a run)."""
 
     corpus_name: str = "auto"
     text_file: Path | None = None
     allow_download: bool = False
+    digests: DigestCache | None = None
 
     @cached_property
     def corpus(self) -> Corpus:

@@ -39,8 +39,9 @@ class Backend(Protocol):
         """Greedy decoding of one prompt with the top-k log-probs of every step."""
         ...
 
-    def image_features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The vision tower and merger's output for the image inputs, float32, one row per visual token."""
+    def image_features(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """The vision tower and merger's output for the visual inputs (images, then video frames), float32,
+        one row per visual token; inputs that are not tensors are model settings (`downsample_mode`)."""
         ...
 
     def describe(self) -> dict[str, Any]:

@@ -156,6 +156,14 @@ def _version(package: str) -> str:
     return version(package)
 
 
+def _pooled(out: Any) -> torch.Tensor:
+    """One row per visual token from a `get_*_features` output (a tensor, or one per image or frame)."""
+    pooled = out.pooler_output if getattr(out, "pooler_output", None) is not None else out.last_hidden_state
+    if isinstance(pooled, list | tuple):
+        pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
+    return pooled.reshape(-1, pooled.shape[-1])
+
+
 class HFBackend:
     """A Transformers model, loaded with no tolerance for missing or unexpected weights.
 
@@ -244,21 +252,26 @@ class HFBackend:
         )
 
     @torch.inference_mode()
-    def image_features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The vision tower and merger's output for the image inputs, float32, one row per visual token."""
+    def image_features(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """The vision tower and merger's output for the visual inputs, float32, one row per visual token: the
+        images' (`pixel_values`, …), then the video frames' (inputs named `…video…`). Inputs that are not
+        tensors are the model's settings for both (MiniCPM-V's `downsample_mode`)."""
         if not hasattr(self.model, "get_image_features"):
             raise InputError("this model has no vision tower", self.checkpoint.path)
-        image_inputs = {
-            k: v.to(self.device) for k, v in inputs.items() if k not in ("input_ids", "attention_mask")
-        }
-        image_inputs.pop("mm_token_type_ids", None)
-        out = self.model.get_image_features(**image_inputs)
-        pooled = (
-            out.pooler_output if getattr(out, "pooler_output", None) is not None else out.last_hidden_state
-        )
-        if isinstance(pooled, list | tuple):
-            pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
-        return pooled.reshape(-1, pooled.shape[-1]).float().cpu()
+        text = ("input_ids", "attention_mask", "mm_token_type_ids")
+        settings = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+        tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor) and k not in text}
+        visual = {k: v.to(self.device) for k, v in tensors.items()}
+        images = {k: v for k, v in visual.items() if "video" not in k}
+        videos = {k: v for k, v in visual.items() if "video" in k}
+        parts = []
+        if images:
+            parts.append(_pooled(self.model.get_image_features(**images, **settings)))
+        if videos:
+            if not hasattr(self.model, "get_video_features"):
+                raise InputError("this model has no video path", self.checkpoint.path)
+            parts.append(_pooled(self.model.get_video_features(**videos, **settings)))
+        return torch.cat(parts).float().cpu()
 
     def close(self) -> None:
         del self.model

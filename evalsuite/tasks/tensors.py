@@ -2,6 +2,8 @@
 
 A file-only task: it streams the source and the candidate tensor by tensor (no model is built) through
 `tensor_verification.verify_tensors`, then turns the rows into metrics, checks, `tensors.json` and a plot.
+The files that are not tensors are compared too (`assets`: processor, tokenizer, chat template, generation
+config), and a manifest the candidate ships (`SHA256SUMS`, `UPLOAD_MANIFEST.json`) is verified against it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from evalsuite import plots
+from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
+from evalsuite.manifest import ManifestCheck, find_manifests, read_manifest, verify_manifest
 from evalsuite.run_folder import write_atomic
 from evalsuite.side import Side
 from evalsuite.spec import Check, StrictModel, TaskSpec
 from evalsuite.task import Inputs, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.tasks.assets import AssetComparison, AssetRules, compare_assets
 from evalsuite.tasks.tensor_verification import ModuleRules, Verification, verify_tensors
 
 SOURCE_FORMATS = ("bf16", "fp16", "fp32")
@@ -31,6 +36,7 @@ class CompareOptions(StrictModel):
 
 class TensorsSpec(TaskSpec):
     modules: ModuleRules = ModuleRules()
+    assets: AssetRules = AssetRules()
     compare: CompareOptions = CompareOptions()
 
 
@@ -77,6 +83,15 @@ class Tensors:
         "worst_rel_err",
         "worst_channel_rel_err",
         "bpw_claim_error",
+        "assets_compared",
+        "assets_missing",
+        "assets_changed",
+        "asset_differences",
+        "manifest_entries",
+        "manifest_verified",
+        "manifest_missing",
+        "manifest_mismatched",
+        "manifest_unlisted_weights",
     )
 
     metric_descriptions: ClassVar[dict[str, str]] = {
@@ -115,13 +130,24 @@ class Tensors:
                     f"its {what} ({b}) differs from the reference's ({a}): not a copy of that source",
                     candidate.path,
                 )
-        return {"source_fingerprint": source.fingerprint, "candidate_fingerprint": candidate.fingerprint}
+        # A malformed manifest is bad input, refused before anything is streamed or loaded.
+        manifests = [read_manifest(path) for path in find_manifests(candidate.path)]
+        return {
+            "source_fingerprint": source.fingerprint,
+            "candidate_fingerprint": candidate.fingerprint,
+            "manifests": manifests,
+        }
 
     def compare_files(self, ref: Side, ckpt: Side, inputs: dict[str, Any], artifacts: Path) -> TaskResult:
         """Stream both checkpoints, then metrics, checks, tensors.json and the error plot."""
         rules = self.spec.modules
         found = verify_tensors(ref.checkpoint, ckpt.checkpoint, rules)
         values = found.summary()
+        assets = compare_assets(ref.checkpoint.path, ckpt.checkpoint.path, self.spec.assets)
+        values.update(assets.summary())
+        digests = self.context.digests or DigestCache.default()
+        manifests = [verify_manifest(m, digests) for m in inputs.get("manifests", [])]
+        values.update(manifest_summary(manifests))
         # A statistic the candidate's format has nothing to measure for (None or absent, e.g. decode_exact of
         # an EXL3 pack, bpw_claim_error without a bits claim) is listed as not measured, never passed.
         measured = frozenset(name for name, value in values.items() if value is not None)
@@ -145,23 +171,41 @@ class Tensors:
             for c in checks
             if not c.passed and (c.name in WHERE or f"{c.name}_tensor" in values)
         ]
-        details += [p.to_json() for p in found.problems[: self.spec.compare.details_limit]]
-        if len(found.problems) > self.spec.compare.details_limit:
-            more = len(found.problems) - self.spec.compare.details_limit
+        problems = [p.to_json() for p in found.problems]
+        problems += [d.to_json() for d in assets.differences] + [r for m in manifests for r in m.problems()]
+        details += problems[: self.spec.compare.details_limit]
+        if len(problems) > self.spec.compare.details_limit:
+            more = len(problems) - self.spec.compare.details_limit
             details.append({"check": "…", "tensor": f"{more} more", "detail": "see tensors.json"})
-        artifact_paths = self.write(found, values, artifacts)
+        artifact_paths = self.write(found, values, artifacts, assets, manifests)
         return TaskResult.from_checks(
             values, checks, artifacts=artifact_paths, details=details, not_measured=unchecked
         )
 
-    def write(self, found: Verification, values: dict[str, Any], folder: Path) -> dict[str, str]:
-        """tensors.json (every row, the problems, the summary) and the error map, relative to the run."""
+    def write(
+        self,
+        found: Verification,
+        values: dict[str, Any],
+        folder: Path,
+        assets: AssetComparison,
+        manifests: list[ManifestCheck],
+    ) -> dict[str, str]:
+        """tensors.json (every row, the problems, the assets and manifests, the summary) and the error map,
+        relative to the run."""
         doc = {
             "schema": "evalsuite.tensors/1",
             "summary": values,
             "claims": found.claims,
             "problems": [p.to_json() for p in found.problems],
             "tensors": found.rows,
+            "assets": {
+                "compared": assets.compared,
+                "differences": [d.to_json() for d in assets.differences],
+            },
+            "manifests": [
+                {"file": m.manifest.file.name, "entries": len(m.manifest.entries), "problems": m.problems()}
+                for m in manifests
+            ],
         }
         write_atomic(folder / "tensors.json", json.dumps(doc, indent=1, allow_nan=True) + "\n")
         measured = [r for r in found.tensors if r.rel_err is not None]
@@ -172,3 +216,17 @@ class Tensors:
             folder / "tensors_rel_err.png",
         )
         return {"tensors": f"{folder.name}/tensors.json", "rel_err_map": f"{folder.name}/tensors_rel_err.png"}
+
+
+def manifest_summary(checks: list[ManifestCheck]) -> dict[str, Any]:
+    """The manifests' metrics (none when the candidate ships no manifest: nothing was measured)."""
+    if not checks:
+        return {}
+    return {
+        "manifests": ", ".join(c.manifest.file.name for c in checks),
+        "manifest_entries": sum(len(c.manifest.entries) for c in checks),
+        "manifest_verified": sum(c.verified for c in checks),
+        "manifest_missing": sum(len(c.missing) for c in checks),
+        "manifest_mismatched": sum(len(c.mismatched) for c in checks),
+        "manifest_unlisted_weights": sum(len(c.unlisted_weights) for c in checks),
+    }

@@ -1,4 +1,13 @@
-"""A generated image of a red square and a blue circle, described by both sides; vision-tower parity."""
+"""Generated images and a short clip, described by both sides; vision-tower parity on every visual token.
+
+The task runs cases, each an input the packs claim to handle: the single image (a red square and a blue
+circle; its metrics keep their names without a prefix), and the spec's `[[cases]]`: a large image the
+processor slices into a grid, that image under each `downsample_mode`, a clip of the square moving through
+the video processor. Each case is its own observation on each side (observer `vision-answer[-CASE]`): the
+vision tower and merger's output for every visual token, and the greedy answer with the full next-token
+distributions of its first steps. A case that cannot run here (a video without torchvision) is skipped with
+its reason; the others still run.
+"""
 
 from __future__ import annotations
 
@@ -6,26 +15,46 @@ import hashlib
 import io
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from pydantic import field_validator
+from pydantic import Field, field_validator, model_validator
 
 from evalsuite import metrics
 from evalsuite.errors import InputError
-from evalsuite.multimodal import NoImagePath, image_question_inputs
+from evalsuite.multimodal import NoVisualPath, VisualProcessing
 from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
 from evalsuite.side import Side
-from evalsuite.spec import StrictModel, TaskSpec
+from evalsuite.spec import Check, StrictModel, TaskSpec, Threshold, apply_threshold
 from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, TaskSkipped, task
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
 
 RGB = tuple[int, int, int]
+# The single image's case: its metrics have no prefix (the names `vision` reported before it had cases).
+SINGLE = "image"
+# Metrics every case reports that a threshold may bound (prefixed `CASE.` except for the single image).
+CASE_METRICS = (
+    "vision_cosine",
+    "vision_rel_err",
+    "vision_max_abs",
+    "vision_tokens",
+    "first_tokens_kld",
+    "first_tokens_compared",
+    "answers_identical",
+    "ref_pass",
+    "ckpt_pass",
+    "answer_lost",
+    "n_slices",
+)
+ANSWER_METRICS = frozenset({"ref_pass", "ckpt_pass", "answer_lost"})
+# The cases of the shipped spec, so that `--thresholds` may name their metrics.
+SHIPPED_CASES = ("slices", "downsample_4x", "downsample_16x", "video")
 
 
 class Square(StrictModel):
@@ -48,6 +77,25 @@ class ImageSpec(StrictModel):
     background: RGB = (255, 255, 255)
     square: Square
     circle: Circle
+
+
+class MovingSquare(StrictModel):
+    """A square crossing the frame in a straight line: its left edge goes from `left_first` in the first
+    frame to `left_last` in the last, in equal steps."""
+
+    top: int
+    size: int
+    color: RGB
+    left_first: int
+    left_last: int
+
+
+class VideoSpec(StrictModel):
+    frames: int = Field(6, ge=2, le=64)
+    width: int = 448
+    height: int = 448
+    background: RGB = (255, 255, 255)
+    square: MovingSquare
 
 
 class GenerationSpec(StrictModel):
@@ -73,10 +121,121 @@ class AnswerSpec(StrictModel):
         return all(re.search(p, answer, flags=re.IGNORECASE) for p in self.patterns)
 
 
+def _known_metrics(table: dict[str, Threshold]) -> dict[str, Threshold]:
+    unknown = sorted(set(table) - set(CASE_METRICS))
+    if unknown:
+        raise ValueError(f"no case reports {', '.join(unknown)} (a case reports {', '.join(CASE_METRICS)})")
+    return table
+
+
+class CaseSpec(StrictModel):
+    """One more input both sides describe. Without `image` or `video` it shows the single image; without
+    `prompt` it asks `[generation].prompt` and, unless it sets `answer`, is judged by `[answer]`."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    image: str | None = None  # a name in [images]
+    video: VideoSpec | None = None
+    downsample_mode: Literal["4x", "16x"] | None = None  # None: the checkpoint's own setting
+    prompt: str | None = None
+    max_new_tokens: int | None = None
+    kld_steps: int | None = None
+    answer: AnswerSpec | None = None
+    thresholds: dict[str, Threshold] = Field(default_factory=dict)  # on top of [case_thresholds]
+
+    @field_validator("thresholds")
+    @classmethod
+    def _known(cls, value: dict[str, Threshold]) -> dict[str, Threshold]:
+        return _known_metrics(value)
+
+    @model_validator(mode="after")
+    def _one_medium(self) -> CaseSpec:
+        if self.name == SINGLE:
+            raise ValueError(f"case name {SINGLE!r} is the single image's ([image])")
+        if self.image is not None and self.video is not None:
+            raise ValueError("a case shows an image or a video, not both")
+        return self
+
+
 class VisionSpec(TaskSpec):
     image: ImageSpec
     generation: GenerationSpec
     answer: AnswerSpec
+    images: dict[str, ImageSpec] = Field(default_factory=dict)
+    cases: list[CaseSpec] = Field(default_factory=list)
+    # Bounds on every [[cases]] entry's metrics (not the single image's: [thresholds] has those).
+    case_thresholds: dict[str, Threshold] = Field(default_factory=dict)
+
+    COMPARE_ONLY: ClassVar[frozenset[str]] = TaskSpec.COMPARE_ONLY | {"case_thresholds"}
+
+    @field_validator("case_thresholds")
+    @classmethod
+    def _known(cls, value: dict[str, Threshold]) -> dict[str, Threshold]:
+        return _known_metrics(value)
+
+    @model_validator(mode="after")
+    def _cases_resolve(self) -> VisionSpec:
+        names = [c.name for c in self.cases]
+        if len(set(names)) != len(names):
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"case names repeat: {', '.join(repeated)}")
+        for case in self.cases:
+            if case.image is not None and case.image not in self.images:
+                raise ValueError(f"case {case.name!r} shows image {case.image!r}, not defined in [images]")
+        return self
+
+    def resolved_cases(self) -> list[Case]:
+        """The single image, then every `[[cases]]` entry with its defaults filled in."""
+        cases = [
+            Case(SINGLE, self.image, None, None, self.generation, self.answer, {}),
+        ]
+        for c in self.cases:
+            generation = GenerationSpec(
+                prompt=c.prompt or self.generation.prompt,
+                max_new_tokens=c.max_new_tokens or self.generation.max_new_tokens,
+                kld_steps=self.generation.kld_steps if c.kld_steps is None else c.kld_steps,
+            )
+            answer = c.answer if c.answer is not None or c.prompt else self.answer
+            image = None if c.video is not None else self.images[c.image] if c.image else self.image
+            thresholds = {**self.case_thresholds, **c.thresholds}
+            cases.append(Case(c.name, image, c.video, c.downsample_mode, generation, answer, thresholds))
+        return cases
+
+
+@dataclass(frozen=True)
+class Case:
+    """A case with its defaults resolved: what is shown, asked and expected, and its checks."""
+
+    name: str
+    image: ImageSpec | None
+    video: VideoSpec | None
+    downsample_mode: str | None
+    generation: GenerationSpec
+    answer: AnswerSpec | None
+    thresholds: dict[str, Threshold] = field(default_factory=dict)
+
+    @property
+    def prefix(self) -> str:
+        """Its metrics' prefix: none for the single image."""
+        return "" if self.name == SINGLE else f"{self.name}."
+
+    @property
+    def media_metric(self) -> str:
+        return "frames_sha256" if self.video is not None else "image_sha256"
+
+    def identity(self) -> dict[str, Any]:
+        """What shapes its observation: the picture or clip, the question and the settings."""
+        if self.name == SINGLE:
+            return {
+                "image": self.image.model_dump(mode="json"),
+                "generation": self.generation.model_dump(mode="json"),
+            }
+        return {
+            "case": self.name,
+            "image": None if self.image is None else self.image.model_dump(mode="json"),
+            "video": None if self.video is None else self.video.model_dump(mode="json"),
+            "downsample_mode": self.downsample_mode,
+            "generation": self.generation.model_dump(mode="json"),
+        }
 
 
 def draw(spec: ImageSpec) -> Any:
@@ -94,47 +253,88 @@ def draw(spec: ImageSpec) -> Any:
     return image
 
 
+def draw_frames(spec: VideoSpec) -> list[Any]:
+    """The clip's frames, drawn with Pillow: the square one equal step further along in each."""
+    from PIL import Image, ImageDraw
+
+    frames = []
+    s = spec.square
+    for i in range(spec.frames):
+        left = s.left_first + round(i * (s.left_last - s.left_first) / (spec.frames - 1))
+        frame = Image.new("RGB", (spec.width, spec.height), spec.background)
+        ImageDraw.Draw(frame).rectangle((left, s.top, left + s.size - 1, s.top + s.size - 1), fill=s.color)
+        frames.append(frame)
+    return frames
+
+
+def contact_sheet(frames: list[Any], gap: int = 4) -> Any:
+    """The frames side by side at half size, in order, on a grey strip: the clip at a glance."""
+    from PIL import Image
+
+    small = [
+        f.resize((max(1, f.width // 2), max(1, f.height // 2)), Image.Resampling.NEAREST) for f in frames
+    ]
+    width = sum(f.width for f in small) + gap * (len(small) + 1)
+    height = max(f.height for f in small) + 2 * gap
+    sheet = Image.new("RGB", (width, height), (128, 128, 128))
+    x = gap
+    for f in small:
+        sheet.paste(f, (x, gap))
+        x += f.width + gap
+    return sheet
+
+
 def tensors_sha256(inputs: dict[str, Any]) -> str:
-    """Hash of the model inputs (names, dtypes, shapes and bytes), so both sides provably got the same."""
+    """Hash of the model inputs (names, dtypes, shapes and bytes; settings by value), so both sides provably
+    got the same."""
     digest = hashlib.sha256()
     for name in sorted(inputs):
         value = inputs[name]
         if isinstance(value, torch.Tensor):
             digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
             digest.update(value.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, str | int | float | bool):
+            digest.update(f"{name}={value!r}".encode())
     return digest.hexdigest()
 
 
+def _png(image: Any) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
 class VisionAnswer:
-    """Observer: the vision tower + merger features of the image, and the greedy answer with the full
-    next-token distributions of its first steps."""
+    """Observer of one case: the visual features of every visual token (vision tower + merger), and the
+    greedy answer with the full next-token distributions of its first steps. A case whose inputs could not
+    be made here is observed as skipped, with the reason."""
 
-    name = "vision-answer"
-
-    def __init__(self, spec: VisionSpec) -> None:
-        self.spec = spec
+    def __init__(self, case: Case) -> None:
+        self.case = case
+        self.name = "vision-answer" if case.name == SINGLE else f"vision-answer-{case.name}"
 
     def identity(self) -> dict[str, Any]:
-        return {
-            "image": self.spec.image.model_dump(mode="json"),
-            "generation": self.spec.generation.model_dump(mode="json"),
-        }
+        return self.case.identity()
 
     def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
-        gen_spec = self.spec.generation
-        step = progress("vision answer", 1)
-        features = backend.image_features(inputs["tensors"])
+        prepared = inputs["cases"][self.case.name]
+        if "skipped" in prepared:
+            return Observation(name=self.name, meta={"skipped": prepared["skipped"]})
+        gen_spec = self.case.generation
+        step = progress(f"vision {self.case.name}", 1)
+        features = backend.image_features(prepared["tensors"])
         gen = backend.generate_greedy(
-            inputs["tensors"], gen_spec.max_new_tokens, top_k=5, full_steps=gen_spec.kld_steps
+            prepared["tensors"], gen_spec.max_new_tokens, top_k=5, full_steps=gen_spec.kld_steps
         )
         step()
         return Observation(
             name=self.name,
             meta={
                 "answer": backend.tokenizer.decode(gen.tokens, skip_special_tokens=True),
-                "image_sha256": inputs["image_sha256"],
-                "inputs_sha256": inputs["inputs_sha256"],
-                "processing": inputs["processing"],
+                "media_sha256": prepared["media_sha256"],
+                "inputs_sha256": prepared["inputs_sha256"],
+                "processing": prepared["processing"],
+                "grid": prepared["grid"],
                 "execution": backend.describe(),
             },
             arrays={
@@ -149,21 +349,78 @@ class VisionAnswer:
         return Observation(name=obs.name, key=obs.key, meta=obs.meta, arrays=obs.arrays)
 
 
+def prepare_case(case: Case, processing: VisualProcessing) -> dict[str, Any]:
+    """A case's inputs: the picture or clip drawn, processed with the question (NoVisualPath when it cannot
+    be here), and their hashes."""
+    prompt, mode = case.generation.prompt, case.downsample_mode
+    if case.video is not None:
+        frames = draw_frames(case.video)
+        pixels = np.stack([np.asarray(f) for f in frames])
+        made = processing.video(pixels, prompt, mode)
+        media = hashlib.sha256(pixels.tobytes()).hexdigest()
+    else:
+        image = draw(case.image)
+        made = processing.image(image, prompt, mode)
+        media = hashlib.sha256(image.tobytes()).hexdigest()
+    return {
+        "tensors": made.tensors,
+        "processing": made.path,
+        "grid": list(made.grid) if made.grid else None,
+        "media_sha256": media,
+        "inputs_sha256": tensors_sha256(made.tensors),
+    }
+
+
+def compare_case(case: Case, ref: Observation, ckpt: Observation) -> dict[str, Any]:
+    """One case's metrics (unprefixed) from both sides' observations."""
+    if ref.meta["inputs_sha256"] != ckpt.meta["inputs_sha256"]:
+        raise InputError(f"the sides were given different inputs for vision case {case.name!r}")
+    fa, fb = ref.arrays["features"], ckpt.arrays["features"]
+    if fa.shape != fb.shape:
+        raise InputError(f"vision case {case.name!r}: the features differ in shape: {fa.shape} vs {fb.shape}")
+    # Steps are comparable while both sides share their prefix: up to and including the first divergence.
+    d = metrics.first_divergence(ref.arrays["tokens"], ckpt.arrays["tokens"])
+    limit = min(len(ref.arrays["first_logp"]), len(ckpt.arrays["first_logp"]))
+    steps = limit if d is None else min(limit, d + 1)
+    kld = metrics.kl_divergence(ref.arrays["first_logp"][:steps], ckpt.arrays["first_logp"][:steps])
+    grid = ref.meta["grid"]
+    values: dict[str, Any] = {
+        case.media_metric: ref.meta["media_sha256"],
+        "inputs_sha256": ref.meta["inputs_sha256"],
+        "processing": ref.meta["processing"],
+        "grid": f"{grid[0]}x{grid[1]}" if grid else "none",
+        "n_slices": grid[0] * grid[1] if grid else 0,
+    }
+    if case.downsample_mode is not None:
+        values["downsample_mode"] = case.downsample_mode
+    if case.video is not None:
+        values["frames"] = case.video.frames
+    if case.answer is not None:
+        ref_pass = case.answer.matches(ref.meta["answer"])
+        ckpt_pass = case.answer.matches(ckpt.meta["answer"])
+        values.update(ref_pass=ref_pass, ckpt_pass=ckpt_pass, answer_lost=ref_pass and not ckpt_pass)
+    values.update(
+        vision_cosine=metrics.cosine_similarity(fa, fb),
+        vision_rel_err=metrics.relative_frobenius_error(fa, fb),
+        vision_max_abs=metrics.max_abs_error(fa, fb),
+        vision_tokens=int(fa.shape[0]),
+        first_tokens_kld=float(kld.mean()) if steps else float("nan"),
+        first_tokens_compared=steps,
+        answers_identical=d is None,
+    )
+    return values
+
+
 @task("vision")
 class Vision:
-    """Both sides describe the same generated image; their vision features and first tokens are compared."""
+    """Both sides describe the same generated images and clip; their visual features and first tokens are
+    compared per case."""
 
     spec_model: ClassVar[type[TaskSpec]] = VisionSpec
     metric_names: ClassVar[tuple[str, ...]] = (
-        "ref_pass",
-        "ckpt_pass",
-        "vision_cosine",
-        "vision_rel_err",
-        "vision_max_abs",
-        "vision_tokens",
-        "first_tokens_kld",
-        "first_tokens_compared",
-        "answers_identical",
+        *CASE_METRICS,
+        "cases_run",
+        *(f"{case}.{metric}" for case in SHIPPED_CASES for metric in CASE_METRICS),
     )
 
     metric_descriptions: ClassVar[dict[str, str]] = {
@@ -178,83 +435,122 @@ class Vision:
     def __init__(self, spec: VisionSpec, context: RunContext) -> None:
         self.spec = spec
         self.context = context
+        self.cases = spec.resolved_cases()
 
     def prepare(self, ref: Side, ckpt: Side) -> Inputs:
-        """The image, drawn once, and the processed inputs fed to both sides."""
+        """Every case's picture or clip, drawn and processed once and fed to both sides; the candidate's
+        processor must make the same inputs. The single image must be possible here; another case that is
+        not (a video without torchvision) is skipped with the reason."""
         source = ckpt if ref.is_recorded else ref
         config = source.checkpoint.config
         if "vision_config" not in config:
             raise TaskSkipped(f"{source.checkpoint.model_type or 'this model'} is text-only: no vision tower")
-        image = draw(self.spec.image)
-        try:
-            inputs, path = image_question_inputs(
-                source.checkpoint.path,
-                image,
-                self.spec.generation.prompt,
-                trust_remote_code=source.options.trust_remote_code,
-            )
-        except NoImagePath as exc:
-            raise TaskSkipped(str(exc)) from None
+        options = source.options
+        processing = VisualProcessing(source.checkpoint.path, trust_remote_code=options.trust_remote_code)
+        other = None
         if not ref.is_recorded and ckpt.checkpoint is not ref.checkpoint:
-            other, _ = image_question_inputs(
-                ckpt.checkpoint.path,
-                image,
-                self.spec.generation.prompt,
-                trust_remote_code=ckpt.options.trust_remote_code,
-            )
-            if tensors_sha256(other) != tensors_sha256(inputs):
-                raise InputError(
-                    "its processor or tokenizer makes other inputs for the image prompt than the "
-                    "reference's; the sides cannot be compared",
-                    ckpt.checkpoint.path,
-                )
-        return {
-            "tensors": inputs,
-            "image_sha256": hashlib.sha256(image.tobytes()).hexdigest(),
-            "inputs_sha256": tensors_sha256(inputs),
-            "processing": path,
-        }
+            other = VisualProcessing(ckpt.checkpoint.path, trust_remote_code=ckpt.options.trust_remote_code)
+        inputs: Inputs = {"cases": {}}
+        for case in self.cases:
+            try:
+                prepared = prepare_case(case, processing)
+            except NoVisualPath as exc:
+                if case.name == SINGLE:
+                    raise TaskSkipped(str(exc)) from None
+                inputs["cases"][case.name] = {"skipped": str(exc)}
+                inputs[f"{case.prefix}skipped"] = str(exc)
+                continue
+            if other is not None:
+                try:
+                    theirs = prepare_case(case, other)
+                except NoVisualPath as exc:
+                    raise InputError(f"vision case {case.name!r}: {exc}", ckpt.checkpoint.path) from None
+                if theirs["inputs_sha256"] != prepared["inputs_sha256"]:
+                    raise InputError(
+                        f"its processor or tokenizer makes other inputs for vision case {case.name!r} than "
+                        "the reference's; the sides cannot be compared",
+                        ckpt.checkpoint.path,
+                    )
+            inputs["cases"][case.name] = prepared
+            for key in ("media_sha256", "inputs_sha256", "processing"):
+                name = case.media_metric if key == "media_sha256" else key
+                inputs[f"{case.prefix}{name}"] = prepared[key]
+        return inputs
 
     def needs(self) -> list[Need]:
-        observer = VisionAnswer(self.spec)
-        return [Need("ref", "ref", observer), Need("ckpt", "ckpt", observer)]
+        needs = []
+        for case in self.cases:
+            observer = VisionAnswer(case)
+            needs += [Need(f"{case.name}:ref", "ref", observer), Need(f"{case.name}:ckpt", "ckpt", observer)]
+        return needs
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
-        ref, ckpt = observed["ref"], observed["ckpt"]
-        if ref.meta["inputs_sha256"] != ckpt.meta["inputs_sha256"]:
-            raise InputError("the sides were given different image inputs")
-        fa, fb = ref.arrays["features"], ckpt.arrays["features"]
-        if fa.shape != fb.shape:
-            raise InputError(f"the vision features differ in shape: {fa.shape} vs {fb.shape}")
-        # Steps are comparable while both sides share their prefix: up to and including the first divergence.
-        d = metrics.first_divergence(ref.arrays["tokens"], ckpt.arrays["tokens"])
-        limit = min(len(ref.arrays["first_logp"]), len(ckpt.arrays["first_logp"]))
-        steps = limit if d is None else min(limit, d + 1)
-        kld = metrics.kl_divergence(ref.arrays["first_logp"][:steps], ckpt.arrays["first_logp"][:steps])
-        values: dict[str, Any] = {
-            "image_sha256": ref.meta["image_sha256"],
-            "processing": ref.meta["processing"],
-            "ref_pass": self.spec.answer.matches(ref.meta["answer"]),
-            "ckpt_pass": self.spec.answer.matches(ckpt.meta["answer"]),
-            "vision_cosine": metrics.cosine_similarity(fa, fb),
-            "vision_rel_err": metrics.relative_frobenius_error(fa, fb),
-            "vision_max_abs": metrics.max_abs_error(fa, fb),
-            "vision_tokens": int(fa.shape[0]),
-            "first_tokens_kld": float(kld.mean()) if steps else float("nan"),
-            "first_tokens_compared": steps,
-            "answers_identical": d is None,
-        }
-        checks, _ = self.spec.threshold_checks(values)
-        # Drawn again from the spec for the report (the observation keys guarantee the same spec).
-        png = io.BytesIO()
-        draw(self.spec.image).save(png, format="PNG")
-        write_atomic(artifacts / "vision_image.png", png.getvalue())
+        values: dict[str, Any] = {}
+        checks: list[Check] = []
+        not_measured: list[str] = []
+        skipped: dict[str, str] = {}
+        details: list[dict[str, Any]] = []
+        pictures: dict[str, str] = {}
+        for case in self.cases:
+            ref, ckpt = observed[f"{case.name}:ref"], observed[f"{case.name}:ckpt"]
+            pictures[case.name] = self.picture(case, artifacts)
+            reason = ref.meta.get("skipped") or ckpt.meta.get("skipped")
+            if reason:
+                skipped[case.name] = reason
+                not_measured += [case.prefix + m for m in case.thresholds]
+                row = {"case": case.name, "input": pictures[case.name], "note": f"skipped: {reason}"}
+                details.append(row)
+                continue
+            found = compare_case(case, ref, ckpt)
+            values.update({case.prefix + k: v for k, v in found.items()})
+            for metric, threshold in case.thresholds.items():
+                if metric in ANSWER_METRICS and case.answer is None:
+                    not_measured.append(case.prefix + metric)
+                    continue
+                checks += apply_threshold(case.prefix + metric, found.get(metric), threshold)
+            details.append(self.row(case, found, ref, ckpt, pictures[case.name]))
+        values["cases_run"] = len(self.cases) - len(skipped)
+        values["skipped_cases"] = ", ".join(skipped)
+        # A threshold of [thresholds] on a skipped case's metric was not measured; any other missing metric
+        # (a misspelled name) fails.
+        unmeasurable = {n for n in self.spec.thresholds if n.partition(".")[0] in skipped and "." in n}
+        top, unmeasured = self.spec.threshold_checks(
+            values, measurable=frozenset(self.spec.thresholds) - unmeasurable
+        )
         return TaskResult.from_checks(
             values,
-            checks,
-            artifacts={"image": f"{artifacts.name}/vision_image.png"},
-            details=[
-                {"side": "ref", "answer": ref.meta["answer"], "pass": values["ref_pass"]},
-                {"side": "ckpt", "answer": ckpt.meta["answer"], "pass": values["ckpt_pass"]},
-            ],
+            top + checks,
+            artifacts={case: path for case, path in pictures.items()},
+            details=details,
+            not_measured=unmeasured + not_measured,
         )
+
+    @staticmethod
+    def row(case: Case, found: dict[str, Any], ref: Observation, ckpt: Observation, picture: str) -> dict:
+        """A case's line in report.md: what was shown, both answers and whether each matches."""
+        note = f"grid {found['grid']}, {found['vision_tokens']} visual tokens"
+        if case.downsample_mode is not None:
+            note += f", downsample {case.downsample_mode}"
+        if case.video is not None:
+            note = f"{case.video.frames} frames, {found['vision_tokens']} visual tokens"
+        return {
+            "case": case.name,
+            "input": picture,
+            "ref_answer": ref.meta["answer"],
+            "ref_pass": found.get("ref_pass"),
+            "ckpt_answer": ckpt.meta["answer"],
+            "ckpt_pass": found.get("ckpt_pass"),
+            "note": note,
+        }
+
+    @staticmethod
+    def picture(case: Case, artifacts: Path) -> str:
+        """The case's image, or the contact sheet of its frames, drawn again from the spec (the observation
+        keys guarantee the same spec) into the artifacts; its path relative to the run folder."""
+        if case.video is not None:
+            name, image = f"vision_{case.name}_frames.png", contact_sheet(draw_frames(case.video))
+        else:
+            name = "vision_image.png" if case.name == SINGLE else f"vision_{case.name}.png"
+            image = draw(case.image)
+        write_atomic(artifacts / name, _png(image))
+        return f"{artifacts.name}/{name}"

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from tests.conftest import copy_checkpoint, edit_tensors, rerun, run_cli, wrong_scale_copy
+from tests.conftest import rerun, run_cli, wrong_scale_copy
 
 
 def task_result(run_dir, name):
@@ -52,47 +51,15 @@ def test_a_baseline_keeps_every_detail_row(tiny_pair, tiny_run, tmp_path):
         tiny_run.out / "results.json",
     )
     again = rerun(tiny_run, tmp_path / "again", *args)
-    assert again.cli.returncode == 1, (
-        again.cli.stderr
-    )  # vision's answer checks still fail; the baseline adds none
+    # Vision's answer checks still fail; the baseline adds none that fail.
+    assert again.cli.returncode == 1, again.cli.stderr
     assert again.loads == []
     assert len(again.task("smoke")["details"]) == len(tiny_run.task("smoke")["details"]) == 11
     assert again.task("smoke")["details"] == tiny_run.task("smoke")["details"]
     for name in ("smoke", "vision"):
-        assert any(c["name"].endswith("_vs_baseline") and c["passed"] for c in again.task(name)["checks"]), (
-            name
-        )
+        regressions = [c for c in again.task(name)["checks"] if c["name"].endswith("_vs_baseline")]
+        assert regressions and all(c["passed"] for c in regressions), name
     assert "capital-france" in (again.out / "report.md").read_text()
-
-
-def test_a_perturbed_vision_tower_shows_the_drop(tiny_pair, tmp_path):
-    ckpt = copy_checkpoint(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "perturbed")
-    generator = torch.Generator().manual_seed(0)
-
-    def add_noise(tensors):
-        for name, value in tensors.items():
-            if "vision_tower" in name and name.endswith(".weight") and value.ndim == 2:
-                noise = torch.randn(value.shape, generator=generator) * value.float().std()
-                tensors[name] = (value.float() + noise).to(value.dtype)
-
-    edit_tensors(ckpt, add_noise)
-    res = run_cli(
-        "run",
-        "--ckpt",
-        ckpt,
-        "--ref",
-        tiny_pair["tiny-minicpmv47-bf16"],
-        "--tasks",
-        "vision",
-        "--out",
-        tmp_path / "out",
-        "--quiet",
-    )
-    assert res.returncode == 1, res.stderr
-    vision = task_result(tmp_path / "out", "vision")
-    assert vision["metrics"]["vision_cosine"] < 0.99 and vision["metrics"]["vision_rel_err"] > 0.1
-    failed = {c["name"] for c in vision["checks"] if not c["passed"]}
-    assert {"vision_cosine", "vision_rel_err"} <= failed
 
 
 @pytest.mark.parametrize(

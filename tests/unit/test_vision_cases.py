@@ -1,0 +1,187 @@
+"""The vision task's cases without a model: spec validation, and `compare` on observations built by hand, so
+that each per-case check is shown to fail on an input made to fail it; report.md shows each case's picture
+in its row beside both answers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from evalsuite.errors import InputError
+from evalsuite.model_card import render_model_card
+from evalsuite.observation import Observation
+from evalsuite.report import render_markdown
+from evalsuite.spec import default_spec_path, load_spec
+from evalsuite.task import RunContext, TaskResult
+from evalsuite.tasks.vision import Vision, VisionSpec
+
+SPEC_TEXT = default_spec_path("vision").read_text()
+VOCAB = 8
+
+
+def observation(answer: str = "red", features: np.ndarray | None = None, grid=(2, 3), **meta) -> Observation:
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, VOCAB))
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return Observation(
+        name="x",
+        meta={
+            "answer": answer,
+            "media_sha256": "m",
+            "inputs_sha256": "i",
+            "processing": "processor",
+            "grid": list(grid) if grid else None,
+            **meta,
+        },
+        arrays={
+            "features": np.ones((6, 4), np.float32) if features is None else features,
+            "tokens": np.arange(4),
+            "first_logp": logp.astype(np.float32),
+        },
+    )
+
+
+def observed(vision: Vision, **by_case: tuple[Observation, Observation]) -> dict[str, Observation]:
+    """Both sides of every case identical (and passing), but where `by_case` says otherwise."""
+    found = {}
+    for case in vision.cases:
+        ref, ckpt = by_case.get(case.name, (None, None))
+        default = observation("a red square and a blue circle; it moves from left to right")
+        found[f"{case.name}:ref"] = ref or default
+        found[f"{case.name}:ckpt"] = ckpt or default
+    return found
+
+
+def results_document(result: TaskResult) -> dict:
+    return {
+        "verdict": result.status,
+        "ckpt": {"path": "c", "format": "bf16"},
+        "ref": {"path": "r", "format": "bf16"},
+        "environment": {"device": "cpu", "device_name": "cpu", "dtype": "bfloat16", "packages": {}},
+        "tasks": {"vision": result.to_json()},
+    }
+
+
+@pytest.fixture
+def vision() -> Vision:
+    return Vision(load_spec(VisionSpec, default_spec_path("vision")), RunContext())
+
+
+def test_the_shipped_spec_has_the_single_image_then_each_case(vision):
+    names = [(c.name, c.downsample_mode, c.video is not None) for c in vision.cases]
+    assert names == [
+        ("image", None, False),
+        ("slices", None, False),
+        ("downsample_4x", "4x", False),
+        ("downsample_16x", "16x", False),
+        ("video", None, True),
+    ]
+    observers = [n.observer for n in vision.needs()]
+    assert len({o.name for o in observers}) == 5 and len(observers) == 10  # one observer per case, both sides
+    assert observers[0].name == "vision-answer"  # the single image keeps its observation's name
+
+
+def test_identical_sides_pass_every_case_with_unprefixed_names_for_the_single_image(vision, tmp_path):
+    result = vision.compare(observed(vision), tmp_path / "artifacts")
+    assert result.status == "pass", [c for c in result.checks if not c.passed]
+    m = result.metrics
+    assert m["vision_cosine"] == 1.0 and m["slices.vision_cosine"] == 1.0 and m["video.vision_rel_err"] == 0.0
+    assert m["slices.grid"] == "2x3" and m["slices.n_slices"] == 6 and m["cases_run"] == 5
+    assert m["skipped_cases"] == "" and m["downsample_4x.downsample_mode"] == "4x" and m["video.frames"] == 6
+    assert {c.name for c in result.checks} >= {
+        "slices.n_slices",
+        "video.answer_lost",
+        "downsample_4x.vision_cosine",
+    }
+
+
+def test_a_perturbed_tower_fails_the_parity_checks_of_the_case(vision, tmp_path):
+    noisy = np.ones((6, 4), np.float32) + np.random.default_rng(1).normal(size=(6, 4)).astype(np.float32)
+    result = vision.compare(
+        observed(vision, downsample_4x=(observation(), observation(features=noisy))), tmp_path / "a"
+    )
+    failed = {c.name for c in result.checks if not c.passed}
+    assert failed == {"downsample_4x.vision_cosine", "downsample_4x.vision_rel_err"}
+
+
+def test_an_unsliced_large_image_fails_the_slices_case(vision, tmp_path):
+    flat = observation("red", grid=None)
+    result = vision.compare(observed(vision, slices=(flat, flat)), tmp_path / "a")
+    assert result.metrics["slices.grid"] == "none" and result.metrics["slices.n_slices"] == 0
+    assert {c.name for c in result.checks if not c.passed} == {"slices.n_slices"}
+
+
+def test_an_answer_the_reference_gets_and_the_candidate_loses_fails(vision, tmp_path):
+    result = vision.compare(
+        observed(vision, video=(observation("It moves from left to right."), observation("It moves left."))),
+        tmp_path / "a",
+    )
+    m = result.metrics
+    assert (m["video.ref_pass"], m["video.ckpt_pass"], m["video.answer_lost"]) == (True, False, True)
+    assert {c.name for c in result.checks if not c.passed} == {"video.answer_lost"}
+    # A reference that fails too is no regression: the case reports it, and answer_lost holds.
+    both = vision.compare(
+        observed(vision, video=(observation("It moves up."), observation("It moves left."))), tmp_path / "b"
+    )
+    assert both.status == "pass" and both.metrics["video.ref_pass"] is False
+
+
+def test_a_skipped_case_is_reported_with_its_reason_and_its_checks_not_measured(vision, tmp_path):
+    reason = "the video processor cannot be built here (ImportError: needs torchvision)"
+    skipped = Observation(name="x", meta={"skipped": reason})
+    result = vision.compare(observed(vision, video=(skipped, skipped)), tmp_path / "artifacts")
+    assert result.status == "pass" and result.metrics["skipped_cases"] == "video"
+    assert result.metrics["cases_run"] == 4 and not any(k.startswith("video.") for k in result.metrics)
+    assert set(result.not_measured) == {"video.vision_cosine", "video.vision_rel_err", "video.answer_lost"}
+    row = next(r for r in result.details if r["case"] == "video")
+    assert row["note"] == f"skipped: {reason}" and row["input"] == "artifacts/vision_video_frames.png"
+    card = render_model_card(results_document(result))
+    assert f"- Vision case `video` skipped: {reason}." in card.splitlines()
+
+
+def test_report_shows_each_picture_in_its_row_beside_both_answers(vision, tmp_path):
+    artifacts = tmp_path / "artifacts"
+    result = vision.compare(observed(vision), artifacts)
+    sheet = Image.open(artifacts / "vision_video_frames.png")
+    assert sheet.width > 6 * 448 // 2 and sheet.height < 448  # six half-size frames in a row
+    assert Image.open(artifacts / "vision_slices.png").size == (1344, 896)
+    report = render_markdown(results_document(result))
+    row = next(line for line in report.splitlines() if line.startswith("| video |"))
+    assert '<img src="artifacts/vision_video_frames.png" alt="vision_video_frames" width="240">' in row
+    assert row.count("left to right") == 2  # both answers beside the picture
+    assert report.count("artifacts/vision_slices.png") == 1  # in its row, not listed again below
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        (
+            lambda t: t.replace(
+                'image = "large"\nprompt = "What colour', 'image = "huge"\nprompt = "What colour', 1
+            ),
+            "shows image 'huge'",
+        ),
+        (lambda t: t.replace('name = "downsample_16x"', 'name = "slices"'), "case names repeat: slices"),
+        (lambda t: t.replace("answer_lost = { max = 0 }", "answer_lots = { max = 0 }"), "answer_lots"),
+        (
+            lambda t: t.replace('downsample_mode = "4x"', 'downsample_mode = "8x"'),
+            "`cases.1.downsample_mode` (line 62)",
+        ),
+        (lambda t: t.replace('name = "video"', 'name = "video"\nimage = "large"'), "an image or a video"),
+    ],
+    ids=["unknown-image", "repeated-name", "unknown-metric", "unknown-mode", "two-media"],
+)
+def test_a_bad_case_spec_is_refused_at_start_up(tmp_path, edit, fragment):
+    path = tmp_path / "vision.toml"
+    text = edit(SPEC_TEXT)
+    assert text != SPEC_TEXT
+    path.write_text(text)
+    with pytest.raises(InputError) as caught:
+        load_spec(VisionSpec, path)
+    assert str(path) in str(caught.value) and fragment in str(caught.value), str(caught.value)
+
+
+def test_metric_names_let_thresholds_name_every_shipped_case():
+    for name in ("vision_cosine", "slices.n_slices", "downsample_4x.vision_rel_err", "video.answer_lost"):
+        assert name in Vision.metric_names
