@@ -166,7 +166,7 @@ def test_report_shows_each_picture_in_its_row_beside_both_answers(vision, tmp_pa
         (lambda t: t.replace("answer_lost = { max = 0 }", "answer_lots = { max = 0 }"), "answer_lots"),
         (
             lambda t: t.replace('downsample_mode = "4x"', 'downsample_mode = "8x"'),
-            "`cases.1.downsample_mode` (line 62)",
+            "`cases.1.downsample_mode` (line {line})",
         ),
         (lambda t: t.replace('name = "video"', 'name = "video"\nimage = "large"'), "an image or a video"),
     ],
@@ -177,6 +177,8 @@ def test_a_bad_case_spec_is_refused_at_start_up(tmp_path, edit, fragment):
     text = edit(SPEC_TEXT)
     assert text != SPEC_TEXT
     path.write_text(text)
+    # The line the error must point at: where the bad mode was written.
+    fragment = fragment.format(line=next((n for n, s in enumerate(text.splitlines(), 1) if '"8x"' in s), 0))
     with pytest.raises(InputError) as caught:
         load_spec(VisionSpec, path)
     assert str(path) in str(caught.value) and fragment in str(caught.value), str(caught.value)
