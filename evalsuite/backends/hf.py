@@ -120,6 +120,15 @@ def from_pretrained(
     checkpoint: Checkpoint, options: BackendOptions, config: Any, kwargs: dict[str, Any], device_map: Any
 ) -> Any:
     """`from_pretrained` by the config's model class, with the load report checked (no random weights)."""
+    model, info = from_pretrained_with_report(checkpoint, options, config, kwargs, device_map)
+    refuse_partial_load(checkpoint, info)
+    return model
+
+
+def from_pretrained_with_report(
+    checkpoint: Checkpoint, options: BackendOptions, config: Any, kwargs: dict[str, Any], device_map: Any
+) -> tuple[Any, dict[str, Any]]:
+    """`from_pretrained` by the config's model class, and Transformers' load report for the caller."""
     cls = _model_class(config)
     try:
         with quiet_transformers():
@@ -136,8 +145,7 @@ def from_pretrained(
         raise DependencyError(f"loading {checkpoint.path} needs a package: {_first_line(exc)}") from None
     except Exception as exc:
         raise InputError(f"Transformers cannot load the model: {_first_line(exc)}", checkpoint.path) from None
-    refuse_partial_load(checkpoint, info)
-    return model
+    return model, info
 
 
 def check_hf_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
@@ -154,6 +162,22 @@ def _version(package: str) -> str:
     from importlib.metadata import version
 
     return version(package)
+
+
+@torch.inference_mode()
+def image_features(
+    model: Any, device: torch.device, inputs: dict[str, torch.Tensor], checkpoint: Checkpoint
+) -> torch.Tensor:
+    """A model's vision tower and merger output for the image inputs, float32, one row per visual token."""
+    if not hasattr(model, "get_image_features"):
+        raise InputError("this model has no vision tower", checkpoint.path)
+    image_inputs = {k: v.to(device) for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    image_inputs.pop("mm_token_type_ids", None)
+    out = model.get_image_features(**image_inputs)
+    pooled = out.pooler_output if getattr(out, "pooler_output", None) is not None else out.last_hidden_state
+    if isinstance(pooled, list | tuple):
+        pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
+    return pooled.reshape(-1, pooled.shape[-1]).float().cpu()
 
 
 class HFBackend:
@@ -243,22 +267,9 @@ class HFBackend:
             full_logp=logp[:full_steps].numpy().copy(),
         )
 
-    @torch.inference_mode()
     def image_features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The vision tower and merger's output for the image inputs, float32, one row per visual token."""
-        if not hasattr(self.model, "get_image_features"):
-            raise InputError("this model has no vision tower", self.checkpoint.path)
-        image_inputs = {
-            k: v.to(self.device) for k, v in inputs.items() if k not in ("input_ids", "attention_mask")
-        }
-        image_inputs.pop("mm_token_type_ids", None)
-        out = self.model.get_image_features(**image_inputs)
-        pooled = (
-            out.pooler_output if getattr(out, "pooler_output", None) is not None else out.last_hidden_state
-        )
-        if isinstance(pooled, list | tuple):
-            pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
-        return pooled.reshape(-1, pooled.shape[-1]).float().cpu()
+        return image_features(self.model, self.device, inputs, self.checkpoint)
 
     def close(self) -> None:
         del self.model

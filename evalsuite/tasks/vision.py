@@ -20,7 +20,16 @@ from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
-from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.task import (
+    Inputs,
+    Need,
+    Progress,
+    RunContext,
+    TaskResult,
+    TaskSkipped,
+    skip_if_streamed,
+    task,
+)
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
@@ -172,6 +181,7 @@ class Vision:
 
     def prepare(self, ref: Side, ckpt: Side) -> Inputs:
         """The image, drawn once, and the processed inputs fed to both sides."""
+        skip_if_streamed(ref, ckpt, "vision")
         source = ckpt if ref.is_recorded else ref
         config = source.checkpoint.config
         if "vision_config" not in config:
