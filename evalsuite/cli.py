@@ -46,12 +46,12 @@ def resolve_source(source: str, fixtures: Path = DEFAULT_FIXTURES) -> str:
     """
     if Path(source).exists():
         return source
-    from evalsuite.fixtures.names import FIXTURE_NAMES, MANIFEST_NAME
+    from evalsuite.fixtures.names import BENCH_FIXTURE_NAMES, FIXTURE_NAMES, MANIFEST_NAME
 
     folder = fixtures / source
     if Path(source).name == source and (folder / MANIFEST_NAME).is_file():
         return str(folder)
-    if source in FIXTURE_NAMES:
+    if source in FIXTURE_NAMES or source in BENCH_FIXTURE_NAMES:
         raise InputError(
             f"fixture {source!r} is not built; run `evalsuite fixtures --out {fixtures}`", folder
         )
