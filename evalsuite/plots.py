@@ -109,7 +109,7 @@ def relative_error_by_layer(
     _save(fig, path)
 
 
-def layer_errors(own: Sequence[float], drift: Sequence[float], kinds: Sequence[str], path: Path) -> None:
+def layer_errors(own: Sequence[float], drift: Sequence[float], path: Path) -> None:
     """Relative error of the hidden states per decoder layer: each layer's own (fed the reference's input)
     and the drift accumulated on the candidate's own prefix, on a log axis (exact zeros are left out)."""
     fig = _figure(width=min(16.0, max(6.4, 2.0 + 0.2 * len(own))))
@@ -128,8 +128,7 @@ def layer_errors(own: Sequence[float], drift: Sequence[float], kinds: Sequence[s
     ax.set_xticks(x[::step], [str(i) for i in x[::step]])
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("‖h_ckpt − h_ref‖ / ‖h_ref‖")
-    kinds_seen = ", ".join(sorted(set(kinds)))
-    ax.set_title(f"Hidden-state error per layer ({len(own)} layers: {kinds_seen})")
+    ax.set_title(f"Hidden-state error per decoder layer ({len(own)} layers)")
     _save(fig, path)
 
 
