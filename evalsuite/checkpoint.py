@@ -8,6 +8,7 @@ halfway through a run. Tensors are read one at a time, so memory is bounded by t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -244,6 +245,23 @@ class Checkpoint:
             with safe_open(shard, framework="pt") as f:
                 for info in by_shard[shard]:
                     yield info.name, f.get_tensor(info.name)
+
+    @contextlib.contextmanager
+    def open_tensors(self, names: Iterable[str]) -> Iterator[dict[str, Any]]:
+        """Lazy handles of `names` for the duration of the block: safetensors slices, each read only when
+        indexed (`handle[...]` is the whole tensor), the way Transformers' own loader reads shards. Only the
+        shards holding `names` are opened. Unknown names are rejected before anything is opened."""
+        infos = [self._info(n) for n in names]
+        by_shard: dict[Path, list[str]] = {}
+        for info in infos:
+            by_shard.setdefault(info.shard, []).append(info.name)
+        with contextlib.ExitStack() as stack:
+            handles: dict[str, Any] = {}
+            for shard in self.shards:
+                if shard in by_shard:
+                    reader = stack.enter_context(safe_open(shard, framework="pt"))
+                    handles.update({name: reader.get_slice(name) for name in by_shard[shard]})
+            yield handles
 
     def read_bytes(self, name: str) -> bytes:
         """The tensor's data exactly as stored in its shard."""

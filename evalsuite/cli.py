@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 from typer.exceptions import TyperException
 
+from evalsuite.backends.options import BackendOptions
 from evalsuite.errors import EvalsuiteError, InputError
 from evalsuite.run_folder import write_atomic
 
@@ -48,12 +49,12 @@ def resolve_source(source: str, fixtures: Path = DEFAULT_FIXTURES) -> str:
     """
     if Path(source).exists():
         return source
-    from evalsuite.fixtures.names import FIXTURE_NAMES, MANIFEST_NAME
+    from evalsuite.fixtures.names import BENCH_FIXTURE_NAMES, FIXTURE_NAMES, MANIFEST_NAME
 
     folder = fixtures / source
     if Path(source).name == source and (folder / MANIFEST_NAME).is_file():
         return str(folder)
-    if source in FIXTURE_NAMES:
+    if source in FIXTURE_NAMES or source in BENCH_FIXTURE_NAMES:
         raise InputError(
             f"fixture {source!r} is not built; run `evalsuite fixtures --out {fixtures}`", folder
         )
@@ -116,8 +117,13 @@ def _progress_columns():
 
 
 def _announce_load(side, options) -> None:
+    streamed = ""
+    if options.stream:
+        why = side.stream_reason if side.stream_reason not in (None, "--stream") else ""
+        streamed = ", streamed one decoder layer at a time" + (f": {why}" if why else "")
     console.print(
-        f"loading {side.role}: {side.checkpoint.path} ({side.checkpoint.format}, backend {options.backend})"
+        f"loading {side.role}: {side.checkpoint.path} ({side.checkpoint.format}, backend {options.backend}"
+        f"{streamed})"
     )
 
 
@@ -193,6 +199,31 @@ def execute(request, quiet: bool = False, junit: Path | None = None, model_card:
 
 Dtype = Annotated[str, typer.Option(help="Compute dtype: bfloat16, float16 or float32.")]
 Device = Annotated[str, typer.Option(help="cpu, cuda, cuda:N, or auto (accelerate's device_map).")]
+Stream = Annotated[
+    bool, typer.Option(help="Run both sides one decoder layer at a time (for models larger than memory).")
+]
+MaxMemory = Annotated[
+    str | None,
+    typer.Option(
+        help="Memory a side may fill, e.g. 24GB or 30GiB [default: the device's free memory]; a side whose "
+        "model needs more runs streamed."
+    ),
+]
+
+
+def backend_options(
+    dtype: str, device: str, trust_remote_code: bool, stream: bool, max_memory: str | None
+) -> BackendOptions:
+    """The execution options both sides start from."""
+    from evalsuite.backends.memory import parse_memory_size
+
+    return BackendOptions(
+        dtype=dtype,
+        device=device,
+        trust_remote_code=trust_remote_code,
+        stream=stream,
+        max_memory=None if max_memory is None else parse_memory_size(max_memory),
+    )
 
 
 @app.command("run")
@@ -219,6 +250,8 @@ def run_command(
     ] = "hf",
     dtype: Dtype = "bfloat16",
     device: Device = "cpu",
+    stream: Stream = False,
+    max_memory: MaxMemory = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow code from the checkpoint folders.")] = False,
     resume: Annotated[bool, typer.Option(help="Reuse observations saved by an earlier run.")] = True,
     keep_observations: Annotated[
@@ -229,12 +262,11 @@ def run_command(
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
     """Compare a candidate checkpoint with its reference and write reports/NAME/{results.json,report.md}."""
-    from evalsuite.backends.options import BackendOptions
     from evalsuite.runner import RunRequest
     from evalsuite.task import RunContext
 
     ckpt_source, ref_source = resolve_source(ckpt, fixtures), resolve_source(ref, fixtures)
-    options = BackendOptions(dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    options = backend_options(dtype, device, trust_remote_code, stream, max_memory)
     request = RunRequest(
         ckpt=ckpt_source,
         ref=ref_source,
@@ -264,12 +296,13 @@ def record_command(
     spec: SpecOption = None,
     dtype: Dtype = "bfloat16",
     device: Device = "cpu",
+    stream: Stream = False,
+    max_memory: MaxMemory = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow code from the checkpoint folder.")] = False,
     fixtures: Annotated[Path, typer.Option(help="Where fixture names are looked up.")] = DEFAULT_FIXTURES,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
     """Observe one checkpoint and save a compact recording that `run --ref` accepts instead of the model."""
-    from evalsuite.backends.options import BackendOptions
     from evalsuite.runner import RecordRequest, record
     from evalsuite.task import RunContext
 
@@ -278,7 +311,7 @@ def record_command(
         tasks=task_names(tasks),
         out=out,
         context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
-        options=BackendOptions(dtype=dtype, device=device, trust_remote_code=trust_remote_code),
+        options=backend_options(dtype, device, trust_remote_code, stream, max_memory),
         specs=parse_specs(spec),
     )
     Progress, columns = _progress_columns()

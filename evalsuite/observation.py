@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,12 +45,17 @@ class Observation:
         os.umask(umask)
         tmp.chmod(0o666 & ~umask)  # safetensors writes 0600; a recording is meant to be shared
         tmp.replace(folder / ARRAYS_FILE)
-        doc = {
-            "name": self.name,
-            "key": self.key,
-            "meta": self.meta,
-            "files": {k: p.resolve().relative_to(folder.resolve()).as_posix() for k, p in self.files.items()},
-        }
+        files = {}
+        for name, path in self.files.items():
+            if not path.resolve().is_relative_to(folder.resolve()):
+                # A file made elsewhere (a recording of an observation that keeps its large files) is copied
+                # in: an observation folder holds everything it names.
+                target = folder / "files" / path.name
+                target.parent.mkdir(exist_ok=True)
+                shutil.copyfile(path, target)
+                path = target
+            files[name] = path.resolve().relative_to(folder.resolve()).as_posix()
+        doc = {"name": self.name, "key": self.key, "meta": self.meta, "files": files}
         write_atomic(folder / OBSERVATION_FILE, json.dumps(doc, indent=1, sort_keys=True))
 
     @classmethod

@@ -108,3 +108,45 @@ def relative_error_by_layer(
     ax.set_xlabel("layer")
     ax.set_title(f"Relative error per layer and projection ({len(rel_err)} tensors)")
     _save(fig, path)
+
+
+def layer_errors(own: Sequence[float], drift: Sequence[float], path: Path) -> None:
+    """Relative error of the hidden states per decoder layer: each layer's own (fed the reference's input)
+    and the drift accumulated on the candidate's own prefix, on a log axis (exact zeros are left out)."""
+    fig = _figure(width=min(16.0, max(6.4, 2.0 + 0.2 * len(own))))
+    ax = fig.add_subplot()
+    x = np.arange(len(own))
+    for values, label, style in ((drift, "drift (own prefix)", "-o"), (own, "own (reference input)", "-s")):
+        y = np.asarray(values, dtype=np.float64)
+        shown = np.where(y > 0, y, np.nan)
+        ax.plot(x, shown, style, markersize=3, label=label)
+    if (np.asarray([*own, *drift], dtype=np.float64) > 0).any():
+        ax.set_yscale("log")
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "every layer matches exactly", ha="center", va="center", transform=ax.transAxes)
+    step = max(1, len(own) // 40)
+    ax.set_xticks(x[::step], [str(i) for i in x[::step]])
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("‖h_ckpt − h_ref‖ / ‖h_ref‖")
+    ax.set_title(f"Hidden-state error per decoder layer ({len(own)} layers)")
+    _save(fig, path)
+
+
+def unit_bars(names: Sequence[str], kld: Sequence[float], path: Path, whole: float) -> None:
+    """Mean KL divergence of the reference with one unit swapped for the candidate's, largest first, with
+    the whole candidate's KLD marked."""
+    order = np.argsort(-np.asarray(kld, dtype=np.float64), kind="stable")
+    shown = order[:40]
+    fig = _figure(height=min(12.0, 1.6 + 0.22 * len(shown)))
+    ax = fig.add_subplot()
+    y = np.arange(len(shown))
+    ax.barh(y, [kld[i] for i in shown], color="#4c72b0")
+    ax.set_yticks(y, [names[i] for i in shown], fontsize=8 if len(shown) > 12 else 10)
+    ax.invert_yaxis()
+    ax.axvline(whole, color="#c44e52", linestyle="--", label=f"whole candidate {whole:.3g}")
+    ax.legend(loc="lower right")
+    ax.set_xlabel("mean KL(ref ‖ ref with this unit swapped) per token (nats)")
+    more = f" (largest {len(shown)} of {len(names)})" if len(names) > len(shown) else ""
+    ax.set_title(f"KL attribution by unit{more}")
+    _save(fig, path)

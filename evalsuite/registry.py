@@ -21,13 +21,15 @@ ENTRY_POINT_GROUP = "evalsuite.tasks"
 
 def _builtin_tasks() -> list[type]:
     # One line per built-in task: adding a task is adding a line.
+    from evalsuite.tasks.attribution import Attribution
     from evalsuite.tasks.intref import IntegerReference
+    from evalsuite.tasks.layers import Layers
     from evalsuite.tasks.ppl import Perplexity
     from evalsuite.tasks.smoke import Smoke
     from evalsuite.tasks.tensors import Tensors
     from evalsuite.tasks.vision import Vision
 
-    return [Perplexity, Smoke, Vision, Tensors, IntegerReference]
+    return [Perplexity, Smoke, Vision, Tensors, IntegerReference, Layers, Attribution]
 
 
 def registered_tasks() -> dict[str, type]:

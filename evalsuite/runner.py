@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from evalsuite import __version__
-from evalsuite.backends import check_load_plan, load_backend
+from evalsuite.backends import check_load_plan, load_backend, load_pair
+from evalsuite.backends.memory import streamed_if_needed
 from evalsuite.backends.options import BackendOptions
 from evalsuite.digest import DigestCache
 from evalsuite.errors import EvalsuiteError, InputError
@@ -192,7 +193,12 @@ def _checked_thresholds(cls: type, table: Any, where: Path | None) -> dict[str, 
 
 @dataclass
 class PlannedObservation:
-    """One observation the run needs: on which side, how executed, by which observer, for which tasks."""
+    """One observation the run needs: on which side, how executed, by which observer, for which tasks.
+
+    A `pair` observation is made on both sides at once: `side` is the candidate, `partner` the reference
+    (`partner_options` its execution). `consumes` maps the labels of the observations it is handed to their
+    keys.
+    """
 
     key: str
     side: Side
@@ -200,6 +206,14 @@ class PlannedObservation:
     need: Need
     inputs: Inputs
     tasks: list[str]
+    partner: Side | None = None
+    partner_options: BackendOptions | None = None
+    consumes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        """`ref`, `ckpt`, or `pair` for both sides at once."""
+        return "pair" if self.partner is not None else self.side.role
 
 
 @dataclass
@@ -217,18 +231,30 @@ class RunPlan:
 
 
 def side_options(side: Side, need: Need) -> BackendOptions:
-    """How a need's side is executed: the side's own options, or the need's backend and conventions."""
+    """How a need's side is executed: the side's own options, or the need's backend and conventions;
+    streamed when the need asks for it (a `pair` need always does)."""
     if need.backend is None or (need.backend == side.options.backend and not need.conventions):
-        return side.options
-    return side.options.with_backend(need.backend, need.conventions)
+        options = side.options
+    else:
+        options = side.options.with_backend(need.backend, need.conventions)
+    if need.streamed or need.role == "pair":
+        options = dataclasses.replace(options, stream=True)
+    return options
 
 
 def observation_key(
-    side: Side, options: BackendOptions, need: Need, inputs: Inputs, digests: DigestCache
+    side: Side,
+    options: BackendOptions,
+    need: Need,
+    inputs: Inputs,
+    digests: DigestCache,
+    consumes: dict[str, str] | None = None,
+    partner: tuple[Side, BackendOptions] | None = None,
 ) -> str:
     """Identity of an observation: every byte of the side's weights, its execution with its conventions,
-    the observer and what shapes it, the inputs' hashes, the evalsuite version."""
-    doc = {
+    the observer and what shapes it, the inputs' hashes, the evalsuite version; and for an observation made
+    from others, their keys; for a pair, the reference side's weights and execution too."""
+    doc: dict[str, Any] = {
         "observer": need.observer.name,
         "identity": need.observer.identity(),
         "inputs": inputs_digest(inputs),
@@ -236,6 +262,13 @@ def observation_key(
         "execution": options.to_json(),
         "evalsuite": __version__,
     }
+    if consumes:
+        doc["consumes"] = consumes
+    if partner is not None:
+        doc["partner"] = {
+            "content_sha256": partner[0].content_sha256(digests),
+            "execution": partner[1].to_json(),
+        }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -256,10 +289,10 @@ def plan_observations(
     inputs: dict[str, Inputs],
     sides: dict[str, Side],
     digests: DigestCache,
-    roles: tuple[str, ...] = ("ref", "ckpt"),
+    roles: tuple[str, ...] = ("ref", "ckpt", "pair"),
 ) -> tuple[dict[str, PlannedObservation], dict[str, dict[str, str]]]:
     """Every distinct observation the model tasks need of the `roles` sides, by key, and which key each
-    task's label gets."""
+    task's label gets. A need that consumes others is planned after them (a task lists them first)."""
     planned: dict[str, PlannedObservation] = {}
     wiring: dict[str, dict[str, str]] = {}
     for t in tasks:
@@ -267,18 +300,34 @@ def plan_observations(
             continue
         wiring[t.name] = {}
         for need in t.needs():
-            if need.role not in roles:
+            if need.role not in roles or not all(label in wiring[t.name] for label in need.consumes):
                 continue
-            side = sides[need.role]
+            consumes = {label: wiring[t.name][label] for label in need.consumes}
+            side = sides["ckpt" if need.role == "pair" else need.role]
+            partner = None
+            if need.role == "pair":
+                partner = (sides["ref"], dataclasses.replace(sides["ref"].options, stream=True))
             options = side_options(side, need)
-            key = observation_key(side, options, need, inputs[t.name], digests)
+            key = observation_key(side, options, need, inputs[t.name], digests, consumes, partner)
             wiring[t.name][need.label] = key
             if key in planned:
                 planned[key].tasks.append(t.name)
             else:
-                planned[key] = PlannedObservation(key, side, options, need, inputs[t.name], [t.name])
-    # The reference first (all its loads), then the candidate: one model resident at a time.
-    order = sorted(planned.values(), key=lambda p: p.side.role != "ref")
+                planned[key] = PlannedObservation(
+                    key,
+                    side,
+                    options,
+                    need,
+                    inputs[t.name],
+                    [t.name],
+                    partner=partner[0] if partner else None,
+                    partner_options=partner[1] if partner else None,
+                    consumes=consumes,
+                )
+    # The reference first (all its loads), then the candidate, then both at once: one model resident at a
+    # time (a pair holds one layer of each). The sort is stable: what a need consumes stays before it.
+    rank = {"ref": 0, "ckpt": 1, "pair": 2}
+    order = sorted(planned.values(), key=lambda p: rank[p.role])
     return {p.key: p for p in order}, wiring
 
 
@@ -287,6 +336,8 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
     ref_options, ckpt_options = request.ref_options.check(), request.ckpt_options.check()
     ref = open_side("ref", request.ref, ref_options)
     ckpt = open_side("ckpt", request.ckpt, ckpt_options)
+    for side in (ref, ckpt):
+        stream_if_needed(side)
     check_out_folder(request.out)
     # File tasks hash through the run's digest cache: a file is read once per run, whichever task asks.
     context = dataclasses.replace(request.context, digests=digests)
@@ -308,6 +359,14 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
             recorded_observation(planned)  # refused now if stale, not after the candidate's hour
         elif not (request.resume and _saved(folder, planned)):
             loads.add((planned.side.role, planned.options))
+            if planned.partner is not None:
+                if planned.partner.recording is not None:
+                    raise InputError(
+                        f"`{planned.tasks[0]}` runs the reference's own layers, which a recording does not "
+                        "hold: give the reference checkpoint",
+                        planned.partner.path,
+                    )
+                loads.add((planned.partner.role, planned.partner_options))
     for role, options in sorted(loads, key=lambda load: load[0] != "ref"):
         side = ref if role == "ref" else ckpt
         check_load_plan(side.checkpoint, options)
@@ -326,6 +385,14 @@ def spec_provenance(task: Task, request: RunRequest) -> dict[str, str]:
     else:
         thresholds = "shipped default"
     return {"file": str(source), "thresholds": thresholds}
+
+
+def stream_if_needed(side: Side) -> None:
+    """Stream a side, one decoder layer resident at a time, when asked (`--stream`) or when its model would
+    not fit the memory budget (`evalsuite.backends.memory`); decided before any task prepares its inputs,
+    since tasks that generate are skipped on a streamed side."""
+    if side.checkpoint is not None:
+        side.options, side.stream_reason = streamed_if_needed(side.checkpoint, side.options)
 
 
 def intref_conventions(request: RunRequest) -> dict[str, Any]:
@@ -380,7 +447,7 @@ def recorded_observation(planned: PlannedObservation) -> Observation:
 
 
 def _final(folder: RunFolder, planned: PlannedObservation) -> Path:
-    return folder.observation(planned.side.role, planned.need.observer.name, planned.key)
+    return folder.observation(planned.role, planned.need.observer.name, planned.key)
 
 
 def _saved(folder: RunFolder, planned: PlannedObservation) -> bool:
@@ -404,7 +471,7 @@ def observe_all(
 ) -> dict[str, Observation]:
     """Phase 2: every planned observation, loading each (side, execution) once, one model at a time."""
     observed: dict[str, Observation] = {}
-    groups: dict[tuple[str, BackendOptions], list[PlannedObservation]] = {}
+    groups: dict[tuple[str, BackendOptions, BackendOptions | None], list[PlannedObservation]] = {}
     for planned in plan.observations.values():
         if planned.side.recording is not None:
             observed[planned.key] = recorded_observation(planned)
@@ -412,23 +479,29 @@ def observe_all(
         if resume and _saved(folder, planned):
             observed[planned.key] = Observation.load(_final(folder, planned))
             continue
-        groups.setdefault((planned.side.role, planned.options), []).append(planned)
-    for (role, options), todo in groups.items():
-        side = todo[0].side
+        groups.setdefault((planned.role, planned.options, planned.partner_options), []).append(planned)
+    for (role, options, partner_options), todo in groups.items():
+        side, partner = todo[0].side, todo[0].partner
         if on_load is not None:
+            if partner is not None:
+                on_load(partner, partner_options)
             on_load(side, options)
-        backend = load_backend(side.checkpoint, options)
+        if partner is not None:
+            backend = load_pair(partner.checkpoint, partner_options, side.checkpoint, options)
+        else:
+            backend = load_backend(side.checkpoint, options)
         try:
             for planned in todo:
-                work = folder.observation_work(
-                    planned.side.role, planned.need.observer.name, planned.key, resume
-                )
+                work = folder.observation_work(planned.role, planned.need.observer.name, planned.key, resume)
                 label = f"{role} ({options.backend})"
 
                 def labelled(what: str, total: int, label: str = label) -> Callable[[], None]:
                     return progress(f"{label}: {what}", total)
 
-                obs = planned.need.observer.observe(backend, planned.inputs, work, labelled)
+                inputs = planned.inputs
+                if planned.consumes:
+                    inputs = {**inputs, "observed": {k: observed[key] for k, key in planned.consumes.items()}}
+                obs = planned.need.observer.observe(backend, inputs, work, labelled)
                 obs.key = planned.key
                 obs.meta["tasks"] = sorted(planned.tasks)
                 obs.save(work)
@@ -563,6 +636,7 @@ def record(
     side = open_side("ref", request.ckpt, options)
     if side.recording is not None:
         raise InputError("is already a recording; record a checkpoint", request.ckpt)
+    stream_if_needed(side)
     tasks = build_tasks(request.tasks, request.context, specs=request.specs)
     inputs, skipped = prepare_all(tasks, side, side)
     if skipped:

@@ -26,6 +26,9 @@ class Side:
     options: BackendOptions
     checkpoint: Checkpoint | None = None
     recording: Recording | None = None
+    # Why this side runs streamed, one decoder layer at a time (`--stream`, or the memory it would need
+    # loaded whole); None when it is loaded whole.
+    stream_reason: str | None = None
     _tokenizer: Any = field(default=None, repr=False)
     _content: str | None = field(default=None, repr=False)
 

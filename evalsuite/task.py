@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 Status = Literal["pass", "fail", "error", "skipped"]
 MetricValue = float | int | bool | str | None
-Role = Literal["ref", "ckpt"]
+Role = Literal["ref", "ckpt", "pair"]
 # A task's shared inputs: token ids, prompts, images, and their hashes (the JSON-able scalars are hashed
 # into every observation's key).
 Inputs = dict[str, Any]
@@ -84,7 +84,12 @@ class Need:
 
     `backend` executes that side another way than it runs (`intref` for the candidate of the `intref`
     task); `conventions` are the settings that backend takes from the task's spec (intref's activation
-    divisor and rounding), part of the observation's key.
+    divisor and rounding), part of the observation's key. `streamed` runs the side one decoder layer at a
+    time whatever the run's execution, for an observer that looks inside the model (it is handed a
+    `StreamedBackend`). Role `pair` is both sides at once, streamed in lockstep: the observer is handed a
+    `StreamedPair`, and the run refuses a recorded reference for it. `consumes` names needs of the same task,
+    listed before this one, whose observations `observe` receives in `inputs["observed"]` by label; their
+    keys are part of this observation's key.
     """
 
     label: str
@@ -92,6 +97,8 @@ class Need:
     observer: Observer
     backend: str | None = None
     conventions: tuple[tuple[str, Any], ...] = ()
+    streamed: bool = False
+    consumes: tuple[str, ...] = ()
 
 
 @dataclass
@@ -170,6 +177,21 @@ def _finite_row(row: dict[str, Any]) -> dict[str, Any]:
 
 class TaskSkipped(Exception):
     """Raised by `prepare` when a task cannot run on these sides or this machine; carries the reason."""
+
+
+def skip_if_streamed(ref: Side, ckpt: Side, what: str) -> None:
+    """TaskSkipped for a task that generates when a side runs streamed: decoding reads every layer for each
+    new token, so streaming does not apply, and the side was streamed because it does not fit (or was asked
+    to be)."""
+    for side in (ref, ckpt):
+        if side.checkpoint is not None and side.options.stream:
+            why = (
+                f" ({side.stream_reason})" if side.stream_reason not in (None, "--stream") else " (--stream)"
+            )
+            raise TaskSkipped(
+                f"{what} generates, and streaming does not apply to generation: the {side.role} side runs "
+                f"streamed one decoder layer at a time{why}"
+            )
 
 
 class Task(Protocol):

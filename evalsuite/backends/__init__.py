@@ -1,10 +1,11 @@
 """Backends: how a side is executed. A backend exposes the few primitives tasks need.
 
 `hf` runs the checkpoint through Transformers as users run it (bf16, or compressed-tensors as Transformers
-executes it); `intref` is the integer W4A8 reference execution. Backends are loaded by the runner for one side
-at a time and closed before another loads. Before anything loads, `check_load_plan` decides from the files
-whether a backend can load a checkpoint (a checkpoint Transformers would fill with random weights is refused
-then, not after the reference's hour-long observation).
+executes it); `intref` is the integer W4A8 reference execution. Either runs streamed, one decoder layer
+resident at a time, for a model larger than memory (`streamed`; `memory` decides when). Backends are loaded
+by the runner for one side at a time and closed before another loads. Before anything loads,
+`check_load_plan` decides from the files whether a backend can load a checkpoint (a checkpoint Transformers
+would fill with random weights is refused then, not after the reference's hour-long observation).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from evalsuite.backends.options import BackendOptions
+from evalsuite.backends.options import BACKEND_NAMES, BackendOptions
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from evalsuite.backends.streamed import StreamedPair
     from evalsuite.checkpoint import Checkpoint
 
 
@@ -64,7 +66,12 @@ class Generation(Protocol):
 
 
 def load_backend(checkpoint: Checkpoint, options: BackendOptions) -> Backend:
-    """Load `checkpoint` with the backend `options.backend` names (options already checked)."""
+    """Load `checkpoint` with the backend `options.backend` names (options already checked); streamed, one
+    decoder layer resident at a time, when `options.stream`."""
+    if options.stream and options.backend in BACKEND_NAMES:
+        from evalsuite.backends.streamed import StreamedBackend
+
+        return StreamedBackend(checkpoint, options)
     if options.backend == "hf":
         from evalsuite.backends.hf import HFBackend
 
@@ -77,9 +84,27 @@ def load_backend(checkpoint: Checkpoint, options: BackendOptions) -> Backend:
     raise AssertionError(options.backend)
 
 
+def load_pair(
+    ref: Checkpoint, ref_options: BackendOptions, ckpt: Checkpoint, ckpt_options: BackendOptions
+) -> StreamedPair:
+    """Both sides streamed, for an observation that runs a layer of each in lockstep (`Need` role `pair`)."""
+    from evalsuite.backends.streamed import StreamedBackend, StreamedPair
+
+    reference = StreamedBackend(ref, ref_options)
+    try:
+        return StreamedPair(ref=reference, ckpt=StreamedBackend(ckpt, ckpt_options))
+    except BaseException:
+        reference.close()
+        raise
+
+
 def check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
     """Refuse, from the files alone, a checkpoint the backend could not load faithfully (InputError)."""
-    if options.backend == "hf":
+    if options.stream and options.backend in BACKEND_NAMES:
+        from evalsuite.backends.streamed import check_streamed_load_plan
+
+        check_streamed_load_plan(checkpoint, options)
+    elif options.backend == "hf":
         from evalsuite.backends.hf import check_hf_load_plan
 
         check_hf_load_plan(checkpoint, options)

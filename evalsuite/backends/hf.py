@@ -120,6 +120,15 @@ def from_pretrained(
     checkpoint: Checkpoint, options: BackendOptions, config: Any, kwargs: dict[str, Any], device_map: Any
 ) -> Any:
     """`from_pretrained` by the config's model class, with the load report checked (no random weights)."""
+    model, info = from_pretrained_with_report(checkpoint, options, config, kwargs, device_map)
+    refuse_partial_load(checkpoint, info)
+    return model
+
+
+def from_pretrained_with_report(
+    checkpoint: Checkpoint, options: BackendOptions, config: Any, kwargs: dict[str, Any], device_map: Any
+) -> tuple[Any, dict[str, Any]]:
+    """`from_pretrained` by the config's model class, and Transformers' load report for the caller."""
     cls = _model_class(config)
     try:
         with quiet_transformers():
@@ -136,8 +145,7 @@ def from_pretrained(
         raise DependencyError(f"loading {checkpoint.path} needs a package: {_first_line(exc)}") from None
     except Exception as exc:
         raise InputError(f"Transformers cannot load the model: {_first_line(exc)}", checkpoint.path) from None
-    refuse_partial_load(checkpoint, info)
-    return model
+    return model, info
 
 
 def check_hf_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
@@ -162,6 +170,29 @@ def _pooled(out: Any) -> torch.Tensor:
     if isinstance(pooled, list | tuple):
         pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
     return pooled.reshape(-1, pooled.shape[-1])
+
+
+@torch.inference_mode()
+def image_features(model: Any, device: torch.device, inputs: dict[str, Any], checkpoint: Checkpoint) -> torch.Tensor:
+    """The vision tower and merger's output for the visual inputs, float32, one row per visual token: the
+    images' (`pixel_values`, …), then the video frames' (inputs named `…video…`). Inputs that are not
+    tensors are the model's settings for both (MiniCPM-V's `downsample_mode`)."""
+    if not hasattr(model, "get_image_features"):
+        raise InputError("this model has no vision tower", checkpoint.path)
+    text = ("input_ids", "attention_mask", "mm_token_type_ids")
+    settings = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor) and k not in text}
+    visual = {k: v.to(device) for k, v in tensors.items()}
+    images = {k: v for k, v in visual.items() if "video" not in k}
+    videos = {k: v for k, v in visual.items() if "video" in k}
+    parts = []
+    if images:
+        parts.append(_pooled(model.get_image_features(**images, **settings)))
+    if videos:
+        if not hasattr(model, "get_video_features"):
+            raise InputError("this model has no video path", checkpoint.path)
+        parts.append(_pooled(model.get_video_features(**videos, **settings)))
+    return torch.cat(parts).float().cpu()
 
 
 class HFBackend:
@@ -251,27 +282,9 @@ class HFBackend:
             full_logp=logp[:full_steps].numpy().copy(),
         )
 
-    @torch.inference_mode()
     def image_features(self, inputs: dict[str, Any]) -> torch.Tensor:
-        """The vision tower and merger's output for the visual inputs, float32, one row per visual token: the
-        images' (`pixel_values`, …), then the video frames' (inputs named `…video…`). Inputs that are not
-        tensors are the model's settings for both (MiniCPM-V's `downsample_mode`)."""
-        if not hasattr(self.model, "get_image_features"):
-            raise InputError("this model has no vision tower", self.checkpoint.path)
-        text = ("input_ids", "attention_mask", "mm_token_type_ids")
-        settings = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
-        tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor) and k not in text}
-        visual = {k: v.to(self.device) for k, v in tensors.items()}
-        images = {k: v for k, v in visual.items() if "video" not in k}
-        videos = {k: v for k, v in visual.items() if "video" in k}
-        parts = []
-        if images:
-            parts.append(_pooled(self.model.get_image_features(**images, **settings)))
-        if videos:
-            if not hasattr(self.model, "get_video_features"):
-                raise InputError("this model has no video path", self.checkpoint.path)
-            parts.append(_pooled(self.model.get_video_features(**videos, **settings)))
-        return torch.cat(parts).float().cpu()
+        """The vision tower and merger's output for the visual inputs (see the module's `image_features`)."""
+        return image_features(self.model, self.device, inputs, self.checkpoint)
 
     def close(self) -> None:
         del self.model

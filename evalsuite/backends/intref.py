@@ -27,6 +27,7 @@ import contextlib
 import copy
 import io
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -183,10 +184,24 @@ class IntegerSkeleton:
 
     def _load_tensors(self, model: nn.Module, plan: dict[str, QuantizedModule], dtype: torch.dtype) -> None:
         """Every tensor of the files into the model, by name; missing or unexpected tensors are refused."""
+        self.load_named(model, plan, dtype)
+        self.tie(model)
+        missing = sorted(n for n, t in _named_tensors(model) if t.is_meta)
+        _refuse_mismatch(self.checkpoint, missing, [])
+
+    def load_named(
+        self,
+        model: nn.Module,
+        plan: dict[str, QuantizedModule],
+        dtype: torch.dtype,
+        names: Iterable[str] | None = None,
+    ) -> None:
+        """The tensors `names` of the files (default: all) into the model, by name, on the CPU; a tensor the
+        model has no place for is refused. Streamed execution loads one decoder layer's names at a time."""
         keep_fp32 = list(model._get_dtype_plan(dtype)) if hasattr(model, "_get_dtype_plan") else []
         slots = _tensor_slots(model)
         unexpected: list[str] = []
-        for name, tensor in self.checkpoint.iter_tensors():
+        for name, tensor in self.checkpoint.iter_tensors(names):
             module_name, _, leaf = name.rpartition(".")
             if leaf == "weight_shape" and module_name in plan:
                 continue  # checked against the model's layer by integer_modules and _int_linear
@@ -216,12 +231,10 @@ class IntegerSkeleton:
                 owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
             else:
                 owner._buffers[leaf] = value
-        self._tie(model)
-        missing = sorted(n for n, t in _named_tensors(model) if t.is_meta)
-        _refuse_mismatch(self.checkpoint, missing, unexpected)
+        _refuse_mismatch(self.checkpoint, [], unexpected)
 
     @staticmethod
-    def _tie(model: nn.Module) -> None:
+    def tie(model: nn.Module) -> None:
         """Tie what the model ties (e.g. lm_head to the embedding) where the files do not store the target."""
         tied = getattr(model, "all_tied_weights_keys", None) or {}
         for target, source in tied.items():
@@ -278,36 +291,48 @@ class IntrefBackend(HFBackend):
     def describe(self) -> dict[str, Any]:
         """The integer execution: its activation convention, and how many integer layers and routed experts
         exist and have run so far."""
-        linears, experts = _integer_modules(self.model)
-        counters = self.integer_counters()
-        ran = {name for name, n in counters.items() if n > 0}
-        return {
-            "backend": "intref",
-            "execution": "evalsuite integer W4A8 reference (INT8 per-token activations, INT32 accumulation)",
-            "format": self.checkpoint.format,
-            "activations": {"divisor": self.activations.divisor, "rounding": self.activations.rounding},
-            # Experts are counted as `<experts module>.<e>`; Linear layers by their own names.
-            "int_layers": sum(1 for name in ran if not name.rsplit(".", 1)[-1].isdigit()),
-            "int_experts": sum(1 for name in ran if name.rsplit(".", 1)[-1].isdigit()),
-            "int_layers_total": len(linears),
-            "int_experts_total": sum(m.num_experts for m in experts.values()),
-        }
+        return integer_execution(self.model, self.activations, self.checkpoint)
 
     def integer_counters(self) -> dict[str, int]:
         """Cumulative use of the integer path: forwards per integer Linear, tokens per routed expert.
 
         Keys: the names of Linear layers outside the routed experts, and `<experts module>.<e>` for experts.
         """
-        linears, experts = _integer_modules(self.model)
-        counters = {name: module.calls for name, module in linears.items()}
-        for name, module in experts.items():
-            counters.update({f"{name}.{e}": n for e, n in enumerate(module.tokens)})
-        return counters
+        return integer_counters(self.model)
 
     def integer_inventory(self) -> dict[str, int]:
         """How many integer Linear layers (outside routed experts) and routed experts the model holds."""
         linears, experts = _integer_modules(self.model)
         return {"int_layers": len(linears), "int_experts": sum(m.num_experts for m in experts.values())}
+
+
+def integer_execution(
+    model: nn.Module, activations: ActivationQuant, checkpoint: Checkpoint
+) -> dict[str, Any]:
+    """How a model with integer modules ran: the activation convention, and how many integer layers and
+    routed experts it holds and has run so far (`describe()` of the loaded and streamed backends)."""
+    linears, experts = _integer_modules(model)
+    ran = {name for name, n in integer_counters(model).items() if n > 0}
+    return {
+        "backend": "intref",
+        "execution": "evalsuite integer W4A8 reference (INT8 per-token activations, INT32 accumulation)",
+        "format": checkpoint.format,
+        "activations": {"divisor": activations.divisor, "rounding": activations.rounding},
+        # Experts are counted as `<experts module>.<e>`; Linear layers by their own names.
+        "int_layers": sum(1 for name in ran if not name.rsplit(".", 1)[-1].isdigit()),
+        "int_experts": sum(1 for name in ran if name.rsplit(".", 1)[-1].isdigit()),
+        "int_layers_total": len(linears),
+        "int_experts_total": sum(m.num_experts for m in experts.values()),
+    }
+
+
+def integer_counters(model: nn.Module) -> dict[str, int]:
+    """Forwards per integer Linear (outside routed experts) and tokens per routed expert `<experts>.<e>`."""
+    linears, experts = _integer_modules(model)
+    counters = {name: module.calls for name, module in linears.items()}
+    for name, module in experts.items():
+        counters.update({f"{name}.{e}": n for e, n in enumerate(module.tokens)})
+    return counters
 
 
 def _integer_modules(model: nn.Module) -> tuple[dict[str, IntLinear], dict[str, IntExperts]]:

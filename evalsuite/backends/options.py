@@ -1,7 +1,8 @@
 """How a side is executed: the backend, its dtype and device, and the conventions a task hands it.
 
-Part of every observation's key: the same checkpoint under another dtype, device, backend or convention is
-another observation.
+Part of every observation's key: the same checkpoint under another dtype, device, backend, convention or
+execution mode (loaded whole, or streamed one decoder layer at a time) is another observation. The memory
+budget that decides streaming (`max_memory`) is not: it changes how a side fits, not what it computes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class BackendOptions:
     device: str = "cpu"
     trust_remote_code: bool = False
     conventions: tuple[tuple[str, Any], ...] = ()
+    # Streamed execution (`evalsuite.backends.streamed`): one decoder layer resident at a time. Set by
+    # `--stream`, by a need that asks for it, or when the model does not fit `max_memory` (bytes; None: the
+    # free memory of the device), see `evalsuite.backends.memory`.
+    stream: bool = False
+    max_memory: int | None = None
 
     def with_backend(self, backend: str, conventions: Mapping[str, Any] | tuple = ()) -> BackendOptions:
         """The same options on another backend with its conventions."""
@@ -52,6 +58,8 @@ class BackendOptions:
         }
         if self.conventions:
             doc["conventions"] = dict(self.conventions)
+        if self.stream:
+            doc["stream"] = True
         return doc
 
     def check(self) -> BackendOptions:
@@ -62,6 +70,10 @@ class BackendOptions:
         if self.dtype not in DTYPE_NAMES:
             raise InputError(f"unknown dtype {self.dtype!r}; use bfloat16, float16 or float32")
         check_device(self.device)
+        if self.max_memory is not None and self.max_memory <= 0:
+            raise InputError(f"--max-memory must be a positive size, not {self.max_memory} bytes")
+        if self.stream and self.device == "auto":
+            raise InputError("--stream runs on one device: use --device cpu, cuda or cuda:N, not auto")
         return replace(self, dtype=DTYPE_NAMES[self.dtype])
 
 

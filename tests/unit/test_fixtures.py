@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from evalsuite.errors import DependencyError, InputError
 from evalsuite.fixtures import (
+    BENCH_FIXTURE_NAMES,
     FIXTURE_NAMES,
     MANIFEST_NAME,
     SMOLLM2_BF16,
@@ -78,7 +79,7 @@ def _file_digests(folder: Path) -> dict[str, str]:
 def test_building_a_fixture_by_name_builds_exactly_it_after_its_source(
     name: str, expected: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert set(catalogue.CATALOGUE) == set(FIXTURE_NAMES)
+    assert set(catalogue.CATALOGUE) == set(FIXTURE_NAMES) | set(BENCH_FIXTURE_NAMES)
     fetched_file = tmp_path / "fetched.gguf"
     calls: list[tuple[str, Path | None]] = []
 

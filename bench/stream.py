@@ -1,0 +1,135 @@
+"""Benchmark of streamed execution: a 3 GB model under a hard memory limit, and its time against a loaded run.
+
+    python bench/stream.py [--fixtures DIR]
+
+The pair is the tiny MiniCPM-V 4.7 architecture scaled to 3.1 GB in BF16 (28 hybrid MoE layers, hidden
+1,024, 32 experts) and its W4A8 copy, built once by the fixtures code (`minicpmv47-3gb-{bf16,w4a8}`, 6 GB of
+disk). Then, each `evalsuite run --tasks ppl` a child process of its own (the default `ppl` protocol):
+
+1. the RSS of a process that has imported what `evalsuite run` imports before its first model loads;
+2. `--stream` inside a cgroup-v1 memory cgroup whose hard limit is that RSS + 0.25 × the BF16 model's bytes
+   (a run that needs more is killed by the kernel): it must finish. Printed: (peak RSS − RSS after imports) /
+   model bytes (goal <= 0.2) and the cgroup's own peak (it counts the page cache of the files read too);
+3. the same run loaded whole, without a limit: streamed time / loaded time (goal <= 1.3).
+
+Both runs start with the files' digests cached and the files in the page cache, so the ratio compares
+execution, not first reads. These machines are shared: compare the ratios, not the seconds. Needs root (the
+cgroup); the cgroup is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.digest import DigestCache
+from evalsuite.fixtures import build_fixtures
+from evalsuite.fixtures.names import SCALED_BF16, SCALED_W4A8
+
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+LIMIT_FRACTION = 0.25
+# What `evalsuite run` has imported when it loads its first model, streamed or not.
+IMPORTS = (
+    "import psutil, evalsuite.cli, evalsuite.runner, evalsuite.registry, evalsuite.backends.hf, "
+    "evalsuite.backends.streamed, evalsuite.backends.intref, transformers.models.minicpmv4_7, "
+    "compressed_tensors.compressors; print(psutil.Process().memory_info().rss)"
+)
+
+
+def rss_after_imports() -> int:
+    out = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def timed_run(args: list[str], cgroup: Path | None) -> tuple[int, float, int]:
+    """(exit status, wall seconds, peak RSS in bytes) of `evalsuite ARGS`, in `cgroup` when given."""
+    command = [sys.executable, "-m", "evalsuite.cli", *args]
+    if cgroup is not None:
+        # The shell joins the cgroup and becomes the run (exec): the limit applies from its first byte.
+        script = f'echo $$ > {cgroup / "cgroup.procs"} && exec "$@"'
+        command = ["sh", "-c", script, "sh", *command]
+    start = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - start
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode not in (0, 1):
+        tail = child.stderr.read().decode(errors="replace")[-2000:] if child.stderr else ""
+        print(f"run exited with {child.returncode}:\n{tail}", file=sys.stderr)
+    return child.returncode, seconds, usage.ru_maxrss * 1024
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--fixtures", type=Path, default=Path.home() / ".cache" / "evalsuite" / "bench-fixtures"
+    )
+    options = parser.parse_args()
+
+    built = build_fixtures(options.fixtures, [SCALED_BF16, SCALED_W4A8], progress=print)
+    ref, ckpt = built[SCALED_BF16], built[SCALED_W4A8]
+    model_bytes = Checkpoint.open(ref).total_bytes
+    for folder in (ref, ckpt):  # digests cached, files read once: both runs start alike
+        Checkpoint.open(folder).content_sha256(DigestCache.default())
+
+    baseline = rss_after_imports()
+    limit = baseline + int(LIMIT_FRACTION * model_bytes)
+    print(f"model (BF16) {model_bytes / 1e9:.2f} GB; RSS after imports {baseline / 1e6:.0f} MB")
+    print(f"limit: {limit / 1e6:.0f} MB = RSS after imports + {LIMIT_FRACTION} × model bytes")
+
+    with tempfile.TemporaryDirectory(prefix="evalsuite-bench-stream-") as tmp:
+        base = ["run", "--ref", str(ref), "--ckpt", str(ckpt), "--tasks", "ppl", "--corpus", "python-docs"]
+        base += ["--no-resume", "--quiet"]
+        cgroup = CGROUP_ROOT / f"evalsuite-bench-{os.getpid()}"
+        cgroup.mkdir()
+        try:
+            (cgroup / "memory.limit_in_bytes").write_text(str(limit))
+            code, streamed_s, streamed_peak = timed_run(
+                [*base, "--stream", "--out", f"{tmp}/streamed"], cgroup
+            )
+            cgroup_peak = int((cgroup / "memory.max_usage_in_bytes").read_text())
+            failcnt = int((cgroup / "memory.failcnt").read_text())
+        finally:
+            cgroup.rmdir()
+        if code not in (0, 1):
+            print(f"FAILED: the streamed run did not finish under the limit (exit {code})")
+            return 2
+        code, loaded_s, loaded_peak = timed_run([*base, "--out", f"{tmp}/loaded"], None)
+        if code not in (0, 1):
+            print(f"FAILED: the loaded run exited with {code}")
+            return 2
+        same = [
+            json.loads(Path(f"{tmp}/{name}/results.json").read_text())["tasks"]["ppl"]["metrics"]
+            for name in ("streamed", "loaded")
+        ]
+    metrics = ("ppl_ref", "ppl_ckpt", "kld_mean", "same_top_p")
+    print(
+        f"streamed: finished under the limit in {streamed_s:.0f} s (cgroup peak {cgroup_peak / 1e6:.0f} MB, "
+        f"page cache included; {failcnt} times at the limit)"
+    )
+    print(
+        f"  peak RSS {streamed_peak / 1e6:.0f} MB; (peak RSS − RSS after imports) / model bytes = "
+        f"{(streamed_peak - baseline) / model_bytes:.3f}  (goal <= 0.2)"
+    )
+    print(
+        f"loaded: {loaded_s:.0f} s, peak RSS {loaded_peak / 1e6:.0f} MB; "
+        f"(peak RSS − RSS after imports) / model bytes = {(loaded_peak - baseline) / model_bytes:.3f}"
+    )
+    print(f"streamed time / loaded time = {streamed_s / loaded_s:.2f}  (goal <= 1.3)")
+    print(
+        "same metrics streamed and loaded: " + ", ".join(f"{m} {same[0][m] == same[1][m]}" for m in metrics)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

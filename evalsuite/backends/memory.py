@@ -1,0 +1,125 @@
+"""Whether a side fits in memory loaded whole, or runs streamed one decoder layer at a time.
+
+`--max-memory SIZE` is the budget (default: the free RAM for `--device cpu`, the free memory of the CUDA
+device otherwise). A side whose model would need more than `FIT_FRACTION` of it once loaded runs streamed
+(`evalsuite.backends.streamed`) without being asked; `--stream` streams it whatever it needs. The estimate is
+made from the safetensors headers alone, before anything loads:
+
+- backend `hf` holds every weight in the compute dtype: Transformers decompresses compressed-tensors weights
+  (an INT4 `weight_packed` word is eight weights), so a W4A8 pack needs as much as its BF16 source;
+- backend `intref` keeps the packed weights packed: it needs about the files' bytes.
+
+A GGUF checkpoint is never streamed (Transformers dequantizes it by reading the whole file), nor is a side on
+`--device auto`, whose placement accelerate decides over several devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from evalsuite.backends.options import BackendOptions
+from evalsuite.checkpoint import FLOAT_DTYPES, Checkpoint
+from evalsuite.errors import InputError
+
+# Activations, the vocabulary-sized logits of a window and the allocator's slack need the rest.
+FIT_FRACTION = 0.9
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "KB": 10**3,
+    "KIB": 2**10,
+    "M": 10**6,
+    "MB": 10**6,
+    "MIB": 2**20,
+    "G": 10**9,
+    "GB": 10**9,
+    "GIB": 2**30,
+    "T": 10**12,
+    "TB": 10**12,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def parse_memory_size(text: str) -> int:
+    """`24GB` (10^9 bytes), `24GiB` (2^30), `512MB`, `1.5TB` or a byte count, in bytes; else InputError."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise InputError(
+            f"--max-memory {text!r} is not a size: use a number and a unit, e.g. 24GB, 24GiB, 512MB"
+        )
+    size = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(size) or size < 1:
+        raise InputError(f"--max-memory {text!r} is not a positive size")
+    return int(size)
+
+
+def format_bytes(n: float) -> str:
+    """Bytes for people, in decimal units (GB = 10^9 bytes), as `--max-memory` reads them."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def loaded_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
+    """What the model's weights occupy once loaded whole by `options.backend` (see the module docstring)."""
+    if options.backend == "intref":
+        return checkpoint.total_bytes
+    per_weight = _DTYPE_BYTES[options.dtype]
+    total = 0
+    for name, info in checkpoint.tensors.items():
+        if name.endswith(".weight_shape"):
+            continue  # compressed-tensors' record of the logical shape, not a weight
+        if name.endswith(".weight_packed") and info.dtype == "I32":
+            total += info.numel * 8 * per_weight  # eight INT4 weights per int32 word, decompressed
+        elif info.dtype in FLOAT_DTYPES or name.endswith(".weight"):
+            total += info.numel * per_weight
+        else:
+            total += info.nbytes
+    return total
+
+
+def memory_budget(options: BackendOptions) -> tuple[int, str] | None:
+    """The bytes a side may fill and where that figure comes from; None on `--device auto`."""
+    if options.max_memory is not None:
+        return options.max_memory, f"--max-memory {format_bytes(options.max_memory)}"
+    if options.device == "auto":
+        return None
+    if options.device == "cpu":
+        import psutil
+
+        return int(psutil.virtual_memory().available), "the free RAM"
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(torch.device(options.device))
+    return int(free), f"the free memory of {options.device}"
+
+
+def streamed_if_needed(
+    checkpoint: Checkpoint | None, options: BackendOptions
+) -> tuple[BackendOptions, str | None]:
+    """The options a side runs with: streamed when asked, or when its model would not fit the budget; with the
+    reason it streams (None when it does not)."""
+    if options.stream:
+        return options, "--stream"
+    if checkpoint is None or checkpoint.format == "gguf":
+        return options, None
+    budget = memory_budget(options)
+    if budget is None:
+        return options, None
+    needed = loaded_bytes(checkpoint, options)
+    available, source = budget
+    if needed <= FIT_FRACTION * available:
+        return options, None
+    reason = (
+        f"the model needs {format_bytes(needed)} loaded whole, more than {source} allows "
+        f"({format_bytes(available)})"
+    )
+    return dataclasses.replace(options, stream=True), reason

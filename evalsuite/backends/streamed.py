@@ -1,0 +1,541 @@
+"""Streamed execution: a model larger than memory, run one decoder layer at a time.
+
+The model is Transformers' own, built on the meta device: no weight is in memory until it is needed. What lies
+outside the decoder layers (embeddings, vision tower, final norm, head: small beside the layers) is
+materialised once, as one unit; each decoder layer is materialised from the safetensors files (only its
+own tensors, read through `Checkpoint.open_tensors`), every window's hidden states are pushed through it, and
+it is freed before the next one is read. On CUDA the layer is materialised on the device and the hidden
+states stay there.
+
+How the windows go through, with nothing but Transformers' own code computing:
+
+1. **capture**: the model's own forward runs on each window with every decoder layer replaced by a recorder,
+   which keeps the hidden states the first layer receives (the embeddings, after whatever the model does to
+   them) and the arguments the forward hands each layer: its attention mask (hybrid models build one per layer
+   type), rotary position embeddings, position ids and the rest. This is the "catcher" of GPTQ
+   implementations and of llm-compressor's sequential pipeline, applied to every layer rather than the first.
+   The last recorder stops the forward.
+2. **layers**: layer by layer, each window's hidden states go through the real layer with the arguments
+   recorded for it (`forward_layer`).
+3. **head**: the model's own forward runs once more with every layer replaced by a stand-in that hands back
+   the last layer's output: the final norm, the head on the scored positions only (`logits_to_keep`) and
+   whatever the model does after it run as in a loaded run (`head_logits`).
+
+Materialising a layer, backend `hf`: the layer's file tensors go through Transformers' own loading function
+(`convert_and_load_state_dict_in_model`) with the model's own weight conversions (routed experts fused into
+3-D tensors from per-expert files, a compressed-tensors expert dequantized on the way) and its quantizer;
+non-persistent buffers are computed by the model's own `_init_weights`, as `from_pretrained` does; and each
+compressed-tensors module is decompressed by compressed-tensors' `decompress_module`, the very function its
+first-forward hook applies to every module of a loaded model. The layer is then the module a loaded model
+holds, so a streamed run is bit-identical to a loaded one: the same functions on the same tensors (checked on
+both fixture pairs, bf16 and W4A8). Backend `intref`: the integer skeleton (`IntegerSkeleton`) loads the
+layer's tensors by name, as it loads a whole model.
+
+Transformers' loading internals used here (`convert_and_load_state_dict_in_model`, `LoadStateDictConfig`,
+`get_model_conversion_mapping`, `rename_source_key`, `_get_dtype_plan`, `initialize_weights`) are those of the
+5.x series the project pins.
+
+Generation does not apply: decoding one token at a time would read every layer from the files per token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import io
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from evalsuite.backends.hf import (
+    DTYPES,
+    _first_line,
+    _version,
+    from_pretrained_with_report,
+    image_features,
+    quiet_transformers,
+    refuse_partial_load,
+    transformers_config,
+)
+from evalsuite.backends.options import BackendOptions
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.errors import InputError
+
+REST = None  # the unit of everything outside the decoder layers
+
+
+def decoder_layers(model: nn.Module, checkpoint: Checkpoint) -> tuple[nn.ModuleList, str]:
+    """The model's decoder layers and their module name: the list of `num_hidden_layers` modules under the
+    model's decoder (`get_decoder()`, the language model of an image-text-to-text model)."""
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    count = getattr(text_config, "num_hidden_layers", None)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    names = {id(module): name for name, module in model.named_modules()}
+    if isinstance(count, int) and count > 0:
+        for module in decoder.modules():
+            if isinstance(module, nn.ModuleList) and len(module) == count and id(module) in names:
+                return module, names[id(module)]
+    raise InputError(
+        f"the decoder layers of {type(model).__name__} cannot be found (no list of num_hidden_layers={count} "
+        f"modules under its decoder, {type(decoder).__name__}): streamed execution cannot run this model",
+        checkpoint.path,
+    )
+
+
+def _layer_of(name: str, prefix: str) -> int | None:
+    """The decoder layer a state-dict name belongs to, None outside the layers."""
+    if not name.startswith(prefix + "."):
+        return None
+    head = name[len(prefix) + 1 :].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _refuse_missing_in_layers(
+    checkpoint: Checkpoint, prefix: str, missing: dict[int, list[str]], unexpected: dict[int, list[str]]
+) -> None:
+    """One line naming the first decoder layer whose tensors the files lack (or hold in excess)."""
+    for layer in sorted({*missing, *unexpected}):
+        problems = []
+        for what, names in (
+            ("missing from the files", missing.get(layer)),
+            ("not in the model", unexpected.get(layer)),
+        ):
+            if names:
+                local = sorted(n.removeprefix(f"{prefix}.{layer}.") for n in names)
+                shown = ", ".join(local[:3]) + (f" and {len(local) - 3} more" if len(local) > 3 else "")
+                problems.append(f"{len(local)} tensors {what} ({shown})")
+        raise InputError(f"decoder layer {layer} ({prefix}.{layer}): " + "; ".join(problems), checkpoint.path)
+
+
+class TransformersLayers:
+    """Backend `hf`, streamed: the skeleton `from_pretrained` builds on the meta device (quantizer applied,
+    no tensor data read), its units materialised by Transformers' own loading code (module docstring)."""
+
+    def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        if checkpoint.format == "gguf":
+            raise InputError(
+                "streamed execution reads safetensors shards; a GGUF checkpoint can only be loaded whole",
+                checkpoint.path,
+            )
+        self.checkpoint = checkpoint
+        self.device = torch.device(options.device)
+        config, kwargs = transformers_config(checkpoint, options)
+        self.model, report = from_pretrained_with_report(
+            checkpoint, options, config, kwargs, device_map="meta"
+        )
+        self.quantizer = getattr(self.model, "hf_quantizer", None)
+        self.compressor = getattr(self.quantizer, "compressor", None)
+        if self.compressor is not None:
+            # compressed-tensors decompresses the whole model at its first forward; here each unit is
+            # decompressed when it is materialised, by the same per-module function.
+            self.compressor.remove_decompression_hook(self.model)
+        self.layers, self.prefix = decoder_layers(self.model, checkpoint)
+        dtype = DTYPES[options.dtype]
+        mapping = get_model_conversion_mapping(self.model, None, self.quantizer)
+        self.load_config = LoadStateDictConfig(
+            device_map={"": options.device},
+            dtype=dtype,
+            dtype_plan=self.model._get_dtype_plan(dtype),
+            hf_quantizer=self.quantizer,
+            weight_mapping=mapping,
+        )
+        self.units = self._plan_units(mapping)
+        refuse_partial_load(checkpoint, report)
+        self._pristine: nn.Module | None = None
+
+    def _plan_units(self, mapping: list[Any]) -> dict[int | None, list[str]]:
+        """The files' tensor names by unit, placed by the names Transformers' own renaming gives them; a layer
+        whose tensors are missing from the files (or in excess) is refused, naming the layer."""
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        expected = self.model.state_dict()
+        prefix_name = self.model.base_model_prefix
+        units: dict[int | None, list[str]] = {}
+        provided: set[str] = set()
+        unexpected: dict[int, list[str]] = {}
+        for name in self.checkpoint.tensors:
+            target, _ = rename_source_key(name, renamings, converters, prefix_name, expected)
+            layer = _layer_of(target, self.prefix)
+            units.setdefault(layer, []).append(name)
+            provided.add(target)
+            if layer is not None and target not in expected:
+                unexpected.setdefault(layer, []).append(target)
+        missing: dict[int, list[str]] = {}
+        for target in expected:
+            layer = _layer_of(target, self.prefix)
+            if layer is not None and target not in provided:
+                missing.setdefault(layer, []).append(target)
+        _refuse_missing_in_layers(self.checkpoint, self.prefix, missing, unexpected)
+        return units
+
+    def _load(self, names: list[str]) -> None:
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+
+        with self.checkpoint.open_tensors(names) as handles, quiet_transformers():
+            info, _ = convert_and_load_state_dict_in_model(self.model, handles, self.load_config)
+        errors = list(info.conversion_errors.values()) + list(info.error_msgs)
+        if info.mismatched_keys or errors:
+            what = next(iter(info.mismatched_keys), None) or _first_line(Exception(str(errors[0])))
+            raise InputError(f"Transformers cannot load these tensors: {what}", self.checkpoint.path)
+
+    def _initialise_buffers(self, modules: list[nn.Module]) -> None:
+        """Non-persistent buffers (rotary frequencies, position ids) computed by the model's own
+        `_init_weights`, as `from_pretrained` does after loading; loaded weights are flagged, left alone."""
+        for module in modules:
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None and name in module._non_persistent_buffers_set:
+                    module._buffers[name] = torch.empty_like(buffer, device=self.device)
+                    module._is_hf_initialized = False
+        self.model.initialize_weights()
+
+    def _decompress(self, modules: list[nn.Module]) -> None:
+        if self.compressor is None:
+            return
+        from compressed_tensors.compressors import decompress_module
+        from compressed_tensors.quantization.utils import is_module_quantized
+
+        with quiet_transformers():
+            for module in modules:
+                if is_module_quantized(module):
+                    decompress_module(module, self.compressor.force_compression_format)
+
+    def load_rest(self) -> None:
+        """Everything outside the decoder layers, tied weights tied."""
+        self._load(self.units.get(REST, []))
+        inside = {id(m) for m in self.layers.modules()}
+        outside = [m for m in self.model.modules() if id(m) not in inside]
+        self._initialise_buffers(outside)
+        self.model.tie_weights()
+        self._decompress(outside)
+
+    def load_layer(self, index: int) -> None:
+        """Decoder layer `index`, as a loaded model holds it."""
+        # The meta layer as built: compressed-tensors decompression rewrites a layer's parameters, so the
+        # next pass over this layer loads into a fresh copy of the skeleton's.
+        self._pristine = copy.deepcopy(self.layers[index]) if self.compressor is not None else None
+        self._load(self.units.get(index, []))
+        modules = list(self.layers[index].modules())
+        self._initialise_buffers(modules)
+        self._decompress(modules)
+
+    def free_layer(self, index: int) -> None:
+        # The layer's tensors go now, whatever holds the module (compressed-tensors binds each quantized
+        # module's forward to the module: a reference cycle only the garbage collector would break).
+        _release_tensors(self.layers[index], keep_computed=False)
+        if self._pristine is not None:
+            self.layers[index] = self._pristine
+            self._pristine = None
+
+
+class IntegerLayers:
+    """Backend `intref`, streamed: the integer skeleton, its tensors loaded by name one unit at a time."""
+
+    def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
+        from evalsuite.backends.intref import IntegerSkeleton
+
+        self.checkpoint = checkpoint
+        self.device = torch.device(options.device)
+        self.skeleton = IntegerSkeleton(checkpoint, options)
+        self.model = self.skeleton.model
+        self.layers, self.prefix = decoder_layers(self.model, checkpoint)
+        missing, unexpected = self.skeleton.expected_tensors()
+        by_layer: dict[str, dict[int, list[str]]] = {"missing": {}, "unexpected": {}}
+        for what, names in (("missing", missing), ("unexpected", unexpected)):
+            for name in names:
+                layer = _layer_of(name, self.prefix)
+                if layer is not None:
+                    by_layer[what].setdefault(layer, []).append(name)
+        _refuse_missing_in_layers(checkpoint, self.prefix, by_layer["missing"], by_layer["unexpected"])
+        from evalsuite.backends.intref import _refuse_mismatch
+
+        _refuse_mismatch(checkpoint, missing, unexpected)
+        self.units: dict[int | None, list[str]] = {}
+        for name in checkpoint.tensors:
+            if not (
+                name.endswith(".weight_shape") and name.removesuffix(".weight_shape") in self.skeleton.plan
+            ):
+                self.units.setdefault(_layer_of(name, self.prefix), []).append(name)
+
+    def _load(self, names: list[str]) -> None:
+        self.skeleton.load_named(self.model, self.skeleton.plan, self.skeleton.dtype, names)
+
+    def load_rest(self) -> None:
+        self._load(self.units.get(REST, []))
+        self.skeleton.tie(self.model)
+        self.skeleton._generation_config(self.model)
+        if self.device.type != "cpu":
+            inside = {id(m) for m in self.layers.modules()}
+            for module in self.model.modules():
+                if id(module) not in inside:
+                    _move_own_tensors(module, self.device)
+
+    def load_layer(self, index: int) -> None:
+        self._load(self.units.get(index, []))
+        if self.device.type != "cpu":
+            self.layers[index].to(self.device)
+
+    def free_layer(self, index: int) -> None:
+        # The same modules stay (their integer-path counters with them); the tensors read from the files go
+        # back to meta, computed buffers (rotary frequencies) stay.
+        _release_tensors(self.layers[index], keep_computed=True)
+
+
+def _release_tensors(layer: nn.Module, keep_computed: bool) -> None:
+    """Every parameter and buffer of `layer` replaced by a meta tensor of its shape (memory freed now);
+    non-persistent buffers (computed, not read from the files) stay when `keep_computed`."""
+    for module in layer.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and not (keep_computed and name in module._non_persistent_buffers_set):
+                module._buffers[name] = buffer.to("meta")
+
+
+def _move_own_tensors(module: nn.Module, device: torch.device) -> None:
+    for name, param in module._parameters.items():
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to(device), requires_grad=False)
+    for name, buffer in module._buffers.items():
+        if buffer is not None and not buffer.is_meta:
+            module._buffers[name] = buffer.to(device)
+
+
+@dataclass
+class WindowCall:
+    """One window as the model's own forward hands it to its decoder layers: the token ids, the first
+    layer's input, and each layer's other arguments (positional after the hidden states, and keyword)."""
+
+    window: torch.Tensor
+    hidden: torch.Tensor | None = None
+    layer_args: list[tuple[tuple, dict[str, Any]] | None] = field(default_factory=list)
+
+
+class _StopForward(Exception):
+    """Raised by the last recorder: the capture needs nothing past the decoder layers."""
+
+
+class _StandIn(nn.Module):
+    """Takes a decoder layer's place during the model's own forward. Attribute reads it does not answer go to
+    the layer it replaces (a forward may read, e.g., a layer's attention type to pick its mask)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["_replaced"] = layer  # not a child: the stand-in owns no parameters
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_replaced"], name)
+
+
+class _Recorder(_StandIn):
+    def __init__(self, layer: nn.Module, index: int, call: WindowCall, last: bool) -> None:
+        super().__init__(layer)
+        self.index, self.call, self.last = index, call, last
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.index == 0:
+            self.call.hidden = hidden_states
+        self.call.layer_args[self.index] = (args, kwargs)
+        if self.last:
+            raise _StopForward
+        return hidden_states
+
+
+class _Replay(_StandIn):
+    def __init__(self, layer: nn.Module, output: Any) -> None:
+        super().__init__(layer)
+        self.output = output
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return hidden_states if self.output is None else self.output
+
+
+class StreamedBackend:
+    """A side executed one decoder layer at a time (module docstring), by backend `hf` or `intref`.
+
+    Besides the `Backend` primitives that teacher-forced tasks use (`window_logits`), it exposes the steps,
+    for tasks that look inside the model (`layers`, `attribution`): `capture` a window, hold a layer
+    `resident`, `forward_layer` hidden states through it, and `head_logits` of the last layer's output.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
+        self.checkpoint = checkpoint
+        self.options = options
+        loader_cls = IntegerLayers if options.backend == "intref" else TransformersLayers
+        self.loader: TransformersLayers | IntegerLayers = loader_cls(checkpoint, options)
+        self.model = self.loader.model
+        self.model.eval()
+        self.layers, self.prefix = self.loader.layers, self.loader.prefix
+        self.device = self.loader.device
+        with contextlib.redirect_stderr(io.StringIO()):
+            self.loader.load_rest()
+        self._tuple_output = False
+        output_embeddings = self.model.get_output_embeddings()
+        text_config = self.model.config.get_text_config()
+        self.vocab_size = (
+            int(output_embeddings.weight.shape[0])
+            if output_embeddings is not None
+            else int(text_config.vocab_size)
+        )
+        self.tokenizer = checkpoint.load_tokenizer(trust_remote_code=options.trust_remote_code)
+
+    @property
+    def n_layers(self) -> int:
+        """How many decoder layers the model has."""
+        return len(self.layers)
+
+    def layer_kinds(self) -> list[str]:
+        """A short description of each decoder layer: the config's layer type (`full_attention`,
+        `linear_attention`…) where the config names them, the layer's class otherwise."""
+        types = getattr(self.model.config.get_text_config(), "layer_types", None)
+        if isinstance(types, list) and len(types) == self.n_layers:
+            return [str(t) for t in types]
+        return [type(layer).__name__ for layer in self.layers]
+
+    def describe(self) -> dict[str, Any]:
+        """How this side ran: its backend's execution, streamed layer by layer."""
+        if self.options.backend == "intref":
+            from evalsuite.backends.intref import integer_execution
+
+            doc = integer_execution(self.model, self.loader.skeleton.activations, self.checkpoint)
+        else:
+            doc = {
+                "backend": "hf",
+                "execution": f"Transformers {_version('transformers')} ({type(self.model).__name__})",
+                "format": self.checkpoint.format,
+            }
+        doc["execution"] += ", streamed one decoder layer at a time"
+        doc["streamed"] = True
+        return doc
+
+    @contextlib.contextmanager
+    def _standing_in(self, make: Callable[[int, nn.Module], nn.Module]) -> Iterator[None]:
+        real = list(self.layers)
+        for i, layer in enumerate(real):
+            self.layers[i] = make(i, layer)
+        try:
+            yield
+        finally:
+            for i, layer in enumerate(real):
+                self.layers[i] = layer
+
+    def capture(self, window: torch.Tensor) -> WindowCall:
+        """Run the model's own forward on one window (token ids) up to its decoder layers, recording what it
+        hands each of them."""
+        call = WindowCall(window=window, layer_args=[None] * self.n_layers)
+        ids = window.reshape(1, -1).to(self.device)
+        last = self.n_layers - 1
+        with (
+            self._standing_in(lambda i, layer: _Recorder(layer, i, call, i == last)),
+            torch.inference_mode(),
+            contextlib.suppress(_StopForward),
+        ):
+            self.model(input_ids=ids, use_cache=False)
+        if call.hidden is None or any(args is None for args in call.layer_args):
+            raise InputError(
+                f"the forward of {type(self.model).__name__} did not call each of its decoder layers once: "
+                "streamed execution cannot run this model",
+                self.checkpoint.path,
+            )
+        return call
+
+    @contextlib.contextmanager
+    def resident(self, index: int) -> Iterator[nn.Module]:
+        """Decoder layer `index` materialised from the files for the duration of the block, then freed."""
+        with contextlib.redirect_stderr(io.StringIO()):
+            self.loader.load_layer(index)
+        try:
+            yield self.layers[index]
+        finally:
+            self.loader.free_layer(index)
+
+    def forward_layer(
+        self, layer: nn.Module, index: int, hidden: torch.Tensor, call: WindowCall
+    ) -> torch.Tensor:
+        """One window's hidden states through `layer` (decoder layer `index`, or a module standing for it)
+        with the arguments the model's forward gives layer `index`."""
+        args, kwargs = call.layer_args[index]
+        with torch.inference_mode():
+            out = layer(hidden, *args, **kwargs)
+        if isinstance(out, tuple):  # older layer classes return (hidden_states, …)
+            self._tuple_output = True
+            out = out[0]
+        return out
+
+    def head_logits(self, hidden: torch.Tensor, call: WindowCall, positions: torch.Tensor) -> torch.Tensor:
+        """The logits at `positions` of one window whose last decoder layer output `hidden`: the model's own
+        forward after its layers (final norm, head on the kept positions), shape (len(positions), vocab)."""
+        output = (hidden,) if self._tuple_output else hidden
+        ids = call.window.reshape(1, -1).to(self.device)
+        keep = positions.to(self.device)
+        with (
+            self._standing_in(lambda i, layer: _Replay(layer, output if i == 0 else None)),
+            torch.inference_mode(),
+        ):
+            return self.model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits[0]
+
+    def window_logits(self, windows: torch.Tensor, positions: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The `Backend` primitive: every window through every layer, one layer resident at a time; the logits
+        come once the last layer has run."""
+        calls = [self.capture(window) for window in windows]
+        states = [call.hidden for call in calls]
+        for index in range(self.n_layers):
+            with self.resident(index) as layer:
+                states = [self.forward_layer(layer, index, h, c) for h, c in zip(states, calls, strict=True)]
+        for hidden, call in zip(states, calls, strict=True):
+            yield self.head_logits(hidden, call, positions)
+
+    def generate_greedy(
+        self, inputs: dict[str, torch.Tensor], max_new_tokens: int, top_k: int = 5, full_steps: int = 0
+    ) -> Any:
+        """Not available: generating would read every layer from the files for every new token."""
+        raise InputError("streamed execution does not generate; tasks that generate load the whole model")
+
+    def image_features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The vision tower and merger's output: they lie outside the decoder layers, resident as one unit."""
+        return image_features(self.model, self.device, inputs, self.checkpoint)
+
+    def close(self) -> None:
+        del self.model, self.layers, self.loader
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+@dataclass
+class StreamedPair:
+    """Both sides streamed in lockstep, for an observation that needs a layer of each at once (one layer of
+    each side resident at a time)."""
+
+    ref: StreamedBackend
+    ckpt: StreamedBackend
+
+    def describe(self) -> dict[str, Any]:
+        return {"ref": self.ref.describe(), "ckpt": self.ckpt.describe()}
+
+    def close(self) -> None:
+        self.ref.close()
+        self.ckpt.close()
+
+
+def check_streamed_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
+    """Refuse, from the files and the skeleton alone, a side that cannot be streamed: a model whose decoder
+    layers cannot be found, a layer whose tensors the files lack, anything a whole load would refuse."""
+    loader = (
+        IntegerLayers(checkpoint, options)
+        if options.backend == "intref"
+        else TransformersLayers(checkpoint, options)
+    )
+    del loader

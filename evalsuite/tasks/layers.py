@@ -1,0 +1,177 @@
+"""Per-layer diff: where in the depth of the model the candidate's hidden states leave the reference's.
+
+Both sides run streamed, one decoder layer resident at a time, over the `ppl` windows. Per decoder layer, over
+every token of every window, the relative Frobenius error, cosine and SQNR of the candidate's hidden states
+against the reference's:
+
+- **drift**: each side on its own prefix (the candidate's layer fed the candidate's own states): the error
+  accumulated up to and including this layer;
+- **own**: the candidate's layer fed the reference's input for this layer: this layer's own error, whatever
+  came before. An unchanged layer has exactly 0 here (same weights, same input, same arithmetic).
+
+Design (one model resident at a time): the reference's states at every layer boundary are one observation
+(`BoundaryStates`, on the reference streamed alone, recordable); the candidate's observation consumes it
+(`Need.consumes`) and streams the candidate alone, feeding each of its layers both its own states and the
+reference's, read back from the boundary files. No moment holds a layer of each side, let alone two models,
+and a recorded reference serves without its weights. The price is the reference's boundary states on disk:
+(layers + 1) × hidden × 2 bytes per token in bf16 (`evalsuite.tasks.boundary_states`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+from evalsuite import plots
+from evalsuite.observation import Observation
+from evalsuite.side import Side
+from evalsuite.spec import TaskSpec
+from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, task
+from evalsuite.tasks.boundary_states import (
+    BoundaryStates,
+    check_same_model,
+    read_boundary,
+    state_errors,
+    summed_errors,
+)
+from evalsuite.tasks.window_logits import WindowProtocol, prepare_windows
+
+if TYPE_CHECKING:
+    from evalsuite.backends.streamed import StreamedBackend
+
+
+class LayersSpec(TaskSpec):
+    protocol: WindowProtocol = WindowProtocol()
+
+
+class LayerErrors:
+    """Observer of the candidate: per layer and window, the error sums of its hidden states against the
+    reference's (consumed as `inputs["observed"]["ref"]`), on its own prefix and fed the reference's input."""
+
+    name = "layer-errors"
+
+    def __init__(self, protocol: WindowProtocol) -> None:
+        self.protocol = protocol
+
+    def identity(self) -> dict[str, Any]:
+        return {"protocol": self.protocol.model_dump(mode="json")}
+
+    def observe(
+        self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
+    ) -> Observation:
+        reference = inputs["observed"]["ref"]
+        check_same_model(reference, backend, inputs)
+        windows = torch.from_numpy(np.ascontiguousarray(inputs["windows"]))
+        calls = [backend.capture(window) for window in windows]
+        n, n_windows = backend.n_layers, len(windows)
+        drift = np.zeros((n, n_windows, 6))
+        own = np.zeros((n, n_windows, 6))
+        states = [call.hidden for call in calls]
+        ref_in = read_boundary(reference, 0)
+        embeddings = np.stack([state_errors(ref_in[w], states[w][0]) for w in range(n_windows)])
+        step = progress("layers", n)
+        for index in range(n):
+            ref_out = read_boundary(reference, index + 1)
+            with backend.resident(index) as layer:
+                for w, call in enumerate(calls):
+                    states[w] = backend.forward_layer(layer, index, states[w], call)
+                    fed = backend.forward_layer(layer, index, ref_in[w : w + 1].to(backend.device), call)
+                    drift[index, w] = state_errors(ref_out[w], states[w][0])
+                    own[index, w] = state_errors(ref_out[w], fed[0])
+            ref_in = ref_out
+            step()
+        return Observation(
+            name=self.name,
+            meta={
+                "n_layers": n,
+                "layer_kinds": backend.layer_kinds(),
+                "tokens_sha256": inputs["tokens_sha256"],
+                "n_windows": n_windows,
+                "execution": backend.describe(),
+                "ref_execution": reference.meta.get("execution", {}),
+            },
+            arrays={"drift": drift, "own": own, "embeddings": embeddings},
+        )
+
+
+@task("layers")
+class Layers:
+    """Hidden-state error per decoder layer: on the candidate's own prefix, and fed the reference's input.
+
+    Both sides run streamed; the reference's boundary states are its observation (recordable)."""
+
+    spec_model: ClassVar[type[TaskSpec]] = LayersSpec
+    metric_names: ClassVar[tuple[str, ...]] = (
+        "n_layers",
+        "worst_layer",
+        "worst_layer_rel_err",
+        "final_hidden_rel_err",
+        "final_hidden_cosine",
+        "final_hidden_sqnr_db",
+        "embeddings_rel_err",
+    )
+
+    def __init__(self, spec: LayersSpec, context: RunContext) -> None:
+        self.spec = spec
+        self.context = context
+
+    def prepare(self, ref: Side, ckpt: Side) -> Inputs:
+        """The `ppl` windows, tokenized once."""
+        return prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt)
+
+    def needs(self) -> list[Need]:
+        return [
+            Need("ref", "ref", BoundaryStates(self.spec.protocol), streamed=True),
+            Need("ckpt", "ckpt", LayerErrors(self.spec.protocol), streamed=True, consumes=("ref",)),
+        ]
+
+    def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
+        ref, ckpt = observed["ref"], observed["ckpt"]
+        drift = [summed_errors(rows) for rows in ckpt.arrays["drift"]]
+        own = [summed_errors(rows) for rows in ckpt.arrays["own"]]
+        kinds = ckpt.meta["layer_kinds"]
+        rows = [
+            {
+                "layer": i,
+                "kind": kinds[i],
+                "own_rel_err": o.relative_frobenius_error,
+                "own_cosine": o.cosine,
+                "own_sqnr_db": o.sqnr_db,
+                "drift_rel_err": d.relative_frobenius_error,
+                "drift_cosine": d.cosine,
+                "drift_sqnr_db": d.sqnr_db,
+            }
+            for i, (o, d) in enumerate(zip(own, drift, strict=True))
+        ]
+        own_err = np.array([o.relative_frobenius_error for o in own])
+        worst = int(np.argmax(own_err))  # the first of equals
+        final = drift[-1]
+        values: dict[str, Any] = {
+            "corpus": ref.meta["corpus"],
+            "n_windows": ckpt.meta["n_windows"],
+            "n_tokens": int(final.n // ref.meta["hidden_size"]),
+            "n_layers": len(rows),
+            "worst_layer": worst,
+            "worst_layer_kind": kinds[worst],
+            "worst_layer_rel_err": float(own_err[worst]),
+            "final_hidden_rel_err": final.relative_frobenius_error,
+            "final_hidden_cosine": final.cosine,
+            "final_hidden_sqnr_db": final.sqnr_db,
+            "embeddings_rel_err": summed_errors(ckpt.arrays["embeddings"]).relative_frobenius_error,
+            "ref_state_bytes_per_token": ref.meta["bytes_per_token"],
+            "tokens_sha256": ckpt.meta["tokens_sha256"],
+        }
+        checks, _ = self.spec.threshold_checks(values)
+        plots.layer_errors(
+            own_err, [d.relative_frobenius_error for d in drift], artifacts / "layers_rel_err.png"
+        )
+        return TaskResult.from_checks(
+            values,
+            checks,
+            details=rows,
+            artifacts={"rel_err_by_layer": f"{artifacts.name}/layers_rel_err.png"},
+        )

@@ -1,0 +1,225 @@
+"""Streamed execution (`--stream`, or a model over `--max-memory`) against loaded runs, through the CLI.
+
+Every `ppl` and `intref` metric of a streamed run must equal the loaded run's: the streamed layers are the
+modules a loaded model holds, run by the same functions on the same tensors, so the logits are bit-identical
+and the metrics equal exactly (the 1e-6 relative tolerance asked of them is not even needed). One loaded and
+one streamed run per fixture pair, on a 2-window protocol; the streamed tiny run streams because the model
+does not fit `--max-memory`, and the SmolLM2 one because of `--stream`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import copy_checkpoint, edit_tensors, run_cli
+
+TWO_WINDOWS = """
+[protocol]
+window = 512
+starts = { first = 0, step = 4096, count = 2 }
+scored = { first = 256, last = 510 }
+"""
+PPL_SPEC = TWO_WINDOWS + "[thresholds]\nppl_ratio = { max = 1.70 }\n"
+INTREF_SPEC = (
+    '[activations]\ndivisor = 127.5\nrounding = "half_even"\n'
+    + TWO_WINDOWS
+    + "[thresholds]\nppl_int_ratio = { max = 1.70 }\n"
+)
+# Strings that describe how a side ran (they say "streamed"), not what it measured.
+EXECUTION = {"ref_execution", "ckpt_execution"}
+
+
+def specs(folder: Path) -> list[str]:
+    (folder / "ppl.toml").write_text(PPL_SPEC)
+    (folder / "intref.toml").write_text(INTREF_SPEC)
+    return ["--spec", f"ppl={folder / 'ppl.toml'}", "--spec", f"intref={folder / 'intref.toml'}"]
+
+
+def loaded_and_streamed(pair: dict[str, Path], ckpt: str, ref: str, root: Path, stream_args: tuple) -> dict:
+    runs = {}
+    for name, tasks, extra in (
+        ("loaded", "ppl,intref", ()),
+        ("streamed", "ppl,intref,smoke", stream_args),
+    ):
+        out = root / name
+        res = run_cli(
+            "run",
+            "--ckpt",
+            pair[ckpt],
+            "--ref",
+            pair[ref],
+            "--tasks",
+            tasks,
+            "--corpus",
+            "python-docs",
+            *specs(root),
+            *extra,
+            "--out",
+            out,
+            "--quiet",
+        )
+        assert res.returncode == 0, res.stderr
+        runs[name] = (json.loads((out / "results.json").read_text()), res.stderr)
+    return runs
+
+
+def assert_same_metrics(runs: dict) -> None:
+    loaded, streamed = runs["loaded"][0]["tasks"], runs["streamed"][0]["tasks"]
+    for task in ("ppl", "intref"):
+        a, b = loaded[task]["metrics"], streamed[task]["metrics"]
+        assert set(a) == set(b)
+        numeric = [k for k, v in a.items() if isinstance(v, int | float) and not isinstance(v, bool)]
+        assert len(numeric) > 25
+        for name in numeric:
+            assert math.isclose(b[name], a[name], rel_tol=1e-6, abs_tol=0.0), (task, name, a[name], b[name])
+            assert b[name] == a[name], (task, name)  # bit-identical logits: the very same numbers
+        for name in set(a) - set(numeric) - EXECUTION:
+            assert b[name] == a[name], (task, name)
+        assert loaded[task]["status"] == streamed[task]["status"] == "pass"
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tiny_pair, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-stream")
+    # 100 kB is far below the tiny model (~1 MB loaded): both sides stream without being asked.
+    return loaded_and_streamed(
+        tiny_pair, "tiny-minicpmv47-w4a8", "tiny-minicpmv47-bf16", root, ("--max-memory", "100kB")
+    )
+
+
+def test_tiny_pair_streamed_run_equals_loaded_run_on_every_ppl_and_intref_metric(tiny_runs):
+    assert_same_metrics(tiny_runs)
+
+
+def test_a_model_over_max_memory_streams_and_says_why(tiny_runs):
+    results, stderr = tiny_runs["streamed"]
+    said = " ".join(stderr.split())  # the console wraps long lines
+    loads = said.count("loading ")
+    assert loads == 3  # the reference, and the candidate under hf and under intref
+    assert said.count(", streamed one decoder layer at a time: the model needs") == loads
+    assert said.count("more than --max-memory 100.0 kB allows") == loads
+    loaded_results, loaded_stderr = tiny_runs["loaded"]
+    assert " ".join(loaded_stderr.split()).count("loading ") == 3 and "streamed" not in loaded_stderr
+    assert "streamed" in results["tasks"]["ppl"]["metrics"]["ckpt_execution"]
+    assert "streamed" not in loaded_results["tasks"]["ppl"]["metrics"]["ckpt_execution"]
+
+
+def test_generation_is_skipped_on_a_streamed_side_with_the_reason(tiny_runs):
+    smoke = tiny_runs["streamed"][0]["tasks"]["smoke"]
+    assert smoke["status"] == "skipped"
+    assert "streaming does not apply to generation" in smoke["reason"]
+    assert "--max-memory" in smoke["reason"]
+
+
+@pytest.mark.slow
+def test_smollm2_pair_streamed_run_equals_loaded_run_on_every_ppl_and_intref_metric(smollm2_pair, tmp_path):
+    runs = loaded_and_streamed(
+        smollm2_pair, "smollm2-135m-w4a8", "smollm2-135m-bf16", tmp_path, ("--stream",)
+    )
+    assert_same_metrics(runs)
+    assert "(--stream)" in runs["streamed"][0]["tasks"]["smoke"]["reason"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Refusals: exit 2 with one line naming what is wrong, before any model loads.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def refused(*args) -> str:
+    res = run_cli("run", *args, "--quiet")
+    assert res.returncode == 2, res.stderr
+    assert len(res.error_lines) == 1, res.stderr
+    return res.error_lines[0]
+
+
+@pytest.mark.parametrize("size", ["lots", "0"])
+def test_a_bad_max_memory_is_refused_naming_the_option(tiny_pair, tmp_path, size):
+    line = refused(
+        "--ckpt",
+        tiny_pair["tiny-minicpmv47-w4a8"],
+        "--ref",
+        tiny_pair["tiny-minicpmv47-bf16"],
+        f"--max-memory={size}",
+        "--out",
+        tmp_path,
+    )
+    assert "--max-memory" in line and size in line
+
+
+def test_a_layer_whose_tensors_are_missing_is_refused_naming_the_layer(tiny_pair, tmp_path):
+    broken = copy_checkpoint(tiny_pair["tiny-minicpmv47-bf16"], tmp_path / "broken")
+    gone = "model.language_model.layers.1.mlp.shared_expert.up_proj.weight"
+    edit_tensors(broken, lambda tensors: tensors.pop(gone))
+    line = refused(
+        "--ckpt", broken, "--ref", tiny_pair["tiny-minicpmv47-bf16"], "--stream", "--out", tmp_path / "out"
+    )
+    assert "decoder layer 1 (model.language_model.layers.1)" in line
+    assert "1 tensors missing from the files (mlp.shared_expert.up_proj.weight)" in line
+    assert str(broken) in line
+
+
+FLAT_MODEL = '''
+from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+
+class FlatConfig(PretrainedConfig):
+    model_type = "flat-test"
+
+    def __init__(self, vocab_size=512, hidden_size=16, num_hidden_layers=2, **kwargs):
+        self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
+        super().__init__(**kwargs)
+
+
+class FlatForCausalLM(PreTrainedModel, GenerationMixin):
+    """Its blocks are an nn.Sequential, not a list of layers the forward calls one by one."""
+
+    config_class = FlatConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.Sequential(*(nn.Linear(config.hidden_size, config.hidden_size) for _ in range(2)))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids=None, logits_to_keep=0, **kwargs):
+        return CausalLMOutput(logits=self.lm_head(self.blocks(self.embed(input_ids))))
+'''
+
+
+def test_a_model_whose_decoder_layers_cannot_be_found_is_refused_naming_its_class(tiny_pair, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "modeling_flat.py").write_text(FLAT_MODEL)
+    config = {
+        "model_type": "flat-test",
+        "architectures": ["FlatForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "modeling_flat.FlatConfig",
+            "AutoModelForCausalLM": "modeling_flat.FlatForCausalLM",
+        },
+        "vocab_size": 512,
+        "hidden_size": 16,
+        "num_hidden_layers": 2,
+    }
+    (flat / "config.json").write_text(json.dumps(config))
+    tensors = {"embed.weight": torch.zeros(512, 16), "lm_head.weight": torch.zeros(512, 16)}
+    for i in range(2):
+        tensors |= {f"blocks.{i}.weight": torch.zeros(16, 16), f"blocks.{i}.bias": torch.zeros(16)}
+    save_file({k: v.bfloat16() for k, v in tensors.items()}, str(flat / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (flat / name).write_bytes((tiny_pair["tiny-minicpmv47-bf16"] / name).read_bytes())
+    line = refused(
+        "--ckpt", flat, "--ref", flat, "--stream", "--trust-remote-code", "--out", tmp_path / "out"
+    )
+    assert "the decoder layers of FlatForCausalLM cannot be found" in line
+    assert str(flat) in line
