@@ -173,7 +173,9 @@ def _pooled(out: Any) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def image_features(model: Any, device: torch.device, inputs: dict[str, Any], checkpoint: Checkpoint) -> torch.Tensor:
+def image_features(
+    model: Any, device: torch.device, inputs: dict[str, Any], checkpoint: Checkpoint
+) -> torch.Tensor:
     """The vision tower and merger's output for the visual inputs, float32, one row per visual token: the
     images' (`pixel_values`, …), then the video frames' (inputs named `…video…`). Inputs that are not
     tensors are the model's settings for both (MiniCPM-V's `downsample_mode`)."""
