@@ -22,12 +22,13 @@ ENTRY_POINT_GROUP = "evalsuite.tasks"
 def _builtin_tasks() -> list[type]:
     # One line per built-in task: adding a task is adding a line.
     from evalsuite.tasks.intref import IntegerReference
+    from evalsuite.tasks.lmeval import LmEval
     from evalsuite.tasks.ppl import Perplexity
     from evalsuite.tasks.smoke import Smoke
     from evalsuite.tasks.tensors import Tensors
     from evalsuite.tasks.vision import Vision
 
-    return [Perplexity, Smoke, Vision, Tensors, IntegerReference]
+    return [Perplexity, Smoke, Vision, Tensors, IntegerReference, LmEval]
 
 
 def registered_tasks() -> dict[str, type]:

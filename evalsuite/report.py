@@ -108,6 +108,21 @@ def _cell(value: Any) -> str:
     return "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in text)
 
 
+def _details_tables(details: list[dict[str, Any]]) -> list[str]:
+    """A task's detail rows as markdown tables: one per value of a row's `table` key (its heading), or one
+    table for rows without it."""
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for row in details:
+        tables.setdefault(str(row.get("table", "")), []).append(row)
+    lines: list[str] = []
+    for title, rows in tables.items():
+        columns = [c for c in dict.fromkeys(k for row in rows for k in row) if c != "table"]
+        lines += ["", f"### {_cell(title)}", ""] if title else [""]
+        lines += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+        lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return lines
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """report.md: the verdict, the summary table, then every metric of every task."""
     lines = [
@@ -130,11 +145,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         if metrics:
             lines += ["| metric | value |", "| --- | --- |"]
             lines += [f"| {name} | {format_number(value)} |" for name, value in metrics.items()]
-        details = entry.get("details") or []
-        if details:
-            columns = list(dict.fromkeys(k for row in details for k in row))
-            lines += ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-            lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in details]
+        lines += _details_tables(entry.get("details") or [])
         for name, path in entry.get("artifacts", {}).items():
             lines += ["", f"![{name}]({path})" if path.endswith(".png") else f"- {name}: [{path}]({path})"]
     env = results["environment"]

@@ -1,0 +1,164 @@
+"""The lmeval task without a model: its comparison of constructed per-document results, its spec, its refusals
+before anything loads. lm-eval itself runs in tests/e2e/test_lmeval.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from evalsuite.backends import HFModelAccess, exposes_model
+from evalsuite.backends.options import BackendOptions
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.errors import InputError
+from evalsuite.report import render_markdown
+from evalsuite.runner import build_tasks
+from evalsuite.side import Side
+from evalsuite.spec import flat_metric_tables, load_spec
+from evalsuite.task import RunContext, TaskSkipped
+from evalsuite.tasks.lmeval import LmEval, LmEvalSpec, samples_observation, shipped_task_folder
+
+# Ten documents, equal accuracy (5 of 10) and six flips: 0-2 correct → wrong, 5-7 wrong → correct.
+REF = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]
+CKPT = [0, 0, 0, 1, 1, 1, 1, 1, 0, 0]
+INPUTS = {"lmeval_tasks_sha256": "0" * 64}
+
+
+def entry(correct: list[int], lls: list[list[float]]) -> dict[str, Any]:
+    """A leaf task's samples as the observer keeps them: two-choice questions, gold answer always choice 0."""
+    n = len(correct)
+    return {
+        "version": 1.0,
+        "n_shot": 0,
+        "output_type": "multiple_choice",
+        "higher_is_better": {"acc": True},
+        "lm_eval_results": {"acc,none": sum(correct) / n},
+        "doc_ids": list(range(n)),
+        "docs_sha256": "d" * 64,
+        "questions": [f"Question: is {i} the answer?\nAnswer:" for i in range(n)],
+        "choices": [["yes", "no"]] * n,
+        "gold": ["yes"] * n,
+        "answers": {},
+        "scores": {"acc": [float(c) for c in correct]},
+        "lls": lls,
+    }
+
+
+def observation(correct: list[int]) -> Any:
+    # The most likely choice decides correctness: choice 0 (the gold) when correct.
+    lls = [[-1.0, -2.0] if c else [-2.0, -1.0] for c in correct]
+    return samples_observation({"toy": entry(correct, lls)}, "0.4.13", {"backend": "hf"}, INPUTS)
+
+
+def lmeval_task(**spec: Any) -> LmEval:
+    return LmEval(LmEvalSpec.model_validate({"tasks": ["toy"], **spec}), RunContext())
+
+
+def test_equal_accuracy_with_many_flips_gives_the_hand_computed_statistics(tmp_path):
+    result = lmeval_task().compare({"ref": observation(REF), "ckpt": observation(CKPT)}, tmp_path)
+    m = result.metrics
+    assert m["toy.acc.ref"] == m["toy.acc.ckpt"] == 0.5
+    assert m["toy.acc.delta"] == 0.0
+    assert m["toy.acc.delta_stderr"] == pytest.approx(math.sqrt(0.6 / 9), rel=1e-15)
+    assert (m["toy.acc.flips_c2w"], m["toy.acc.flips_w2c"], m["toy.acc.flip_rate"]) == (3, 3, 0.6)
+    assert m["toy.acc.mcnemar_p"] == 1.0
+    assert m["toy.acc.recovery"] == 1.0
+    # Each flip changed the chosen answer, and P = (0.731, 0.269) became (0.269, 0.731): KL = 0.4621 nats.
+    p = 1 / (1 + math.exp(-1))
+    kl = p * math.log(p / (1 - p)) + (1 - p) * math.log((1 - p) / p)
+    assert m["toy.acc.choice_change_rate"] == 0.6
+    assert m["toy.acc.choice_kld_mean"] == pytest.approx(0.6 * kl, rel=1e-12)
+    assert m["n_documents"] == 10
+
+
+def test_flipped_documents_are_listed_correct_to_wrong_first_and_truncated(tmp_path):
+    task = lmeval_task(compare={"max_flipped_rows": 4, "text_chars": 12})
+    result = task.compare({"ref": observation(REF), "ckpt": observation(CKPT)}, tmp_path)
+    flipped = [row for row in result.details if row["table"] == "flipped documents: `toy`"]
+    assert [row["doc"] for row in flipped] == [0, 1, 2, 5, "…"]
+    assert [row["flip"] for row in flipped[:4]] == ["correct → wrong"] * 3 + ["wrong → correct"]
+    assert flipped[0]["ref answer"] == "yes" and flipped[0]["ckpt answer"] == "no"
+    assert flipped[0]["question"] == "…wer?\nAnswer:"  # the end of the prompt: 12 characters
+    assert flipped[-1]["question"] == "2 more not shown"
+
+
+def test_report_renders_one_table_per_lm_eval_task_and_one_of_flips(tmp_path):
+    result = lmeval_task().compare({"ref": observation(REF), "ckpt": observation(CKPT)}, tmp_path)
+    doc = {
+        "verdict": result.status,
+        "ckpt": {"path": "c", "format": "bf16"},
+        "ref": {"path": "r", "format": "bf16"},
+        "environment": {"device": "cpu", "device_name": "cpu", "dtype": "bfloat16", "packages": {}},
+        "tasks": {"lmeval": result.to_json()},
+    }
+    md = render_markdown(doc)
+    assert "### lm-eval `toy`: 10 documents, 0-shot, version 1.0" in md
+    assert "| metric | ref | ckpt | Δ (paired) | recovery | correct → wrong |" in md
+    assert "### flipped documents: `toy`" in md
+    assert "| doc | metric | flip | question | ref answer | ckpt answer | gold |" in md
+
+
+def test_sides_evaluated_on_other_documents_are_refused(tmp_path):
+    other = observation(CKPT)
+    other.meta["lm_eval_tasks"]["toy"]["docs_sha256"] = "e" * 64
+    with pytest.raises(InputError, match="different documents"):
+        lmeval_task().compare({"ref": observation(REF), "ckpt": other}, tmp_path)
+
+
+def test_a_zero_reference_score_makes_recovery_null_with_its_reason(tmp_path):
+    result = lmeval_task().compare({"ref": observation([0] * 4), "ckpt": observation([1, 0, 0, 0])}, tmp_path)
+    doc = result.to_json()
+    assert doc["metrics"]["toy.acc.recovery"] is None
+    assert "reference scores 0" in doc["null_reasons"]["toy.acc.recovery"]
+
+
+def test_thresholds_with_dotted_names_are_read_as_one_name(tmp_path):
+    spec = tmp_path / "lmeval.toml"
+    spec.write_text(
+        'tasks = ["toy"]\n[thresholds]\ntoy.acc.recovery = { min = 0.9 }\n"toy.acc.delta" = { min = -0.1 }\n'
+    )
+    loaded = load_spec(LmEvalSpec, spec)
+    assert set(loaded.thresholds) == {"toy.acc.recovery", "toy.acc.delta"}
+    nested = {"a": {"b": {"max": 1}}, "c": {"min": 0}}
+    assert flat_metric_tables(nested) == {"a.b": {"max": 1}, "c": {"min": 0}}
+
+
+def test_threshold_names_are_checked_against_the_statistics_and_the_tasks_metrics():
+    # The runner's check: a pattern of the task's metric_names must match, whatever the lm-eval task.
+    build_tasks(["lmeval"], RunContext(), {"lmeval": {"arc_easy.acc": {"recovery": {"min": 0.9}}}})
+    with pytest.raises(InputError, match="reports no such metric"):
+        build_tasks(["lmeval"], RunContext(), {"lmeval": {"arc_easy.acc.recovry": {"min": 0.9}}})
+    # The task's check, once the lm-eval tasks are loaded: their names and metrics.
+    task = lmeval_task(thresholds={"toy.acc.flip_rate": {"max": 0.1}})
+    task.check_threshold_names({"toy": ["acc", "acc_norm"]})
+    with pytest.raises(InputError, match=r"`toy` reports acc; a threshold is `toy\.METRIC\.STAT`"):
+        lmeval_task(thresholds={"toy.exact_match.delta": {"min": 0}}).check_threshold_names({"toy": ["acc"]})
+    with pytest.raises(InputError, match="names no lm-eval task this spec runs"):
+        lmeval_task(thresholds={"other.acc.delta": {"min": 0}}).check_threshold_names({"toy": ["acc"]})
+
+
+def test_spec_refuses_an_empty_task_list_and_a_zero_limit():
+    with pytest.raises(ValueError, match="at least one"):
+        LmEvalSpec.model_validate({"tasks": []})
+    with pytest.raises(ValueError, match="1 or more"):
+        LmEvalSpec.model_validate({"tasks": ["toy"], "limit": 0})
+
+
+def test_a_backend_without_the_transformers_model_makes_the_task_skipped(tiny_pair):
+    ckpt = Checkpoint.open(tiny_pair["tiny-minicpmv47-bf16"])
+    ref = Side("ref", BackendOptions(), checkpoint=ckpt)
+    other = Side("ckpt", BackendOptions(backend="exl3"), checkpoint=ckpt)
+    assert exposes_model("hf") and exposes_model("intref") and not exposes_model("exl3")
+    with pytest.raises(TaskSkipped, match="backend 'exl3'"):
+        lmeval_task().prepare(ref, other)
+    assert not isinstance(object(), HFModelAccess)
+
+
+def test_evalsuite_mini_ships_beside_the_spec():
+    folder = shipped_task_folder()
+    assert folder == Path(__file__).resolve().parents[2] / "tasks" / "lmeval"
+    names = {p.name for p in folder.iterdir()}
+    assert {"evalsuite-mini.yaml", "evalsuite-mini-gen.yaml", "evalsuite_mini.py", "mc_test.jsonl"} <= names
+    assert len((folder / "mc_test.jsonl").read_text(encoding="utf-8").splitlines()) == 100
