@@ -4,6 +4,7 @@ before anything loads. lm-eval itself runs in tests/e2e/test_lmeval.py."""
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +13,19 @@ import pytest
 from evalsuite.backends import HFModelAccess, exposes_model
 from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
-from evalsuite.errors import InputError
+from evalsuite.errors import DependencyError, InputError
 from evalsuite.report import render_markdown
 from evalsuite.runner import build_tasks
 from evalsuite.side import Side
 from evalsuite.spec import flat_metric_tables, load_spec
 from evalsuite.task import RunContext, TaskSkipped
-from evalsuite.tasks.lmeval import LmEval, LmEvalSpec, samples_observation, shipped_task_folder
+from evalsuite.tasks.lmeval import (
+    LmEval,
+    LmEvalSpec,
+    read_samples,
+    samples_observation,
+    shipped_task_folder,
+)
 
 # Ten documents, equal accuracy (5 of 10) and six flips: 0-2 correct → wrong, 5-7 wrong → correct.
 REF = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]
@@ -144,6 +151,10 @@ def test_spec_refuses_an_empty_task_list_and_a_zero_limit():
         LmEvalSpec.model_validate({"tasks": []})
     with pytest.raises(ValueError, match="1 or more"):
         LmEvalSpec.model_validate({"tasks": ["toy"], "limit": 0})
+    with pytest.raises(ValueError, match="named twice"):
+        LmEvalSpec.model_validate({"tasks": ["toy", "toy"]})
+    with pytest.raises(ValueError, match="0 or more"):
+        LmEvalSpec.model_validate({"tasks": ["toy"], "num_fewshot": -1})
 
 
 def test_a_backend_without_the_transformers_model_makes_the_task_skipped(tiny_pair):
@@ -162,3 +173,138 @@ def test_evalsuite_mini_ships_beside_the_spec():
     names = {p.name for p in folder.iterdir()}
     assert {"evalsuite-mini.yaml", "evalsuite-mini-gen.yaml", "evalsuite_mini.py", "mc_test.jsonl"} <= names
     assert len((folder / "mc_test.jsonl").read_text(encoding="utf-8").splitlines()) == 100
+
+
+# --------------------------------------------------------------------------------------------------------
+# prepare: lm-eval's task loading, in process (the shipped folder's index is quick; no model loads)
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sides(tiny_pair) -> tuple[Side, Side]:
+    ckpt = Checkpoint.open(tiny_pair["tiny-minicpmv47-bf16"])
+    return Side("ref", BackendOptions(), checkpoint=ckpt), Side("ckpt", BackendOptions(), checkpoint=ckpt)
+
+
+def my_tasks(tmp_path: Path, edit: dict[str, tuple[str, str]] | None = None) -> Path:
+    """A copy of the shipped task folder, with `file: (old, new)` replacements."""
+    folder = Path(shutil.copytree(shipped_task_folder(), tmp_path / f"tasks-{len(list(tmp_path.iterdir()))}"))
+    for name, (old, new) in (edit or {}).items():
+        text = (folder / name).read_text(encoding="utf-8")
+        assert old in text
+        (folder / name).write_text(text.replace(old, new), encoding="utf-8")
+    return folder
+
+
+def prepared(sides, **spec: Any) -> dict[str, Any]:
+    task = LmEval(LmEvalSpec.model_validate({"tasks": ["evalsuite-mini"], **spec}), RunContext())
+    return task.prepare(*sides)
+
+
+def test_the_inputs_hash_what_is_asked_not_where_its_files_lie(sides, tmp_path):
+    shipped = prepared(sides, limit=5)
+    assert shipped["lmeval_versions"] == "evalsuite-mini=1.0"
+    moved = prepared(sides, limit=5, include_path=str(my_tasks(tmp_path)))
+    assert moved["lmeval_tasks_sha256"] == shipped["lmeval_tasks_sha256"]
+    prompt = my_tasks(tmp_path, {"evalsuite-mini.yaml": ("Question: {{question}}", "Q: {{question}}")})
+    document = my_tasks(tmp_path, {"mc_test.jsonl": ("What is 7 + 8?", "What is 8 + 7?")})
+    late_document = my_tasks(tmp_path, {"mc_test.jsonl": ("What is 9 times 6?", "What is 6 times 9?")})
+    digest = {
+        "prompt": prepared(sides, limit=5, include_path=str(prompt)),
+        "document": prepared(sides, limit=5, include_path=str(document)),
+        "more documents": prepared(sides, limit=6),
+    }
+    for what, inputs in digest.items():
+        assert inputs["lmeval_tasks_sha256"] != shipped["lmeval_tasks_sha256"], what
+    # Only the documents scored count: the second one is outside `limit = 1`.
+    assert (
+        prepared(sides, limit=1, include_path=str(late_document))["lmeval_tasks_sha256"]
+        == prepared(sides, limit=1)["lmeval_tasks_sha256"]
+    )
+
+
+def test_tasks_that_need_images_or_run_code_are_refused(sides, tmp_path):
+    unsafe = my_tasks(tmp_path, {"evalsuite-mini.yaml": ("output_type:", "unsafe_code: true\noutput_type:")})
+    with pytest.raises(InputError, match="executes model-written code"):
+        prepared(sides, include_path=str(unsafe))
+    images = my_tasks(
+        tmp_path, {"evalsuite-mini.yaml": ("output_type:", "doc_to_image: [question]\noutput_type:")}
+    )
+    with pytest.raises(InputError, match="needs images or audio"):
+        prepared(sides, include_path=str(images))
+
+
+def test_an_include_path_that_is_not_a_folder_is_refused(sides, tmp_path):
+    with pytest.raises(InputError, match="include_path is not a folder"):
+        prepared(sides, include_path=str(tmp_path / "nowhere"))
+
+
+def test_a_backend_object_without_the_model_is_refused_by_the_observer(tmp_path):
+    observer = lmeval_task().needs()[0].observer
+
+    class NoModel:
+        tokenizer = None
+
+        def describe(self) -> dict:
+            return {}
+
+    with pytest.raises(DependencyError, match="does not expose a Transformers model"):
+        observer.observe(NoModel(), {}, tmp_path, lambda label, total: lambda: None)
+
+
+# --------------------------------------------------------------------------------------------------------
+# read_samples: lm-eval's results document as evalsuite keeps it
+# --------------------------------------------------------------------------------------------------------
+
+
+def lm_eval_results(filters: dict[str, list[int]]) -> dict[str, Any]:
+    """A generate-until task's results as simple_evaluate(log_samples=True) returns them, one sample per
+    document and filter."""
+    samples = [
+        {
+            "doc_id": i,
+            "target": "42",
+            "arguments": [[f"Question: {i}?\nAnswer:", {"until": ["\n"]}]],
+            "filtered_resps": [f" {40 + i}" if name == "none" else f"{40 + i}"],
+            "filter": name,
+            "metrics": ["exact_match"],
+            "doc_hash": f"d{i}",
+            "prompt_hash": f"p{i}",
+            "target_hash": "t",
+            "exact_match": float(40 + i == 42),
+        }
+        for name, ids in filters.items()
+        for i in ids
+    ]
+    return {
+        "samples": {"gen": samples},
+        "configs": {"gen": {"output_type": "generate_until"}},
+        "versions": {"gen": 2.0},
+        "n-shot": {"gen": 0},
+        "higher_is_better": {"gen": {"exact_match": True}},
+        "results": {"gen": {"exact_match,none": 1 / 3, "exact_match_stderr,none": "N/A", "alias": "gen"}},
+    }
+
+
+def test_scores_under_a_named_filter_are_metric_comma_filter():
+    entry = read_samples(lm_eval_results({"none": [2, 0, 1], "strict": [0, 1, 2]}))["gen"]
+    assert entry["doc_ids"] == [0, 1, 2]
+    assert entry["scores"] == {"exact_match": [0.0, 0.0, 1.0], "exact_match,strict": [0.0, 0.0, 1.0]}
+    assert entry["answers"] == {"none": [" 40", " 41", " 42"], "strict": ["40", "41", "42"]}
+    assert entry["gold"] == ["42"] * 3 and entry["version"] == 2.0
+    assert entry["lm_eval_results"] == {"exact_match,none": 1 / 3}  # the "N/A" stderr is not a number
+
+
+def test_filters_that_scored_other_documents_are_refused():
+    with pytest.raises(InputError, match="other documents under filter 'strict'"):
+        read_samples(lm_eval_results({"none": [0, 1, 2], "strict": [0, 1]}))
+
+
+def test_sides_given_other_choices_or_other_tasks_are_refused(tmp_path):
+    three = samples_observation({"toy": entry(REF, [[-1.0, -2.0, -3.0]] * len(REF))}, "0.4.13", {}, INPUTS)
+    with pytest.raises(InputError, match="different choices"):
+        lmeval_task().compare({"ref": observation(REF), "ckpt": three}, tmp_path)
+    other = observation(CKPT)
+    other.meta["lmeval_tasks_sha256"] = "f" * 64
+    with pytest.raises(InputError, match="other configs or documents"):
+        lmeval_task().compare({"ref": observation(REF), "ckpt": other}, tmp_path)
