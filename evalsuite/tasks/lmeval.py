@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import functools
 import hashlib
 import inspect
@@ -182,7 +183,9 @@ def load_tasks(
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
         where = f" or in {', '.join(folders)}" if folders else ""
-        raise InputError(f"unknown lm-eval task {unknown[0]!r} (not among lm-eval's tasks{where})")
+        close = difflib.get_close_matches(unknown[0], manager.all_tasks, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise InputError(f"unknown lm-eval task {unknown[0]!r} (not among lm-eval's tasks{where}){hint}")
     try:
         return manager, _leaves(manager, names, hint)
     except KeyError as exc:
@@ -241,8 +244,29 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def _continuation(argument: Any) -> str:
-    return str(argument[1]).strip() if isinstance(argument, list | tuple) and len(argument) > 1 else ""
+def _choice(argument: Any, delimiter: str) -> str:
+    """A choice as the task wrote it: the continuation scored, without the target delimiter before it."""
+    text = str(argument[1]) if isinstance(argument, list | tuple) and len(argument) > 1 else ""
+    return text.removeprefix(delimiter)
+
+
+def _question(prompt: str, config: Mapping[str, Any]) -> str:
+    """The document's own question: the prompt after its few-shot examples, if any."""
+    delimiter = config.get("fewshot_delimiter") or "\n\n"
+    return prompt.rsplit(delimiter, 1)[-1] if delimiter in prompt else prompt
+
+
+def chosen_answers(lls: list[float], choices: list[str]) -> dict[str, int]:
+    """The choice each of lm-eval's multiple-choice metrics picks: the highest log-likelihood (`acc`), per
+    character (`acc_norm`), per UTF-8 byte (`acc_bytes`); the rule is lm-eval's, restated for the report."""
+    ll = np.asarray(lls, dtype=np.float64)
+    chars = np.asarray([max(len(c), 1) for c in choices], dtype=np.float64)
+    nbytes = np.asarray([max(len(c.encode("utf-8")), 1) for c in choices], dtype=np.float64)
+    return {
+        "acc": int(np.argmax(ll)),
+        "acc_norm": int(np.argmax(ll / chars)),
+        "acc_bytes": int(np.argmax(ll / nbytes)),
+    }
 
 
 def read_samples(results: Mapping[str, Any], text_chars: int = 400) -> dict[str, dict[str, Any]]:
@@ -272,16 +296,17 @@ def read_samples(results: Mapping[str, Any], text_chars: int = 400) -> dict[str,
             "docs_sha256": _sha256_json(
                 [[s.get("doc_hash"), s.get("prompt_hash"), s.get("target_hash")] for s in first]
             ),
-            "questions": [str(s["arguments"][0][0])[-text_chars:] for s in first],
+            "questions": [_question(str(s["arguments"][0][0]), config)[-text_chars:] for s in first],
             "scores": {},
             "answers": {},
         }
         if multiple_choice:
-            entry["choices"] = [[_continuation(a)[:text_chars] for a in s["arguments"]] for s in first]
+            delimiter = config.get("target_delimiter", " ")
+            choices = [[_choice(a, delimiter) for a in s["arguments"]] for s in first]
             entry["lls"] = [[float(r[0]) for r in s["filtered_resps"]] for s in first]
-            entry["gold"] = [
-                _gold(s["target"], choices) for s, choices in zip(first, entry["choices"], strict=True)
-            ]
+            entry["chosen"] = [chosen_answers(ll, c) for ll, c in zip(entry["lls"], choices, strict=True)]
+            entry["choices"] = [[c[:text_chars] for c in row] for row in choices]
+            entry["gold"] = [_gold(s["target"], row) for s, row in zip(first, entry["choices"], strict=True)]
         else:
             entry["gold"] = [_gold(s["target"], None)[:text_chars] for s in first]
         for filter_name, rows in by_filter.items():
@@ -395,7 +420,6 @@ def samples_observation(
             lls = entry.pop("lls")
             arrays[f"{name}/lls"] = np.asarray([v for row in lls for v in row], dtype=np.float64)
             arrays[f"{name}/n_choices"] = np.asarray([len(row) for row in lls], dtype=np.int64)
-            entry["chosen"] = [int(np.argmax(row)) for row in lls]
         tasks_meta[name] = entry
     return Observation(
         name=OBSERVER_NAME,
@@ -650,9 +674,10 @@ def _choice_statistics(name: str, ref: Observation, ckpt: Observation) -> tuple[
 def _side_answer(entry: dict[str, Any], i: int, key: str) -> str:
     """What a side answered: its most likely choice, or its generated text (under the metric's filter)."""
     if "choices" in entry:
-        return entry["choices"][i][entry["chosen"][i]]
+        chosen = entry["chosen"][i]
+        return entry["choices"][i][chosen.get(key.split(",")[0], chosen["acc"])].strip()
     filter_name = key.split(",")[1] if "," in key else "none"
-    return entry["answers"].get(filter_name, [""] * (i + 1))[i]
+    return entry["answers"].get(filter_name, [""] * (i + 1))[i].strip()
 
 
 def _pm(values: dict[str, Any], name: str) -> str:

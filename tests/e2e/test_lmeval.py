@@ -112,7 +112,7 @@ def test_the_scores_are_those_lm_eval_itself_reported(runs):
 def test_report_and_model_card_show_the_paired_tables(runs):
     report = (runs["live"] / "report.md").read_text()
     assert "### lm-eval `evalsuite-mini`: 6 documents, 0-shot, version 1.0" in report
-    assert "### lm-eval `evalsuite-mini-gen`: 6 documents, 0-shot, version 1.0" in report
+    assert "### lm-eval `evalsuite-mini-gen`: 6 documents, 4-shot, version 1.0" in report
     res = run_cli("report", runs["live"], "--format", "model-card")
     assert res.returncode == 0, res.stderr
     card = (runs["live"] / "model-card.md").read_text()

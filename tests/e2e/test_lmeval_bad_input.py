@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from tests.conftest import run_cli
 from tests.e2e.test_bad_input import assert_refused
 
@@ -53,7 +51,7 @@ def run_lmeval(tiny_pair, tmp_path, spec_text: str, *extra: str):
 
 def test_an_unknown_lm_eval_task_is_refused(tiny_pair, tmp_path):
     res = run_lmeval(tiny_pair, tmp_path, 'tasks = ["evalsuite-mnii"]\n')
-    assert_refused(res, "unknown lm-eval task 'evalsuite-mnii'")
+    assert_refused(res, "unknown lm-eval task 'evalsuite-mnii'", "did you mean 'evalsuite-mini'?")
 
 
 def test_a_task_whose_data_is_not_in_the_cache_is_refused(tiny_pair, tmp_path):
@@ -73,16 +71,9 @@ def test_an_lm_eval_without_the_needed_api_is_refused(tiny_pair, tmp_path, monke
     assert_refused(res, "lm-eval 0.3.0 lacks", "TaskManager.load", "needs lm-eval >= 0.4.13")
 
 
-@pytest.mark.parametrize(
-    ("threshold", "fragment"),
-    [
-        ("evalsuite-mini.accuracy.recovery", "`evalsuite-mini` reports acc, acc_norm"),
-        ("hellaswag.acc.recovery", "names no lm-eval task this spec runs"),
-        ("evalsuite-mini.acc.recovry", "`lmeval` reports no such metric"),
-    ],
-)
-def test_a_threshold_on_a_metric_lm_eval_does_not_report_is_refused(tiny_pair, tmp_path, threshold, fragment):
+def test_a_threshold_on_a_metric_lm_eval_does_not_report_is_refused(tiny_pair, tmp_path):
+    # A dotted key, as users write it; the other misnamed thresholds are refused the same way (unit tests).
     thresholds = tmp_path / "thresholds.toml"
-    thresholds.write_text(f"[lmeval]\n{threshold} = {{ min = 0.9 }}\n")  # a dotted key, as users write it
+    thresholds.write_text("[lmeval]\nevalsuite-mini.accuracy.recovery = { min = 0.9 }\n")
     res = run_lmeval(tiny_pair, tmp_path, SPEC, "--thresholds", str(thresholds))
-    assert_refused(res, fragment)
+    assert_refused(res, "`evalsuite-mini` reports acc, acc_norm")

@@ -105,4 +105,4 @@ def test_report_lists_the_flipped_documents_with_both_answers_and_the_gold(smoll
                 assert row["ref answer"] != row["ckpt answer"], row
     report = (out / "report.md").read_text()
     assert "### lm-eval `evalsuite-mini`: 30 documents, 0-shot, version 1.0" in report
-    assert "### lm-eval `evalsuite-mini-gen`: 20 documents, 0-shot, version 1.0" in report
+    assert "### lm-eval `evalsuite-mini-gen`: 20 documents, 4-shot, version 1.0" in report

@@ -22,6 +22,7 @@ from evalsuite.task import RunContext, TaskSkipped
 from evalsuite.tasks.lmeval import (
     LmEval,
     LmEvalSpec,
+    chosen_answers,
     read_samples,
     samples_observation,
     shipped_task_folder,
@@ -34,8 +35,9 @@ INPUTS = {"lmeval_tasks_sha256": "0" * 64}
 
 
 def entry(correct: list[int], lls: list[list[float]]) -> dict[str, Any]:
-    """A leaf task's samples as the observer keeps them: two-choice questions, gold answer always choice 0."""
-    n = len(correct)
+    """A leaf task's samples as the observer keeps them: questions with a choice per log-likelihood, the gold
+    answer always choice 0."""
+    n, choices = len(correct), ["yes", "no", "maybe"][: len(lls[0])]
     return {
         "version": 1.0,
         "n_shot": 0,
@@ -45,11 +47,12 @@ def entry(correct: list[int], lls: list[list[float]]) -> dict[str, Any]:
         "doc_ids": list(range(n)),
         "docs_sha256": "d" * 64,
         "questions": [f"Question: is {i} the answer?\nAnswer:" for i in range(n)],
-        "choices": [["yes", "no"]] * n,
+        "choices": [choices] * n,
         "gold": ["yes"] * n,
         "answers": {},
         "scores": {"acc": [float(c) for c in correct]},
         "lls": lls,
+        "chosen": [chosen_answers(ll, choices) for ll in lls],
     }
 
 
@@ -284,6 +287,20 @@ def lm_eval_results(filters: dict[str, list[int]]) -> dict[str, Any]:
         "higher_is_better": {"gen": {"exact_match": True}},
         "results": {"gen": {"exact_match,none": 1 / 3, "exact_match_stderr,none": "N/A", "alias": "gen"}},
     }
+
+
+def test_each_multiple_choice_metric_picks_its_answer_by_lm_evals_rule():
+    # "ab" at −2.0 (−1.0 per character) against "abcd" at −3.0 (−0.75 per character, −0.5 per byte for
+    # "日本" at −3.0: six bytes, two characters).
+    assert chosen_answers([-2.0, -3.0], ["ab", "abcd"]) == {"acc": 0, "acc_norm": 1, "acc_bytes": 1}
+    assert chosen_answers([-2.0, -3.0], ["ab", "日本"]) == {"acc": 0, "acc_norm": 0, "acc_bytes": 1}
+
+
+def test_the_question_shown_is_the_prompt_after_its_few_shot_examples():
+    results = lm_eval_results({"none": [0]})
+    results["configs"]["gen"]["fewshot_delimiter"] = "\n\n"
+    results["samples"]["gen"][0]["arguments"][0][0] = "Question: 1?\nAnswer: 1\n\nQuestion: 0?\nAnswer:"
+    assert read_samples(results)["gen"]["questions"] == ["Question: 0?\nAnswer:"]
 
 
 def test_scores_under_a_named_filter_are_metric_comma_filter():
