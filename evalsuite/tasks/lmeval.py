@@ -250,10 +250,10 @@ def _choice(argument: Any, delimiter: str) -> str:
     return text.removeprefix(delimiter)
 
 
-def _question(prompt: str, config: Mapping[str, Any]) -> str:
-    """The document's own question: the prompt after its few-shot examples, if any."""
+def _question(prompt: str, config: Mapping[str, Any], n_shot: Any) -> str:
+    """The document's own question: the prompt after its few-shot examples, if it has any."""
     delimiter = config.get("fewshot_delimiter") or "\n\n"
-    return prompt.rsplit(delimiter, 1)[-1] if delimiter in prompt else prompt
+    return prompt.rsplit(delimiter, 1)[-1] if n_shot and delimiter in prompt else prompt
 
 
 def chosen_answers(lls: list[float], choices: list[str]) -> dict[str, int]:
@@ -296,7 +296,10 @@ def read_samples(results: Mapping[str, Any], text_chars: int = 400) -> dict[str,
             "docs_sha256": _sha256_json(
                 [[s.get("doc_hash"), s.get("prompt_hash"), s.get("target_hash")] for s in first]
             ),
-            "questions": [_question(str(s["arguments"][0][0]), config)[-text_chars:] for s in first],
+            "questions": [
+                _question(str(s["arguments"][0][0]), config, results["n-shot"].get(name))[-text_chars:]
+                for s in first
+            ],
             "scores": {},
             "answers": {},
         }

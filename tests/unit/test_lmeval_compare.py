@@ -299,7 +299,10 @@ def test_each_multiple_choice_metric_picks_its_answer_by_lm_evals_rule():
 def test_the_question_shown_is_the_prompt_after_its_few_shot_examples():
     results = lm_eval_results({"none": [0]})
     results["configs"]["gen"]["fewshot_delimiter"] = "\n\n"
-    results["samples"]["gen"][0]["arguments"][0][0] = "Question: 1?\nAnswer: 1\n\nQuestion: 0?\nAnswer:"
+    prompt = "Question: 1?\nAnswer: 1\n\nQuestion: 0?\nAnswer:"
+    results["samples"]["gen"][0]["arguments"][0][0] = prompt
+    assert read_samples(results)["gen"]["questions"] == [prompt]  # zero-shot: the prompt is the question
+    results["n-shot"]["gen"] = 1
     assert read_samples(results)["gen"]["questions"] == ["Question: 0?\nAnswer:"]
 
 
