@@ -37,8 +37,9 @@ DEFAULT_FIXTURES = Path(
 )
 DEMO_CKPT, DEMO_REF = "smollm2-135m-w4a8", "smollm2-135m-bf16"
 # `smoke` is left out: the round-to-nearest W4A8 copy of a 135 M model loses an answer, which `smoke` rightly
-# fails; `evalsuite run --tasks smoke` shows it. `vision` does not apply to a text-only model.
-DEMO_TASKS = "ppl,tensors,intref"
+# fails; `evalsuite run --tasks smoke` shows it. `vision` does not apply to a text-only model. `lmeval` runs
+# the shipped evalsuite-mini, offline, and puts the paired accuracy on the model card beside the PPL.
+DEMO_TASKS = "ppl,tensors,intref,lmeval"
 
 
 def resolve_source(source: str, fixtures: Path = DEFAULT_FIXTURES) -> str:
@@ -400,7 +401,7 @@ def demo_command(
         # The recording holds every task a nightly run of a text model can replay, not only the demo's.
         request = RecordRequest(
             ckpt=str(built[DEMO_REF]),
-            tasks=["ppl", "smoke"],
+            tasks=["ppl", "smoke", "lmeval"],
             out=record,
             context=RunContext(corpus_name=corpus),
         )

@@ -8,7 +8,9 @@ identical inputs give exactly 0 and exactly 1 where they should. No model, no I/
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -316,3 +318,79 @@ def error_sums(ref: ArrayLike, cand: ArrayLike) -> ErrorSums:
 def sqnr_db(reference: ArrayLike, candidate: ArrayLike) -> float:
     """Signal to quantization-noise ratio of `candidate` against `reference` in dB (`ErrorSums.sqnr_db`)."""
     return error_sums(reference, candidate).sqnr_db
+
+
+# --------------------------------------------------------------------------------------------------------
+# Paired per-document comparisons (downstream accuracy on the same documents, one score per side)
+# --------------------------------------------------------------------------------------------------------
+
+
+def paired_difference(ref: ArrayLike, ckpt: ArrayLike) -> Estimate:
+    """Mean per-document change ckpt − ref, with the paired standard error sqrt(var(d) / (n − 1)).
+
+    Both sides scored the same documents, so the error bar is that of the per-document differences d: the
+    documents' own difficulty, which both sides share, cancels. Identical sides give exactly 0 ± 0.
+    """
+    a, b = _as_f64(ref), _as_f64(ckpt)
+    if a.shape != b.shape:
+        raise ValueError(f"paired samples differ in length: {a.size} vs {b.size}")
+    return mean_with_stderr(b - a)
+
+
+def recovery(ref: float, ckpt: float) -> float:
+    """ckpt / ref, llm-compressor's accuracy recovery; NaN when the reference scores 0 (undefined)."""
+    return float(ckpt) / float(ref) if ref else float("nan")
+
+
+@dataclass(frozen=True)
+class Flips:
+    """Documents whose correctness changed between the sides: correct → wrong and wrong → correct, of n."""
+
+    c2w: int
+    w2c: int
+    n: int
+
+    @property
+    def rate(self) -> float:
+        """(c2w + w2c) / n: the share of documents answered differently right or wrong."""
+        return (self.c2w + self.w2c) / self.n if self.n else float("nan")
+
+
+def flip_counts(ref_correct: ArrayLike, ckpt_correct: ArrayLike) -> Flips:
+    """The flips of per-document correctness (truthy = correct) from the reference to the candidate.
+
+    Equal accuracy can hide many flips (Dutta et al., "Accuracy is Not All You Need", 2024): the accuracy
+    delta is (w2c − c2w) / n, the flips are what it cancels.
+    """
+    a = np.asarray(ref_correct).reshape(-1).astype(bool)
+    b = np.asarray(ckpt_correct).reshape(-1).astype(bool)
+    if a.shape != b.shape:
+        raise ValueError(f"paired samples differ in length: {a.size} vs {b.size}")
+    return Flips(c2w=int(np.sum(a & ~b)), w2c=int(np.sum(~a & b)), n=int(a.size))
+
+
+def mcnemar_exact_p(c2w: int, w2c: int) -> float:
+    """McNemar's exact test, two-sided: is one direction of flips more frequent than the other?
+
+    Under the null each of the n = c2w + w2c discordant documents flips either way with probability 1/2,
+    so p = min(1, 2 · Σ_{i ≤ min(c2w, w2c)} C(n, i) / 2^n). The sum is of integers, exact at any n; with no
+    discordant document there is no evidence of a change: p = 1.
+    """
+    if c2w < 0 or w2c < 0:
+        raise ValueError("flip counts cannot be negative")
+    n, k = c2w + w2c, min(c2w, w2c)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1))
+    return min(1.0, float(Fraction(2 * tail, 2**n)))
+
+
+def choice_kl_divergence(lls_ref: ArrayLike, lls_ckpt: ArrayLike) -> float:
+    """KL(P_ref ‖ P_ckpt) between two distributions over a question's answer choices, each the softmax of
+    that side's per-choice log-likelihoods. 0 for identical log-likelihoods."""
+    a, b = _as_f64(lls_ref), _as_f64(lls_ckpt)
+    if a.shape != b.shape:
+        raise ValueError(f"choice log-likelihoods differ in length: {a.size} vs {b.size}")
+    logp_a = a - np.logaddexp.reduce(a)
+    logp_b = b - np.logaddexp.reduce(b)
+    return float(kl_divergence(logp_a[None, :], logp_b[None, :])[0])

@@ -211,11 +211,16 @@ def _measured_or_dash(m: dict[str, Any], name: str) -> str:
 
 
 def _results_table(results: dict[str, Any]) -> list[str]:
-    lines = ["### Results", ""]
+    """The PPL table (or why there is none), then the paired downstream accuracy where `lmeval` ran."""
+    return ["### Results", "", *_ppl_results(results), *_downstream_results(results)]
+
+
+def _ppl_results(results: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     entry = results["tasks"].get("ppl")
     m = _measured(entry)
     if not m:
-        return [*lines, _not_measured("ppl", entry), ""]
+        return [_not_measured("ppl", entry), ""]
     ckpt, ref = results["ckpt"], results["ref"]
     lines += [
         "| checkpoint | PPL | relative PPL increase | KLD (mean ± stderr) | same-top-token rate |",
@@ -258,6 +263,54 @@ def _results_table(results: dict[str, Any]) -> list[str]:
             f"mean {_measured_or_dash(m, 'delta_p_mean')}, RMS {_measured_or_dash(m, 'rms_delta_p')}"
         )
     return [*lines, ""]
+
+
+def lmeval_metrics(m: dict[str, Any]) -> list[str]:
+    """The `<task>.<metric>` prefixes of an lmeval result, in results.json order (each has a `.n` metric)."""
+    return [name.removesuffix(".n") for name, value in m.items() if name.endswith(".n") and _is_number(value)]
+
+
+def _downstream_results(results: dict[str, Any]) -> list[str]:
+    m = _measured(results["tasks"].get("lmeval"))
+    prefixes = lmeval_metrics(m)
+    if not prefixes:
+        return []
+    lines = [
+        "Downstream accuracy (lm-eval), both checkpoints on the same documents, compared per document:",
+        "",
+        "| lm-eval task and metric | documents | reference | candidate | Δ (paired) | recovery "
+        "| correct → wrong | wrong → correct | McNemar p | choice KLD |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in prefixes:
+        lines.append(
+            _row(
+                [
+                    f"`{p}`",
+                    format_number(m[f"{p}.n"]),
+                    _measured_or_dash(m, f"{p}.ref"),
+                    _measured_or_dash(m, f"{p}.ckpt"),
+                    _measured_or_dash(m, f"{p}.delta"),
+                    _measured_or_dash(m, f"{p}.recovery"),
+                    _measured_or_dash(m, f"{p}.flips_c2w"),
+                    _measured_or_dash(m, f"{p}.flips_w2c"),
+                    _measured_or_dash(m, f"{p}.mcnemar_p"),
+                    _measured_or_dash(m, f"{p}.choice_kld_mean"),
+                ]
+            )
+        )
+    lines += [
+        "",
+        "- ± is one standard error; Δ is candidate − reference with the standard error of the per-document "
+        "differences (paired); recovery is candidate / reference",
+        "- flips: documents answered correctly by one side only; McNemar's exact test asks whether one "
+        "direction outnumbers the other; choice KLD: KL divergence between the two sides' distributions "
+        "over a question's choices (softmax of the per-choice log-likelihoods)",
+        f"- lm-eval `{m.get('lm_eval_version', 'unknown')}`, few-shot: "
+        f"{format_number(m.get('num_fewshot'))}, documents per task: {format_number(m.get('limit'))}",
+        "",
+    ]
+    return lines
 
 
 # Percentile labels are the metric names themselves, so the card states no number results.json does not.
@@ -321,7 +374,15 @@ def caveats(results: dict[str, Any]) -> list[str]:
             if str(row.get("note", "")).startswith("skipped: "):
                 notes.append(f"vision case `{row.get('case')}` {row['note']}")
     ppl = _measured(tasks.get("ppl"))
-    notes.append("a PPL increase is not an accuracy drop: downstream accuracy was not measured")
+    lmeval = _measured(tasks.get("lmeval"))
+    if lmeval_metrics(lmeval):
+        names = ", ".join(f"`{t}`" for t in str(lmeval.get("lmeval_tasks", "")).split(",") if t)
+        notes.append(
+            f"downstream accuracy was measured on {names} only ({format_number(lmeval.get('n_documents'))} "
+            "documents): a small sample of tasks, not broad accuracy parity"
+        )
+    else:
+        notes.append("a PPL increase is not an accuracy drop: downstream accuracy was not measured")
     if "window_tokens" in ppl:
         notes.append(f"no long-context evaluation: windows of {format_number(ppl['window_tokens'])} tokens")
     else:

@@ -37,6 +37,9 @@ INPUT_MISMATCH = {
     "tokens_sha256": "the candidate's tokenizer gives other token ids (another tokenizer)",
     "prompts_sha256": "the candidate's tokenizer or chat template makes other prompt tokens",
     "inputs_sha256": "the candidate's processor makes other image inputs",
+    "lmeval_tasks": "it was recorded on other lm-eval tasks",
+    "lmeval_versions": "it was recorded with other lm-eval task versions",
+    "lmeval_tasks_sha256": "it was recorded with other lm-eval task configs or documents",
 }
 
 

@@ -24,12 +24,13 @@ def _builtin_tasks() -> list[type]:
     from evalsuite.tasks.attribution import Attribution
     from evalsuite.tasks.intref import IntegerReference
     from evalsuite.tasks.layers import Layers
+    from evalsuite.tasks.lmeval import LmEval
     from evalsuite.tasks.ppl import Perplexity
     from evalsuite.tasks.smoke import Smoke
     from evalsuite.tasks.tensors import Tensors
     from evalsuite.tasks.vision import Vision
 
-    return [Perplexity, Smoke, Vision, Tensors, IntegerReference, Layers, Attribution]
+    return [Perplexity, Smoke, Vision, Tensors, IntegerReference, Layers, Attribution, LmEval]
 
 
 def registered_tasks() -> dict[str, type]:

@@ -221,6 +221,27 @@ def _picture(path: str) -> str:
     return f'<img src="{path}" alt="{Path(path).stem}" width="240">'
 
 
+def _details_tables(details: list[dict[str, Any]], pictures: set[str]) -> list[str]:
+    """A task's detail rows as markdown tables: one per value of a row's `table` key (its heading), or one
+    table for rows without it. A cell naming one of the task's PNG artifacts is shown as that picture, in its
+    row (a case's image beside both answers)."""
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for row in details:
+        tables.setdefault(str(row.get("table", "")), []).append(row)
+    lines: list[str] = []
+    for title, rows in tables.items():
+        columns = [c for c in dict.fromkeys(k for row in rows for k in row) if c != "table"]
+        lines += ["", f"### {_cell(title)}", ""] if title else [""]
+        lines += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+        for row in rows:
+            cells = [
+                _picture(v) if isinstance(v, str) and v in pictures else _cell(v)
+                for v in map(row.get, columns)
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """report.md: the verdict, the summary table, the caveats, then each task: its key metrics with what
     they mean, its rows and its plots."""
@@ -248,16 +269,10 @@ def render_markdown(results: dict[str, Any]) -> str:
             ]
         lines += _metric_rows(entry)
         details = entry.get("details") or []
-        # A detail that names one of the task's PNG artifacts is shown as that picture, in its row (a case's
-        # image beside both answers), and not again below.
+        # A picture shown in its detail row is not shown again below.
         pictures = {p for p in entry.get("artifacts", {}).values() if p.endswith(".png")}
         shown = {v for row in details for v in row.values() if isinstance(v, str) and v in pictures}
-        if details:
-            columns = list(dict.fromkeys(k for row in details for k in row))
-            lines += ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-            for row in details:
-                cells = [_picture(v) if v in shown else _cell(v) for v in map(row.get, columns)]
-                lines.append("| " + " | ".join(cells) + " |")
+        lines += _details_tables(details, pictures)
         for name, path in entry.get("artifacts", {}).items():
             if path in shown:
                 continue

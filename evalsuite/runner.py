@@ -19,6 +19,7 @@ A run has three phases.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import json
 import platform
@@ -40,7 +41,7 @@ from evalsuite.recording import RecordedObservation, write_recording
 from evalsuite.registry import get_task, spec_source
 from evalsuite.run_folder import RunFolder
 from evalsuite.side import Side, open_side
-from evalsuite.spec import Threshold, load_spec
+from evalsuite.spec import Threshold, flat_metric_tables, load_spec
 from evalsuite.task import (
     FileTask,
     Inputs,
@@ -67,6 +68,7 @@ PACKAGES = (
     "datasets",
     "accelerate",
     "numpy",
+    "lm-eval",
 )
 
 
@@ -170,10 +172,11 @@ def _checked_thresholds(cls: type, table: Any, where: Path | None) -> dict[str, 
 
     if not isinstance(table, dict):
         raise InputError(f"[{cls.name}] must be a table of metric = {{ min = …, max = … }}", where)
+    # A name may be a pattern (`*.recovery`): tasks whose metrics are named per sub-task list them so.
     known = getattr(cls, "metric_names", ())
     checked = {}
-    for metric, bound in table.items():
-        if known and metric not in known:
+    for metric, bound in flat_metric_tables(table).items():
+        if known and not any(fnmatch.fnmatchcase(metric, pattern) for pattern in known):
             raise InputError(
                 f"[{cls.name}] {metric}: `{cls.name}` reports no such metric (thresholds apply to: "
                 f"{', '.join(known)})",

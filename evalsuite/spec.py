@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from evalsuite.errors import InputError
 
@@ -48,6 +48,20 @@ class Check(StrictModel):
     op: Literal[">=", "<=", "=="]
     threshold: float | bool
     passed: bool
+
+
+def flat_metric_tables(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Metric tables with dotted names flattened: TOML reads `a.acc.recovery = { min = 0.9 }` as nested
+    tables, and this gives `{"a.acc.recovery": {"min": 0.9}}`. A table whose values are all tables is a name
+    prefix; any other value is a bound (a threshold or a tolerance), validated as such."""
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            flat.update(flat_metric_tables(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
 
 
 def apply_threshold(name: str, value: float | None, threshold: Threshold) -> list[Check]:
@@ -122,6 +136,11 @@ class TaskSpec(StrictModel):
     regression: dict[str, Tolerance] = {}
 
     COMPARE_ONLY: ClassVar[frozenset[str]] = frozenset({"description", "thresholds", "regression", "compare"})
+
+    @field_validator("thresholds", "regression", mode="before")
+    @classmethod
+    def _dotted_names(cls, value: Any) -> Any:
+        return flat_metric_tables(value) if isinstance(value, dict) else value
 
     def threshold_checks(
         self, values: dict[str, Any], measurable: frozenset[str] | None = None

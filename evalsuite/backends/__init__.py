@@ -11,7 +11,7 @@ would fill with random weights is refused then, not after the reference's hour-l
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from evalsuite.backends.options import BACKEND_NAMES, BackendOptions
 
@@ -53,6 +53,26 @@ class Backend(Protocol):
     def close(self) -> None:
         """Free the model (and the accelerator memory it holds)."""
         ...
+
+
+@runtime_checkable
+class HFModelAccess(Protocol):
+    """Optional capability: the loaded Transformers model and its tokenizer, for a field tool that drives the
+    model itself (lm-eval's `HFLM`). `hf` and `intref` have it; check with `isinstance` once loaded, or with
+    `exposes_model(name)` before anything loads."""
+
+    model: Any
+    tokenizer: Any
+
+
+# The backends whose loaded form is an `HFModelAccess`: known by name, so that a task that needs the raw model
+# on a backend without one is skipped before any model loads.
+MODEL_ACCESS_BACKENDS = frozenset({"hf", "intref"})
+
+
+def exposes_model(backend: str) -> bool:
+    """Whether the backend named `backend` hands tasks its Transformers model and tokenizer."""
+    return backend in MODEL_ACCESS_BACKENDS
 
 
 class Generation(Protocol):

@@ -198,7 +198,8 @@ def image_features(
 
 
 class HFBackend:
-    """A Transformers model, loaded with no tolerance for missing or unexpected weights.
+    """A Transformers model, loaded with no tolerance for missing or unexpected weights. Its `model` and
+    `tokenizer` are public (`HFModelAccess`), for tasks that hand the model to a field tool.
 
     Subclasses change how the model is built (`load_model`) and inherit every primitive, since they all run
     the same Transformers model classes.
