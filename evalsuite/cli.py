@@ -247,8 +247,12 @@ def run_command(
         Path | None, typer.Option(help="Also write JUnit XML (one test case per check).")
     ] = None,
     backend: Annotated[
-        str, typer.Option(help="How the candidate is executed: hf (Transformers) or intref (integer W4A8).")
-    ] = "hf",
+        str,
+        typer.Option(
+            help="How the candidate is executed: hf (Transformers), intref (integer W4A8), exl3 (exllamav3 "
+            "on CUDA, else decoded weights), or auto (exl3 for an EXL3 pack, hf otherwise)."
+        ),
+    ] = "auto",
     dtype: Dtype = "bfloat16",
     device: Device = "cpu",
     stream: Stream = False,

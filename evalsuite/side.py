@@ -72,9 +72,11 @@ class Side:
 
 
 def open_side(role: Role, source: str | Path, options: BackendOptions) -> Side:
-    """A checkpoint side, or for the reference a recording of one."""
+    """A checkpoint side, or for the reference a recording of one. A backend `auto` is resolved here, from
+    the checkpoint's format."""
     if is_recording(source):
         if role != "ref":
             raise InputError("a recording can only be the reference (--ref), not the candidate", source)
-        return Side(role, options, recording=Recording.open(source))
-    return Side(role, options, checkpoint=Checkpoint.open(source))
+        return Side(role, options.for_format("bf16"), recording=Recording.open(source))
+    checkpoint = Checkpoint.open(source)
+    return Side(role, options.for_format(checkpoint.format), checkpoint=checkpoint)

@@ -21,7 +21,15 @@ from typing import Any
 import pytest
 
 from evalsuite.backends.hf import HFBackend
-from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
+from evalsuite.fixtures import (
+    SMOLLM2_BF16,
+    SMOLLM2_EXL3,
+    SMOLLM2_W4A8,
+    TINY_BF16,
+    TINY_EXL3,
+    TINY_W4A8,
+    build_fixtures,
+)
 
 FIXTURES = Path(
     os.environ.get("EVALSUITE_TEST_FIXTURES", Path.home() / ".cache" / "evalsuite" / "test-fixtures")
@@ -40,6 +48,18 @@ def tiny_pair() -> dict[str, Path]:
 def smollm2_pair() -> dict[str, Path]:
     """SmolLM2-135M-Instruct in BF16 and its W4A8 copy (read-only: copy before changing)."""
     return build_fixtures(FIXTURES, list(SMOLLM2))
+
+
+@pytest.fixture(scope="session")
+def tiny_exl3_pair() -> dict[str, Path]:
+    """The tiny MiniCPM-V 4.7 BF16 source and its EXL3 copy (mixed K 2..6; read-only)."""
+    return build_fixtures(FIXTURES, [TINY_BF16, TINY_EXL3])
+
+
+@pytest.fixture(scope="session")
+def smollm2_exl3_pair() -> dict[str, Path]:
+    """SmolLM2-135M-Instruct in BF16 and its EXL3 copy (4 bpw, head 6 bpw; read-only)."""
+    return build_fixtures(FIXTURES, [SMOLLM2_BF16, SMOLLM2_EXL3])
 
 
 @dataclass

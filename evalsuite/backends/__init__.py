@@ -1,11 +1,13 @@
 """Backends: how a side is executed. A backend exposes the few primitives tasks need.
 
 `hf` runs the checkpoint through Transformers as users run it (bf16, or compressed-tensors as Transformers
-executes it); `intref` is the integer W4A8 reference execution. Either runs streamed, one decoder layer
-resident at a time, for a model larger than memory (`streamed`; `memory` decides when). Backends are loaded
-by the runner for one side at a time and closed before another loads. Before anything loads,
-`check_load_plan` decides from the files whether a backend can load a checkpoint (a checkpoint Transformers
-would fill with random weights is refused then, not after the reference's hour-long observation).
+executes it); `intref` is the integer W4A8 reference execution; `exl3` runs an EXL3 pack through exllamav3
+on CUDA, or anywhere as its Transformers model with the EXL3 weights decoded. `hf` and `intref` run streamed,
+one decoder layer resident at a time, for a model larger than memory (`streamed`; `memory` decides when).
+Backends are loaded by the runner for one side at a time and closed before another loads. Before anything
+loads, `check_load_plan` decides from the files whether a backend can load a checkpoint (a checkpoint
+Transformers would fill with random weights is refused then, not after the reference's hour-long
+observation).
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ def load_backend(checkpoint: Checkpoint, options: BackendOptions) -> Backend:
         from evalsuite.backends.intref import IntrefBackend
 
         return IntrefBackend(checkpoint, options)
+    if options.backend == "exl3":
+        from evalsuite.backends.exl3 import load_exl3_backend
+
+        return load_exl3_backend(checkpoint, options)
     options.check()  # raises for an unknown backend
     raise AssertionError(options.backend)
 
@@ -132,3 +138,7 @@ def check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
         from evalsuite.backends.intref import check_intref_load_plan
 
         check_intref_load_plan(checkpoint, options)
+    elif options.backend == "exl3":
+        from evalsuite.backends.exl3 import check_exl3_load_plan
+
+        check_exl3_load_plan(checkpoint, options)

@@ -21,7 +21,9 @@ DTYPE_NAMES = {
     "float32": "float32",
     "fp32": "float32",
 }
-BACKEND_NAMES = ("hf", "intref")
+BACKEND_NAMES = ("hf", "intref", "exl3")
+# `auto`: the candidate's format decides (exl3 for an EXL3 pack, hf otherwise), once its files are open.
+AUTO_BACKEND = "auto"
 
 
 @dataclass(frozen=True)
@@ -62,11 +64,20 @@ class BackendOptions:
             doc["stream"] = True
         return doc
 
+    def for_format(self, format: str) -> BackendOptions:
+        """`auto` resolved for a checkpoint of `format`: exl3 for an EXL3 pack, hf for anything else."""
+        if self.backend != AUTO_BACKEND:
+            return self
+        return replace(self, backend="exl3" if format == "exl3" else "hf")
+
     def check(self) -> BackendOptions:
         """Refuse options that cannot run on this machine, before anything loads; returns the options with
         the dtype spelled canonically."""
-        if self.backend not in BACKEND_NAMES:
-            raise InputError(f"unknown backend {self.backend!r}; known backends: {', '.join(BACKEND_NAMES)}")
+        if self.backend not in (*BACKEND_NAMES, AUTO_BACKEND):
+            raise InputError(
+                f"unknown backend {self.backend!r}; known backends: {', '.join(BACKEND_NAMES)} "
+                f"(or {AUTO_BACKEND})"
+            )
         if self.dtype not in DTYPE_NAMES:
             raise InputError(f"unknown dtype {self.dtype!r}; use bfloat16, float16 or float32")
         check_device(self.device)

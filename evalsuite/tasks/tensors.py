@@ -77,6 +77,7 @@ class Tensors:
         "missing",
         "unexpected",
         "config_mismatches",
+        "assets_changed",
         "payload_bytes",
         "avg_bits_per_weight",
         "avg_bits_per_weight_all",
@@ -95,14 +96,17 @@ class Tensors:
     )
 
     metric_descriptions: ClassVar[dict[str, str]] = {
-        "source_tensors": "tensors of the BF16 source, each classed as quantized, protected or missing",
+        "source_tensors": "tensors of the BF16 source, each classed as quantized, protected or missing (a "
+        "head the source ties to the embedding counts again when the candidate stores it apart)",
         "protected_identical": "tensors kept unquantized whose bytes equal the source's (of protected_total)",
         "quantized_int4": "INT4 weights (compressed-tensors pack-quantized)",
         "quantized_int8": "INT8 weights (compressed-tensors int-quantized)",
+        "quantized_other": "weights stored in another format (EXL3 trellises, another float dtype)",
         "decode_exact": "compressed-tensors' decompressor and evalsuite's own decode agree bit for bit",
         "missing": "source tensors absent from the candidate in any stored form",
         "unexpected": "candidate tensors that pair with no source tensor",
         "config_mismatches": "disagreements between quantization_config and what the files store",
+        "assets_changed": "tokenizer and processor files of the source missing from the candidate or changed",
         "avg_bits_per_weight": "mean bits per weight of the quantized text-backbone Linear weights only",
         "avg_bits_per_weight_all": "8 × stored bytes / source parameters (embeddings and scales included)",
         "worst_rel_err": "relative Frobenius error of the worst decoded tensor against its source",

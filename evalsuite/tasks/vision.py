@@ -446,6 +446,11 @@ class Vision:
         config = source.checkpoint.config
         if "vision_config" not in config:
             raise TaskSkipped(f"{source.checkpoint.model_type or 'this model'} is text-only: no vision tower")
+        if not ckpt.is_recorded and ckpt.options.backend == "exl3":
+            from evalsuite.backends.exl3 import exllamav3_path
+
+            if exllamav3_path(ckpt.options):
+                raise TaskSkipped("exllamav3 runs the EXL3 pack for text only here; --device cpu decodes it")
         options = source.options
         processing = VisualProcessing(source.checkpoint.path, trust_remote_code=options.trust_remote_code)
         other = None

@@ -4,13 +4,10 @@ broken candidate built here from a good one fails with the tensor named."""
 from __future__ import annotations
 
 import json
-import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
@@ -225,115 +222,6 @@ def test_a_group_whose_bits_disagree_with_the_stored_codes_fails(tiny_pair, cand
         "int8 pack-quantized channel"
     )
     assert entry["metrics"]["config_mismatches"] == 24  # 2 layers × 4 experts × 3 projections
-
-
-# ----------------------------------------------------------------------------------------------------------
-# EXL3 layouts, built the way exllamav3 lays out its files
-# ----------------------------------------------------------------------------------------------------------
-
-CODEBOOK_MCG = 0xCBAC1FED  # exllamav3's locked multiplier for the mcg codebook (exl3_lib/quantize.py)
-EXL3_TARGETS = re.compile(
-    r"model\.language_model\.layers\.\d+\."
-    r"(self_attn\.(q|k|v|o)_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"
-    r"|mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj)$"
-)
-
-
-def exl3_bits(module: str) -> int | None:
-    """The tiny EXL3 pack's allocation: experts K=3, other backbone projections K=5, the head K=6."""
-    if module == "lm_head":
-        return 6
-    if not EXL3_TARGETS.fullmatch(module):
-        return None
-    return 3 if ".experts." in module else 5
-
-
-def write_exl3_copy(src: Path, dst: Path, storage_bits: dict[str, float] | None = None) -> float:
-    """An EXL3-layout copy of a BF16 checkpoint, as exllamav3's compiler lays out its output.
-
-    Each quantized Linear `X` (per `exl3_bits`) stores `X.trellis` int16 (in/16, out/16, 16·K) with
-    arbitrary codes, `X.suh` / `X.svh` float16 over the input / output features, and the scalar `X.mcg`
-    marker; every other tensor is copied. config.json gets `quantization_config` (bits = the backbone's
-    average rounded to 0.01, head_bits, codebook) and quantization_config.json the same with
-    `tensor_storage`. `storage_bits` overrides bits_per_weight entries. Returns the exact backbone average.
-    """
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", MANIFEST_NAME))
-    source = load_file(str(src / "model.safetensors"))
-    out: dict[str, torch.Tensor] = {}
-    gen = torch.Generator().manual_seed(0)
-    numel = bits_sum = 0
-    for name, tensor in source.items():
-        module = name.removesuffix(".weight")
-        k = exl3_bits(module) if name.endswith(".weight") else None
-        if k is None:
-            out[name] = tensor
-            continue
-        rows, cols = tensor.shape
-        out[f"{module}.trellis"] = torch.randint(
-            -(2**15), 2**15, (cols // 16, rows // 16, 16 * k), generator=gen, dtype=torch.int16
-        )
-        out[f"{module}.suh"] = torch.ones(cols, dtype=torch.float16)
-        out[f"{module}.svh"] = torch.ones(rows, dtype=torch.float16)
-        out[f"{module}.mcg"] = torch.tensor(CODEBOOK_MCG - 2**32, dtype=torch.int32)
-        if module != "lm_head":
-            numel += tensor.numel()
-            bits_sum += tensor.numel() * k
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    average = bits_sum / numel
-    qc = {
-        "quant_method": "exl3",
-        "version": "0.0.0",
-        "bits": round(average, 2),
-        "head_bits": 6,
-        "codebook": "mcg",
-    }
-    edit_config(dst, lambda config: config.update(quantization_config=qc))
-    storage: dict[str, dict] = {}
-    for name, tensor in out.items():
-        module = name.rpartition(".")[0]
-        entry = storage.setdefault(module, {"stored_tensors": {}})
-        entry["stored_tensors"][name] = {
-            "shape": list(tensor.shape),
-            "n_bytes": tensor.numel() * tensor.element_size(),
-            "dtype": str(tensor.dtype),
-        }
-        if name.endswith(".trellis"):
-            k = tensor.shape[-1] // 16
-            entry.update(quant_format="exl3", bits_per_weight=(storage_bits or {}).get(module, k))
-            entry["mcg_multiplier"] = CODEBOOK_MCG
-    (dst / "quantization_config.json").write_text(json.dumps({**qc, "tensor_storage": storage}, indent=4))
-    return average
-
-
-def test_a_consistent_exl3_layout_passes(tiny_pair, tmp_path):
-    average = write_exl3_copy(tiny_pair[TINY_BF16], tmp_path / "exl3")
-    code, entry, err = run_tensors(tmp_path / "exl3", tiny_pair[TINY_BF16], tmp_path / "run")
-    assert code == 0, (err, entry.get("details"))
-    m = entry["metrics"]
-    assert m["avg_bits_per_weight"] == pytest.approx(average) and m["claimed_bits"] == round(average, 2)
-    assert m["quantized_other"] == 38 and m["quantized_int4"] == m["quantized_int8"] == 0
-    assert m["protected_total"] == m["protected_identical"] == 77  # vision tower, embeddings, norms, routers
-    assert m["decode_exact"] is None and "decode_exact" in m["not_measured"]
-
-
-def test_an_exl3_claim_that_disagrees_with_the_trellis_shapes_fails(tiny_pair, tmp_path):
-    write_exl3_copy(tiny_pair[TINY_BF16], tmp_path / "exl3")
-    edit_config(tmp_path / "exl3", lambda config: config["quantization_config"].update(bits=4.15))
-    code, entry, _ = run_tensors(tmp_path / "exl3", tiny_pair[TINY_BF16], tmp_path / "run")
-    assert code == 1
-    assert failed_checks(entry) == {"bpw_claim_error"}
-    detail = named(entry, "bpw_claim_error")["config.json: quantization_config.bits"]
-    assert "claims 4.15 bpw" in detail
-
-
-def test_exl3_per_tensor_bits_that_disagree_with_the_trellis_fail_naming_the_tensor(tiny_pair, tmp_path):
-    module = "model.language_model.layers.1.self_attn.k_proj"
-    write_exl3_copy(tiny_pair[TINY_BF16], tmp_path / "exl3", storage_bits={module: 4})
-    code, entry, _ = run_tensors(tmp_path / "exl3", tiny_pair[TINY_BF16], tmp_path / "run")
-    assert code == 1
-    assert named(entry, "config") == {
-        f"{module}.weight": "tensor_storage says 4 bpw, the trellis shape gives 5 bpw"
-    }
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -341,10 +341,11 @@ def _exl3_pair(
 ):
     gen = torch.Generator().manual_seed(1)
     source = {"q.weight": torch.randn(32, 64, generator=gen).to(torch.bfloat16), "n.weight": torch.ones(64)}
+    # exllamav3 pads both feature counts to multiples of 128 (modules/linear.py, pad_to=128).
     candidate = {
-        "q.trellis": torch.zeros(64 // 16, 32 // 16, 16 * k, dtype=torch.int16),
-        "q.suh": torch.ones(64, dtype=torch.float16),
-        "q.svh": torch.ones(32, dtype=torch.float16),
+        "q.trellis": torch.zeros(128 // 16, 128 // 16, 16 * k, dtype=torch.int16),
+        "q.suh": torch.ones(128, dtype=torch.float16),
+        "q.svh": torch.ones(128, dtype=torch.float16),
         "q.mcg": _mcg() if marker is None else marker,
         "n.weight": torch.ones(64),
     }

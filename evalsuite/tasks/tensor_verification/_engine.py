@@ -3,6 +3,7 @@ it, classified and measured, and the candidate's config checked against the rows
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTe
 from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
 from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection
 from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow, UnexpectedRow
-from evalsuite.tasks.tensor_verification._same import compare_same
+from evalsuite.tasks.tensor_verification._same import compare_assets, compare_same
 
 # Integer weight formats, counted by their bits (quantized_int4, quantized_int8); anything else is "other".
 INTEGER_FORMATS = frozenset({"pack-quantized", "int-quantized", "naive-quantized"})
@@ -62,18 +63,39 @@ class Pair:
 
     `how` is `same` (`candidate` = {"": the tensor of the same name}), `quantized` (`candidate` maps each
     stored parameter of the module, e.g. "weight_packed", to its tensor) or `missing` (no candidate tensor).
+    `tied_to` names the source tensor that stands for `source` when the source ties it to another and does
+    not store it (an exllamav3 pack stores its own head even where the source ties it to the embedding).
     """
 
     source: str
     module: str
     how: Literal["same", "quantized", "missing"]
     candidate: dict[str, str] = field(default_factory=dict)
+    tied_to: str | None = None
+
+
+def tied_head(source: dict[str, TensorInfo], config: dict[str, Any]) -> dict[str, str]:
+    """{"lm_head.weight": the input embedding} when the source ties its head to the embedding and stores
+    the embedding only (config `tie_word_embeddings`, at the top or in `text_config`, not false); else {}."""
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    tie = config.get("tie_word_embeddings", text_config.get("tie_word_embeddings"))
+    embeddings = [name for name in source if name.endswith("embed_tokens.weight")]
+    if tie is False or "lm_head.weight" in source or len(embeddings) != 1:
+        return {}
+    return {"lm_head.weight": embeddings[0]}
 
 
 def pair_tensors(
-    source: dict[str, TensorInfo], candidate: dict[str, TensorInfo], format: QuantizedFormat | None
+    source: dict[str, TensorInfo],
+    candidate: dict[str, TensorInfo],
+    format: QuantizedFormat | None,
+    tied: dict[str, str] | None = None,
 ) -> tuple[list[Pair], list[str]]:
-    """Pair every source tensor (in source order) and list the candidate tensors that pair with nothing."""
+    """Pair every source tensor (in source order) and list the candidate tensors that pair with nothing.
+
+    `tied` maps a weight the source does not store to the source tensor it is tied to: a candidate that
+    quantizes that weight's module pairs it with that tensor (see `tied_head`).
+    """
     quantized: dict[str, dict[str, str]] = {}
     if format is not None:
         by_module: dict[str, dict[str, str]] = {}
@@ -83,6 +105,11 @@ def pair_tensors(
                 by_module.setdefault(module, {})[param] = name
         quantized = {m: params for m, params in by_module.items() if format.marks & params.keys()}
     pairs, used = [], set()
+    for weight, target in (tied or {}).items():
+        module = weight.removesuffix(".weight")
+        if weight not in source and target in source and module in quantized:
+            pairs.append(Pair(weight, module, "quantized", quantized[module], tied_to=target))
+            used.update(quantized[module].values())
     for name in source:
         module = name.rpartition(".")[0]
         if name.endswith(".weight") and module in quantized:
@@ -138,6 +165,7 @@ class Verification:
             "missing": sum(1 for r in source if r.tensor_class == "missing"),
             "unexpected": len(self.unexpected),
             "config_mismatches": sum(1 for p in self.problems if p.check == "config"),
+            "assets_changed": sum(1 for p in self.problems if p.check == "assets"),
             "payload_bytes": self.payload_bytes,
             "avg_bits_per_weight": avg_bits,
             "avg_bits_per_weight_all": 8 * self.payload_bytes / self.source_params
@@ -200,7 +228,9 @@ def _measure_pair(
     rules: ModuleRules,
     reader: ShardReader,
 ) -> tuple[TensorRow, list[Problem]]:
-    info = source.tensors[pair.source]
+    info = source.tensors[pair.tied_to or pair.source]
+    if pair.tied_to is not None:
+        info = dataclasses.replace(info, name=pair.source)
     row = _first_row(pair, info, rules)
     if pair.how == "same":
         problems = compare_same(info, candidate.tensors[pair.candidate[""]], reader, row)
@@ -211,6 +241,9 @@ def _measure_pair(
         problems = verifier.measure(info, tensors, reader, row)
     else:
         problems = [Problem("missing", pair.source, "not in the candidate under any stored form")]
+    if pair.tied_to is not None:
+        tied = f"tied to {pair.tied_to} in the source, stored apart in the candidate"
+        row.note = f"{row.note}; {tied}" if row.note else tied
     row.payload_bytes = sum(candidate.tensors[n].nbytes for n in row.candidate_tensors)
     return row, problems
 
@@ -227,12 +260,15 @@ def verify_tensors(
     """
     verifier = format_verifier(candidate)
     pairs, unexpected = pair_tensors(
-        source.tensors, candidate.tensors, verifier.format if verifier is not None else None
+        source.tensors,
+        candidate.tensors,
+        verifier.format if verifier is not None else None,
+        tied_head(source.tensors, source.config),
     )
     shard_order = {shard: i for i, shard in enumerate(source.shards)}
     # Source order: each shard read once, front to back.
     where = {name: (shard_order[info.shard], info.data_begin) for name, info in source.tensors.items()}
-    pairs.sort(key=lambda p: where[p.source])
+    pairs.sort(key=lambda p: where[p.tied_to or p.source])
     workers = workers or min(4, os.cpu_count() or 1)
     local, readers = threading.local(), []
 
@@ -261,6 +297,7 @@ def verify_tensors(
         problems.append(
             Problem("unexpected", name, f"{info.dtype} {list(info.shape)} pairs with no source tensor")
         )
+    problems += compare_assets(source, candidate)
     claims: dict[str, Any] = {}
     if verifier is not None:
         config_problems, claims = verifier.check_config(rows)

@@ -1,5 +1,6 @@
 """A source tensor the candidate keeps under its own name: protected (its bytes must be identical) or cast to
-another floating-point dtype (measured like a decode)."""
+another floating-point dtype (measured like a decode). Also the files a quantizer must carry over unchanged:
+the tokenizer's and the processor's."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import hashlib
 
 import numpy as np
 
-from evalsuite.checkpoint import DTYPE_SIZES, FLOAT_DTYPES, TensorInfo
+from evalsuite.checkpoint import DTYPE_SIZES, FLOAT_DTYPES, TOKENIZER_FILES, Checkpoint, TensorInfo
 from evalsuite.formats import NUMPY_DTYPES, ShardReader, as_float32, row_blocks, rows_and_cols
 from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
 
+# Files that make a model's inputs from text and images: a candidate serves the same inputs only with them.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+ASSET_FILES = (*TOKENIZER_FILES, *PROCESSOR_FILES)
 # Floating-point dtypes a tensor may be cast between, by their bits.
 DTYPE_BITS = {"BF16": 16, "F16": 16, "F32": 32, "F64": 64}
 
@@ -88,3 +92,18 @@ def _measure_cast(source: TensorInfo, candidate: TensorInfo, reader: ShardReader
         cand = as_float32(cand, candidate.dtype, reader.scratch("decoded", shape, "f4"))
         errors.add(r0, ref, cand, reader.scratch("difference", shape, "f4"))
     errors.fill(row)
+
+
+def compare_assets(source: Checkpoint, candidate: Checkpoint) -> list[Problem]:
+    """Every tokenizer and processor file of the source present in the candidate with the same bytes."""
+    problems = []
+    for name in ASSET_FILES:
+        theirs = source.path / name
+        if not theirs.is_file():
+            continue
+        ours = candidate.path / name
+        if not ours.is_file():
+            problems.append(Problem("assets", name, "the source's file is missing from the candidate"))
+        elif ours.read_bytes() != theirs.read_bytes():
+            problems.append(Problem("assets", name, "differs from the source's file"))
+    return problems
