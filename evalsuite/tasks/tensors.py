@@ -77,7 +77,6 @@ class Tensors:
         "missing",
         "unexpected",
         "config_mismatches",
-        "assets_changed",
         "payload_bytes",
         "avg_bits_per_weight",
         "avg_bits_per_weight_all",

@@ -83,6 +83,8 @@ def test_every_observation_of_the_pack_says_which_path_ran(tiny_run):
     executions = {}
     for path in sorted((out / "observations").glob("*/observation.json")):
         meta = json.loads(path.read_text())["meta"]
+        if meta.get("execution") is None:  # a case skipped for want of a processor (video without torchvision)
+            continue
         executions[path.parent.name.split("-")[0], meta["execution"]["backend"]] = meta["execution"]
     assert set(executions) == {("ref", "hf"), ("ckpt", "exl3")}
     ckpt = executions["ckpt", "exl3"]
@@ -98,7 +100,8 @@ def test_tensors_on_the_tiny_pack_pass_with_the_counts_its_recipe_wrote(tiny_exl
     assert m["quantized_other"] == counts["exl3_linears"] == 38
     assert m["protected_total"] == m["protected_identical"] == counts["protected_tensors"] == 77
     assert (m["missing"], m["unexpected"], m["config_mismatches"], m["assets_changed"]) == (0, 0, 0, 0)
-    assert m["decode_exact"] is None and entry["not_measured"] == ["decode_exact"]
+    # No manifest ships with the pack, and no second decoder exists to compare with.
+    assert m["decode_exact"] is None and "decode_exact" in entry["not_measured"]
     rows = tensor_rows(out, entry)
     exl3_rows = [r for r in rows.values() if r["format"] == "exl3"]
     numel = sum(r["numel"] for r in exl3_rows if r["part"] == "text")

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from evalsuite.tasks.lmeval import STATS, shipped_task_folder
-from tests.conftest import run_cli
-from tests.e2e.test_bad_input import assert_refused
+from tests.conftest import assert_refused, cli_in_process, run_cli
 
 # Six documents of each shipped task: the tiny model generates slowly on CPU; these runs test the plumbing.
 SPEC = """tasks = ["evalsuite-mini", "evalsuite-mini-gen"]
@@ -123,7 +122,7 @@ def test_report_and_model_card_show_the_paired_tables(runs):
 def test_a_recording_made_with_other_few_shot_settings_is_refused(runs, tiny_pair, tmp_path):
     spec = tmp_path / "lmeval.toml"
     spec.write_text(SPEC.replace("limit", "num_fewshot = 1\nlimit"))
-    res = run_cli(
+    code, lines, _ = cli_in_process(
         "run",
         "--ckpt",
         tiny_pair["tiny-minicpmv47-w4a8"],
@@ -133,7 +132,7 @@ def test_a_recording_made_with_other_few_shot_settings_is_refused(runs, tiny_pai
         tmp_path / "out",
         *lmeval_args(spec),
     )
-    assert_refused(res, str(runs["rec"]), "another `lmeval` spec (num_fewshot differ)")
+    assert_refused(code, lines, str(runs["rec"]), "another `lmeval` spec (num_fewshot differ)")
     assert not (tmp_path / "out" / "results.json").exists()
 
 
@@ -143,7 +142,7 @@ def test_a_recording_made_with_other_task_versions_is_refused(runs, tiny_pair, t
     yaml.write_text(yaml.read_text().replace("version: 1.0", "version: 2.0"))
     spec = tmp_path / "lmeval.toml"
     spec.write_text(f'include_path = "{folder}"\n' + SPEC)
-    res = run_cli(
+    code, lines, _ = cli_in_process(
         "run",
         "--ckpt",
         tiny_pair["tiny-minicpmv47-w4a8"],
@@ -153,4 +152,4 @@ def test_a_recording_made_with_other_task_versions_is_refused(runs, tiny_pair, t
         tmp_path / "out",
         *lmeval_args(spec),
     )
-    assert_refused(res, "other lm-eval task versions", "evalsuite-mini=2.0")
+    assert_refused(code, lines, "other lm-eval task versions", "evalsuite-mini=2.0")

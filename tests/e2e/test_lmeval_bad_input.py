@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from tests.conftest import run_cli
-from tests.e2e.test_bad_input import assert_refused
+from tests.conftest import assert_refused, cli_in_process, run_cli
 
 SPEC = 'tasks = ["evalsuite-mini"]\nlimit = 2\n'
 
@@ -26,10 +25,14 @@ OLD_LM_EVAL = {
 }
 
 
-def run_lmeval(tiny_pair, tmp_path, spec_text: str, *extra: str):
+def run_lmeval(
+    tiny_pair, tmp_path, spec_text: str, *extra: str, in_process: bool = True
+) -> tuple[int, list[str]]:
+    """Exit code and stderr lines of an lmeval run on the tiny pair (through the CLI's entry point in this
+    process, or as a child process where the environment must differ)."""
     spec = tmp_path / "lmeval.toml"
     spec.write_text(spec_text)
-    res = run_cli(
+    args = (
         "run",
         "--ckpt",
         tiny_pair["tiny-minicpmv47-w4a8"],
@@ -44,14 +47,19 @@ def run_lmeval(tiny_pair, tmp_path, spec_text: str, *extra: str):
         "--quiet",
         *extra,
     )
-    assert "loading ref" not in res.stderr  # refused before any model loads
+    if in_process:
+        code, lines, _ = cli_in_process(*args)
+    else:
+        res = run_cli(*args)
+        code, lines = res.returncode, res.error_lines
+    assert not any(line.startswith("loading") for line in lines)  # refused before any model loads
     assert not (tmp_path / "out" / "results.json").exists()
-    return res
+    return code, lines
 
 
 def test_an_unknown_lm_eval_task_is_refused(tiny_pair, tmp_path):
     res = run_lmeval(tiny_pair, tmp_path, 'tasks = ["evalsuite-mnii"]\n')
-    assert_refused(res, "unknown lm-eval task 'evalsuite-mnii'", "did you mean 'evalsuite-mini'?")
+    assert_refused(*res, "unknown lm-eval task 'evalsuite-mnii'", "did you mean 'evalsuite-mini'?")
 
 
 def test_a_task_whose_data_is_not_in_the_cache_is_refused(tiny_pair, tmp_path):
@@ -59,7 +67,7 @@ def test_a_task_whose_data_is_not_in_the_cache_is_refused(tiny_pair, tmp_path):
     folder.mkdir()
     (folder / "not-cached.yaml").write_text(NOT_CACHED)
     res = run_lmeval(tiny_pair, tmp_path, f'tasks = ["not-cached"]\ninclude_path = "{folder}"\n')
-    assert_refused(res, "lm-eval task 'not-cached' cannot be loaded", "--allow-download")
+    assert_refused(*res, "lm-eval task 'not-cached' cannot be loaded", "--allow-download")
 
 
 def test_an_lm_eval_without_the_needed_api_is_refused(tiny_pair, tmp_path, monkeypatch):
@@ -67,8 +75,8 @@ def test_an_lm_eval_without_the_needed_api_is_refused(tiny_pair, tmp_path, monke
         (tmp_path / "old" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "old" / name).write_text(text)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "old"))
-    res = run_lmeval(tiny_pair, tmp_path, SPEC)
-    assert_refused(res, "lm-eval 0.3.0 lacks", "TaskManager.load", "needs lm-eval >= 0.4.13")
+    res = run_lmeval(tiny_pair, tmp_path, SPEC, in_process=False)
+    assert_refused(*res, "lm-eval 0.3.0 lacks", "TaskManager.load", "needs lm-eval >= 0.4.13")
 
 
 def test_a_threshold_on_a_metric_lm_eval_does_not_report_is_refused(tiny_pair, tmp_path):
@@ -76,4 +84,4 @@ def test_a_threshold_on_a_metric_lm_eval_does_not_report_is_refused(tiny_pair, t
     thresholds = tmp_path / "thresholds.toml"
     thresholds.write_text("[lmeval]\nevalsuite-mini.accuracy.recovery = { min = 0.9 }\n")
     res = run_lmeval(tiny_pair, tmp_path, SPEC, "--thresholds", str(thresholds))
-    assert_refused(res, "`evalsuite-mini` reports acc, acc_norm")
+    assert_refused(*res, "`evalsuite-mini` reports acc, acc_norm")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import rerun, run_cli, wrong_scale_copy
+from tests.conftest import cli_in_process, rerun, run_cli, wrong_scale_copy
 
 
 def task_result(run_dir, name):
@@ -62,40 +62,34 @@ def test_a_baseline_keeps_every_detail_row(tiny_pair, tiny_run, tmp_path):
     assert "capital-france" in (again.out / "report.md").read_text()
 
 
+def _line_of(text: str, occurrence: int, needle: str) -> int:
+    return [n for n, line in enumerate(text.splitlines(), 1) if needle in line][occurrence]
+
+
 @pytest.mark.parametrize(
-    ("edit", "fragment"),
+    ("edit", "line"),
     [
-        (lambda text: text.replace('expect = "tokyo"', 'expect = "tok(yo"', 1), "line 27"),
-        (lambda text: text.replace('prompt = "What is the capital of Japan?"\n', "", 1), "line 22"),
+        # The bad regular expression's own line.
+        (lambda t: t.replace('expect = "tokyo"', 'expect = "tok(yo"', 1), lambda t: _line_of(t, 0, "tok(yo")),
+        # A missing field: the line of the table that lacks it (the second prompt's header).
+        (
+            lambda t: t.replace('prompt = "What is the capital of Japan?"\n', "", 1),
+            lambda t: _line_of(t, 1, "[[prompts]]"),
+        ),
     ],
     ids=["bad-regex", "missing-field"],
 )
-def test_a_bad_prompt_spec_is_refused_with_file_and_line(tiny_pair, tmp_path, edit, fragment):
+def test_a_bad_prompt_spec_is_refused_with_file_and_line(tiny_pair, tmp_path, edit, line):
     from evalsuite.spec import default_spec_path
 
+    text = edit(default_spec_path("smoke").read_text())
     spec = tmp_path / "smoke.toml"
-    spec.write_text(edit(default_spec_path("smoke").read_text()))
+    spec.write_text(text)
     ref = tiny_pair["tiny-minicpmv47-bf16"]
-    res = run_cli(
-        "run",
-        "--ckpt",
-        ref,
-        "--ref",
-        ref,
-        "--tasks",
-        "smoke",
-        "--spec",
-        f"smoke={spec}",
-        "--out",
-        tmp_path / "out",
-        "--quiet",
-    )
-    assert res.returncode == 2 and len(res.error_lines) == 1, res.stderr
-    assert (
-        str(spec) in res.error_lines[0]
-        and fragment in res.error_lines[0]
-        and "prompts.1" in res.error_lines[0]
-    )
+    args = ("run", "--ckpt", ref, "--ref", ref, "--tasks", "smoke", "--spec", f"smoke={spec}")
+    code, errors, _ = cli_in_process(*args, "--out", tmp_path / "out", "--quiet")
+    assert code == 2 and len(errors) == 1, errors
+    assert str(spec) in errors[0] and f"(line {line(text)})" in errors[0] and "prompts.1" in errors[0], errors
 
 
 @pytest.mark.slow

@@ -217,24 +217,6 @@ def test_tensor_storage_that_disagrees_with_the_files_is_named(tied_pair):
     ]
 
 
-def test_processor_and_tokenizer_files_must_come_along_unchanged(tied_pair):
-    src, ckpt = tied_pair
-    for name, text in (
-        ("tokenizer.json", "{}"),
-        ("preprocessor_config.json", "{}"),
-        ("chat_template.jinja", "x"),
-    ):
-        (src.path / name).write_text(text)
-    (ckpt.path / "tokenizer.json").write_text("{}")
-    (ckpt.path / "preprocessor_config.json").write_text('{"size": 1}')
-    found = verify_tensors(src, ckpt, RULES, workers=1)
-    assert [(p.check, p.tensor, p.detail) for p in found.problems] == [
-        ("assets", "chat_template.jinja", "the source's file is missing from the candidate"),
-        ("assets", "preprocessor_config.json", "differs from the source's file"),
-    ]
-    assert found.summary()["assets_changed"] == 2
-
-
 def test_auto_runs_an_exl3_pack_with_exl3_and_anything_else_with_hf():
     auto = BackendOptions(backend="auto").check()
     assert auto.for_format("exl3").backend == "exl3"

@@ -20,7 +20,7 @@ from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTe
 from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
 from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection
 from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow, UnexpectedRow
-from evalsuite.tasks.tensor_verification._same import compare_assets, compare_same
+from evalsuite.tasks.tensor_verification._same import compare_same
 
 # Integer weight formats, counted by their bits (quantized_int4, quantized_int8); anything else is "other".
 INTEGER_FORMATS = frozenset({"pack-quantized", "int-quantized", "naive-quantized"})
@@ -165,7 +165,6 @@ class Verification:
             "missing": sum(1 for r in source if r.tensor_class == "missing"),
             "unexpected": len(self.unexpected),
             "config_mismatches": sum(1 for p in self.problems if p.check == "config"),
-            "assets_changed": sum(1 for p in self.problems if p.check == "assets"),
             "payload_bytes": self.payload_bytes,
             "avg_bits_per_weight": avg_bits,
             "avg_bits_per_weight_all": 8 * self.payload_bytes / self.source_params
@@ -297,7 +296,6 @@ def verify_tensors(
         problems.append(
             Problem("unexpected", name, f"{info.dtype} {list(info.shape)} pairs with no source tensor")
         )
-    problems += compare_assets(source, candidate)
     claims: dict[str, Any] = {}
     if verifier is not None:
         config_problems, claims = verifier.check_config(rows)

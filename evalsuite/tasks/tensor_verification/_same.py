@@ -8,13 +8,10 @@ import hashlib
 
 import numpy as np
 
-from evalsuite.checkpoint import DTYPE_SIZES, FLOAT_DTYPES, TOKENIZER_FILES, Checkpoint, TensorInfo
+from evalsuite.checkpoint import DTYPE_SIZES, FLOAT_DTYPES, TensorInfo
 from evalsuite.formats import NUMPY_DTYPES, ShardReader, as_float32, row_blocks, rows_and_cols
 from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
 
-# Files that make a model's inputs from text and images: a candidate serves the same inputs only with them.
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
-ASSET_FILES = (*TOKENIZER_FILES, *PROCESSOR_FILES)
 # Floating-point dtypes a tensor may be cast between, by their bits.
 DTYPE_BITS = {"BF16": 16, "F16": 16, "F32": 32, "F64": 64}
 
@@ -93,17 +90,3 @@ def _measure_cast(source: TensorInfo, candidate: TensorInfo, reader: ShardReader
         errors.add(r0, ref, cand, reader.scratch("difference", shape, "f4"))
     errors.fill(row)
 
-
-def compare_assets(source: Checkpoint, candidate: Checkpoint) -> list[Problem]:
-    """Every tokenizer and processor file of the source present in the candidate with the same bytes."""
-    problems = []
-    for name in ASSET_FILES:
-        theirs = source.path / name
-        if not theirs.is_file():
-            continue
-        ours = candidate.path / name
-        if not ours.is_file():
-            problems.append(Problem("assets", name, "the source's file is missing from the candidate"))
-        elif ours.read_bytes() != theirs.read_bytes():
-            problems.append(Problem("assets", name, "differs from the source's file"))
-    return problems
