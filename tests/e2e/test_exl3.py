@@ -83,7 +83,7 @@ def test_every_observation_of_the_pack_says_which_path_ran(tiny_run):
     executions = {}
     for path in sorted((out / "observations").glob("*/observation.json")):
         meta = json.loads(path.read_text())["meta"]
-        if meta.get("execution") is None:  # a case skipped for want of a processor (video without torchvision)
+        if meta.get("execution") is None:  # a case skipped for want of its processor (video, no torchvision)
             continue
         executions[path.parent.name.split("-")[0], meta["execution"]["backend"]] = meta["execution"]
     assert set(executions) == {("ref", "hf"), ("ckpt", "exl3")}

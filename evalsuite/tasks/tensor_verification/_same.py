@@ -89,4 +89,3 @@ def _measure_cast(source: TensorInfo, candidate: TensorInfo, reader: ShardReader
         cand = as_float32(cand, candidate.dtype, reader.scratch("decoded", shape, "f4"))
         errors.add(r0, ref, cand, reader.scratch("difference", shape, "f4"))
     errors.fill(row)
-
