@@ -16,7 +16,7 @@ from evalsuite.checkpoint import Checkpoint
 from evalsuite.cli import main
 from evalsuite.fixtures import MANIFEST_NAME, TINY_EXL3_POLICY, Exl3Policy, read_manifest, write_exl3_copy
 from evalsuite.formats.exl3_decode import decode_weight
-from tests.conftest import Models, copy_checkpoint, edit_tensors, run_cli
+from tests.conftest import Models, copy_checkpoint, edit_tensors, rerun, run_cli
 
 TINY_BF16, TINY_EXL3 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-exl3"
 SMOLLM2_BF16, SMOLLM2_EXL3 = "smollm2-135m-bf16", "smollm2-135m-exl3"
@@ -50,10 +50,12 @@ def failed_checks(entry: dict) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tiny_exl3_pair, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-exl3-run")
+def tiny_run(tiny_exl3_pair, tiny_run, tmp_path_factory):
+    """The pack against its source, in a copy of the shared tiny run's folder: the source's observations are
+    reused, the pack's made."""
+    out = tmp_path_factory.mktemp("tiny-exl3-run") / "run"
     args = ("run", "--ckpt", tiny_exl3_pair[TINY_EXL3], "--ref", tiny_exl3_pair[TINY_BF16])
-    res = run_cli(*args, "--tasks", "tensors,ppl,smoke,vision", "--out", out, "--quiet")
+    res = rerun(tiny_run, out, *args, "--tasks", "tensors,ppl,smoke,vision", "--corpus", "python-docs").cli
     return res, results(out), out
 
 

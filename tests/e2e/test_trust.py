@@ -17,7 +17,7 @@ from evalsuite.errors import InputError
 from evalsuite.report import write_reports
 from evalsuite.runner import RunRequest, run
 from evalsuite.task import RunContext
-from tests.conftest import Models, copy_checkpoint, edit_tensors, run_cli
+from tests.conftest import Models, copy_checkpoint, edit_tensors, rerun, run_cli
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
 # Bounds the good tiny copy meets (it measures ppl_ratio 1.0008, same_top_p 0.91).
@@ -100,18 +100,20 @@ def test_the_intref_spec_s_divisor_is_the_one_applied(tiny_pair, ppl_intref_out,
     assert after["ppl_hf"] == before["ppl_hf"] and after["ppl_ref"] == before["ppl_ref"]
 
 
-def test_an_in_place_weight_change_is_observed_again(tiny_pair, tmp_path):
+def test_an_in_place_weight_change_is_observed_again(tiny_pair, tiny_run, tmp_path):
     """The same --out, a candidate whose scales were multiplied by 4 in place: its observation is made again
-    (the reference's is reused), and the run fails."""
+    (the reference's is reused), and the run fails. The first run, in a copy of `tiny_run`'s folder, finds
+    every observation of the unchanged copy there."""
     ckpt = copy_checkpoint(tiny_pair[TINY_W4A8], tmp_path / "ckpt")
     thresholds = tmp_path / "tight.toml"
     thresholds.write_text(TIGHT)
-    args = ("run", "--ckpt", ckpt, "--ref", tiny_pair[TINY_BF16], "--corpus", "python-docs")
-    args += ("--thresholds", thresholds, "--out", tmp_path / "run", "--quiet")
-    good = run_cli(*args)
+    args = ("run", "--ckpt", ckpt, "--ref", tiny_pair[TINY_BF16], "--tasks", "ppl", "--corpus", "python-docs")
+    args += ("--thresholds", thresholds)
+    good = rerun(tiny_run, tmp_path / "run", *args).cli
     assert good.returncode == 0, good.stderr
+    assert not [line for line in good.stderr.splitlines() if line.startswith("loading")], good.stderr
     edit_tensors(ckpt, lambda t: t.update({k: v * 4 for k, v in t.items() if k.endswith("weight_scale")}))
-    bad = run_cli(*args)
+    bad = run_cli(*args, "--out", tmp_path / "run", "--quiet")
     assert bad.returncode == 1, bad.stderr
     loads = [line for line in bad.stderr.splitlines() if line.startswith("loading")]
     assert len(loads) == 1 and loads[0].startswith("loading ckpt"), bad.stderr

@@ -6,12 +6,11 @@ processor can be built (torchvision) and is skipped with its reason elsewhere.""
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
 import torch
 
-from tests.conftest import copy_checkpoint, edit_tensors, run_cli
+from tests.conftest import copy_checkpoint, edit_tensors, rerun
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
 IMAGE_CASES = ("", "slices.", "downsample_4x.", "downsample_16x.")
@@ -19,24 +18,14 @@ HAS_VIDEO = importlib.util.find_spec("torchvision") is not None
 RUN_CASES = (*IMAGE_CASES, "video.") if HAS_VIDEO else IMAGE_CASES
 
 
-def vision_entry(out) -> dict:
-    return json.loads((out / "results.json").read_text())["tasks"]["vision"]
-
-
-def run_vision(ckpt, ref, out):
-    res = run_cli("run", "--ckpt", ckpt, "--ref", ref, "--tasks", "vision", "--out", out, "--quiet")
-    return res, vision_entry(out)
+@pytest.fixture(scope="module")
+def exact(tiny_run):
+    """The W4A8 copy's vision cases: those of the shared run of every task on the tiny pair."""
+    return tiny_run.cli, tiny_run.task("vision"), tiny_run.out
 
 
 @pytest.fixture(scope="module")
-def exact(tiny_pair, tmp_path_factory):
-    out = tmp_path_factory.mktemp("vision-exact")
-    res, entry = run_vision(tiny_pair[TINY_W4A8], tiny_pair[TINY_BF16], out)
-    return res, entry, out
-
-
-@pytest.fixture(scope="module")
-def perturbed(tiny_pair, tmp_path_factory):
+def perturbed(tiny_pair, tiny_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("vision-perturbed")
     ckpt = copy_checkpoint(tiny_pair[TINY_W4A8], root / "ckpt")
     generator = torch.Generator().manual_seed(0)
@@ -50,8 +39,10 @@ def perturbed(tiny_pair, tmp_path_factory):
                 tensors[name] = (value.float() + noise).to(value.dtype)
 
     edit_tensors(ckpt, add_noise)
-    res, entry = run_vision(ckpt, tiny_pair[TINY_BF16], root / "out")
-    return res, entry
+    # In a copy of the shared run's folder: the reference's observations are reused.
+    args = ("run", "--ckpt", ckpt, "--ref", tiny_pair[TINY_BF16], "--tasks", "vision")
+    run = rerun(tiny_run, root / "out", *args)
+    return run.cli, run.task("vision")
 
 
 def test_every_case_of_an_identical_tower_is_exactly_equal(exact):
