@@ -25,9 +25,7 @@ with a known codebook marker and a K in 1..8, nothing is stored that the model l
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib.util
-import io
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,14 +39,15 @@ from evalsuite.backends.hf import (
     Generation,
     HFBackend,
     _first_line,
-    _model_class,
     _version,
+    meta_model,
     transformers_config,
 )
 from evalsuite.backends.intref import _fused_experts, _named_tensors, _refuse_mismatch, _tensor_slots
 from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import EXL3_CONFIG_FILE, Checkpoint
 from evalsuite.errors import DependencyError, InputError
+from evalsuite.formats import one_torch_thread
 from evalsuite.formats.exl3 import (
     Exl3,
     codebook,
@@ -100,27 +99,9 @@ class DecodedSkeleton:
         self._place()
 
     def _build(self) -> nn.Module:
-        """The model from its config, parameters on the meta device (buffers such as RoPE's are computed)."""
-        from accelerate import init_empty_weights
-        from transformers.utils import logging as hf_logging
-
-        config = copy.deepcopy(self.config)
+        """The model from its config, parameters on the meta device."""
         # The decoded weights replace whatever the quantization config would make Transformers build.
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        cls = _model_class(config)
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            with init_empty_weights(include_buffers=False), contextlib.redirect_stderr(io.StringIO()):
-                return cls.from_config(config, dtype=self.dtype, trust_remote_code=False)
-        except Exception as exc:
-            raise InputError(
-                f"Transformers cannot build the model from its config: {_first_line(exc)}",
-                self.checkpoint.path,
-            ) from None
-        finally:
-            hf_logging.set_verbosity(verbosity)
+        return meta_model(self.config, self.dtype, self.checkpoint)
 
     def _expert_piece(self, weight: str) -> ExpertPiece | None:
         """The fused-experts place of a per-expert weight name `<experts>.<e>.<proj>.weight`, if any."""
@@ -227,7 +208,7 @@ class DecodedSkeleton:
             else:
                 owner._buffers[leaf] = value
 
-        with _one_torch_thread():
+        with one_torch_thread():
             for module, target in self.decoded.items():
                 stored = {p: self.checkpoint.read_tensor(i.name) for p, i in self.linears[module].items()}
                 shape = target.shape if isinstance(target, ExpertPiece) else self.slots[target][2].shape
@@ -259,18 +240,6 @@ def _split_expert(module: str) -> tuple[str | None, int, str]:
     head, _, proj = module.rpartition(".")
     experts, _, index = head.rpartition(".")
     return (experts, int(index), proj) if index.isdigit() and experts else (None, -1, "")
-
-
-@contextlib.contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    # The decode's blocks are small: a second OpenMP thread costs more in barriers than it saves (see
-    # bench/exl3_decode.py), and one thread makes the decoded weights the same on every machine size.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _tie(model: nn.Module) -> None:

@@ -46,6 +46,31 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def meta_model(config: Any, dtype: torch.dtype, checkpoint: Checkpoint) -> Any:
+    """The model of `config` built by Transformers with its parameters on the meta device (buffers such as
+    RoPE's are computed), without its quantization config: for a backend that fills the weights itself."""
+    import copy
+
+    from accelerate import init_empty_weights
+    from transformers.utils import logging as hf_logging
+
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    cls = _model_class(config)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with init_empty_weights(include_buffers=False), contextlib.redirect_stderr(io.StringIO()):
+            return cls.from_config(config, dtype=dtype, trust_remote_code=False)
+    except Exception as exc:
+        raise InputError(
+            f"Transformers cannot build the model from its config: {_first_line(exc)}", checkpoint.path
+        ) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 @dataclass
 class Generation:
     """A greedy generation: the new tokens and, per step, the top-k ids and log-probs (and optionally the

@@ -24,8 +24,6 @@ Whether the integer path can run a checkpoint at all is decided from its files b
 from __future__ import annotations
 
 import contextlib
-import copy
-import io
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -34,7 +32,12 @@ import torch
 from torch import nn
 
 from evalsuite.backends._intlinear import ActivationQuant, IntExpert, IntExperts, IntLinear
-from evalsuite.backends.hf import DTYPES, HFBackend, _first_line, _model_class, transformers_config
+from evalsuite.backends.hf import (
+    DTYPES,
+    HFBackend,
+    meta_model,
+    transformers_config,
+)
 from evalsuite.backends.intref_plan import ActivationConvention, QuantizedModule, integer_modules
 from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
@@ -68,27 +71,9 @@ class IntegerSkeleton:
         self._swap_in_integer_modules(self.model, self.plan, self.dtype)
 
     def _build(self) -> nn.Module:
-        """The model from its config, parameters on the meta device (buffers such as RoPE's are computed)."""
-        from accelerate import init_empty_weights
-        from transformers.utils import logging as hf_logging
-
-        config = copy.deepcopy(self.config)
+        """The model from its config, parameters on the meta device."""
         # The integer modules replace what the quantization config would make Transformers build.
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        cls = _model_class(config)
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            with init_empty_weights(include_buffers=False), contextlib.redirect_stderr(io.StringIO()):
-                return cls.from_config(config, dtype=self.dtype, trust_remote_code=False)
-        except Exception as exc:
-            raise InputError(
-                f"Transformers cannot build the model from its config: {_first_line(exc)}",
-                self.checkpoint.path,
-            ) from None
-        finally:
-            hf_logging.set_verbosity(verbosity)
+        return meta_model(self.config, self.dtype, self.checkpoint)
 
     def expected_tensors(self) -> tuple[list[str], list[str]]:
         """(missing, unexpected): tensors the model needs that the files lack, and the reverse, by name, from

@@ -13,6 +13,7 @@ into buffers that are reused, so the largest tensor of the checkpoint never has 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, Protocol
@@ -155,3 +156,21 @@ def as_float32(values: np.ndarray, dtype: str, out: np.ndarray | None = None) ->
     else:
         out[...] = values
     return out
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch limited to one intra-op thread inside the block, restored after it.
+
+    For work cut into small blocks (decoding a Linear block by block, one Linear per worker thread): a second
+    OpenMP thread adds a barrier to every operation, which costs milliseconds whenever the other core is busy,
+    far more than it saves, and would fight the worker threads for the cores. One thread also makes a decode's
+    float results the same on every machine size."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -6,14 +6,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from evalsuite.checkpoint import Checkpoint, TensorInfo
-from evalsuite.formats import QuantizedFormat, ShardReader
+from evalsuite.formats import QuantizedFormat, ShardReader, one_torch_thread
 from evalsuite.formats.compressed_tensors import CompressedTensors
 from evalsuite.formats.exl3 import Exl3
 from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTensorsVerifier
@@ -205,20 +203,6 @@ def _first_row(pair: Pair, info: TensorInfo, rules: ModuleRules) -> TensorRow:
     )
 
 
-@contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    # The blocks are small: a second OpenMP thread adds a barrier to every operation, which costs
-    # milliseconds whenever the other core is busy, far more than it saves.
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _measure_pair(
     pair: Pair,
     source: Checkpoint,
@@ -281,7 +265,7 @@ def verify_tensors(
     rows: list[TensorRow] = []
     problems: list[Problem] = []
     try:
-        with _one_torch_thread(), ThreadPoolExecutor(workers, thread_name_prefix="tensors") as pool:
+        with one_torch_thread(), ThreadPoolExecutor(workers, thread_name_prefix="tensors") as pool:
             for row, found in pool.map(measure, pairs):
                 rows.append(row)
                 problems += found
