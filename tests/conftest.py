@@ -35,6 +35,14 @@ FIXTURES = Path(
     os.environ.get("EVALSUITE_TEST_FIXTURES", Path.home() / ".cache" / "evalsuite" / "test-fixtures")
 )
 TINY = (TINY_BF16, TINY_W4A8)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers share two cores: a second torch thread in a worker's own (in-process) runs only spins in
+    # OpenMP barriers while the other worker's core is busy, which made a 1 s refusal take 24 s. The CLI runs
+    # in child processes keep torch's default, so their numbers are those a user gets.
+    import torch
+
+    torch.set_num_threads(1)
 SMOLLM2 = (SMOLLM2_BF16, SMOLLM2_W4A8)
 
 
