@@ -121,19 +121,19 @@ def test_report_and_model_card_show_the_paired_tables(runs):
     assert "downstream accuracy was not measured" not in card
 
 
+def against_the_recording(runs, tiny_pair, tmp_path, spec: Path) -> tuple[int, list[str]]:
+    """Exit code and stderr lines of the W4A8 copy run against the recording under another lmeval spec."""
+    ckpt = tiny_pair["tiny-minicpmv47-w4a8"]
+    code, lines, _ = cli_in_process(
+        "run", "--ckpt", ckpt, "--ref", runs["rec"], "--out", tmp_path / "out", *lmeval_args(spec)
+    )
+    return code, lines
+
+
 def test_a_recording_made_with_other_few_shot_settings_is_refused(runs, tiny_pair, tmp_path):
     spec = tmp_path / "lmeval.toml"
     spec.write_text(SPEC.replace("limit", "num_fewshot = 1\nlimit"))
-    code, lines, _ = cli_in_process(
-        "run",
-        "--ckpt",
-        tiny_pair["tiny-minicpmv47-w4a8"],
-        "--ref",
-        runs["rec"],
-        "--out",
-        tmp_path / "out",
-        *lmeval_args(spec),
-    )
+    code, lines = against_the_recording(runs, tiny_pair, tmp_path, spec)
     assert_refused(code, lines, str(runs["rec"]), "another `lmeval` spec (num_fewshot differ)")
     assert not (tmp_path / "out" / "results.json").exists()
 
@@ -144,14 +144,5 @@ def test_a_recording_made_with_other_task_versions_is_refused(runs, tiny_pair, t
     yaml.write_text(yaml.read_text().replace("version: 1.0", "version: 2.0"))
     spec = tmp_path / "lmeval.toml"
     spec.write_text(f'include_path = "{folder}"\n' + SPEC)
-    code, lines, _ = cli_in_process(
-        "run",
-        "--ckpt",
-        tiny_pair["tiny-minicpmv47-w4a8"],
-        "--ref",
-        runs["rec"],
-        "--out",
-        tmp_path / "out",
-        *lmeval_args(spec),
-    )
+    code, lines = against_the_recording(runs, tiny_pair, tmp_path, spec)
     assert_refused(code, lines, "other lm-eval task versions", "evalsuite-mini=2.0")
