@@ -1,0 +1,49 @@
+"""`python -m tests.interrupting WHAT N ARGS…`: run `evalsuite ARGS` and press Ctrl-C at a point the run
+itself reports: a real SIGINT, raised in the process the moment its progress reports the Nth completed step
+of the bar whose description holds WHAT ("window logits", "smoke prompts").
+
+The signal is raised synchronously in the main thread (`signal.raise_signal`), so it lands after exactly N
+steps whatever the machine's speed: no poll of the run's files and no clock to race. Everything else is the
+CLI's own code; only its progress reporter is wrapped, to count.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+
+from evalsuite import cli
+
+
+def interrupting_factory(what: str, n: int) -> Callable:
+    """`cli._progress_factory`, wrapped: the Nth step of a bar described with `what` raises SIGINT."""
+    original = cli._progress_factory
+
+    def factory(progress):
+        make = original(progress)
+
+        def bar(description: str, total: int) -> Callable[[], None]:
+            advance = make(description, total)
+            if what not in description:
+                return advance
+            done = 0
+
+            def step() -> None:
+                nonlocal done
+                advance()
+                done += 1
+                if done == n:
+                    signal.raise_signal(signal.SIGINT)
+
+            return step
+
+        return bar
+
+    return factory
+
+
+if __name__ == "__main__":
+    what, n, *args = sys.argv[1:]
+    cli._progress_factory = interrupting_factory(what, int(n))
+    cli.main(args)
