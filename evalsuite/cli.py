@@ -1,16 +1,20 @@
 """The command line: `run`, `record`, `report`, `fixtures`, `demo`, `manifest`, `tasks`, `inspect`.
 
 Exit codes: 0 every check passed, 1 a check failed (a regression), 2 the run could not be done (bad input, a
-missing dependency); the reason is one line on stderr.
+missing dependency), 3 an internal error (any other exception: a bug, an out-of-memory device, a changed
+library), 130 interrupted; the reason is one line on stderr, and for 3 the traceback is in a file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 import sys
+import tempfile
 import tomllib
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
@@ -41,6 +45,16 @@ DEMO_CKPT, DEMO_REF = "smollm2-135m-w4a8", "smollm2-135m-bf16"
 # the shipped evalsuite-mini, offline, and puts the paired accuracy on the model card beside the PPL.
 # lmeval is left out of the default: on 2 cores it doubles the demo's time (evalsuite-mini on both sides).
 DEMO_TASKS = "ppl,tensors,intref"
+# The demo writes under an ignored folder of the working directory, so that running it in a clone leaves
+# `git status` clean; the committed example under reports/ is regenerated only on purpose (`--out`, README).
+DEMO_OUT = Path("demo-reports")
+# The demo pair is judged by this committed file, which says why it is looser than the shipped defaults.
+DEMO_THRESHOLDS = "demo-thresholds"
+VISION_DEMO_OUT = DEMO_OUT / "tiny-minicpmv47-vision"
+TRACEBACK_NAME = "traceback.txt"
+# The folder a command writes its run into, once known: an internal error's traceback goes there, beside the
+# reports it did not write (else to a file in the temporary folder).
+output_folder: contextvars.ContextVar[Path | None] = contextvars.ContextVar("output_folder", default=None)
 
 
 def resolve_source(source: str, fixtures: Path = DEFAULT_FIXTURES) -> str:
@@ -178,6 +192,8 @@ def execute(request, quiet: bool = False, junit: Path | None = None, model_card:
         result = run(request, progress=_progress_factory(progress), on_load=_announce_load)
     _summarise_noise(noise)
     write_reports(result.results, result.folder)
+    # A traceback left by an earlier crash in this folder no longer describes it.
+    (result.folder.root / TRACEBACK_NAME).unlink(missing_ok=True)
     if junit is not None:
         from evalsuite.junit import render_junit
 
@@ -272,13 +288,15 @@ def run_command(
     from evalsuite.task import RunContext
 
     ckpt_source, ref_source = resolve_source(ckpt, fixtures), resolve_source(ref, fixtures)
+    out = out or Path("reports") / Path(ckpt_source.rstrip("/")).name
+    output_folder.set(out)
     options = backend_options(dtype, device, trust_remote_code, stream, max_memory)
     request = RunRequest(
         ckpt=ckpt_source,
         ref=ref_source,
         ckpt_options=dataclasses.replace(options, backend=backend),
         tasks=task_names(tasks),
-        out=out or Path("reports") / Path(ckpt_source.rstrip("/")).name,
+        out=out,
         context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
         ref_options=options,
         thresholds=read_thresholds(thresholds),
@@ -374,7 +392,7 @@ def fixtures_command(
 @app.command("demo")
 def demo_command(
     fixtures: Annotated[Path, typer.Option(help="Where the SmolLM2 pair is built.")] = DEFAULT_FIXTURES,
-    out: Annotated[Path, typer.Option(help="Run folder.")] = Path("reports") / DEMO_CKPT,
+    out: Annotated[Path, typer.Option(help="Run folder.")] = DEMO_OUT / DEMO_CKPT,
     corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
     tasks: Annotated[str, typer.Option(help="Comma-separated tasks.")] = DEMO_TASKS,
     record: Annotated[
@@ -387,8 +405,10 @@ def demo_command(
 ) -> int:
     """Build the SmolLM2-135M BF16 / W4A8 pair if needed, run the suite on it, and write the model card.
 
-    The committed examples are regenerated, from the repository root, by `evalsuite demo --corpus
-    python-docs --tasks ppl,tensors,intref,lmeval --record reference_outputs/smollm2-135m-bf16`.
+    The reports go to demo-reports/ (git-ignored). The committed examples are regenerated, from the
+    repository root, by `evalsuite demo --out reports/smollm2-135m-w4a8 --corpus python-docs --tasks
+    ppl,tensors,intref,lmeval --record reference_outputs/smollm2-135m-bf16`. The pair is judged by
+    tasks/demo-thresholds.toml (a 135 M round-to-nearest pack fails the shipped defaults, rightly).
 
     `--vision` runs `vision` on the tiny MiniCPM-V 4.7 pair instead. No model that can see can be had
     offline (no vision-language model ships in a package index wheel), so the pair has random weights: its
@@ -396,9 +416,11 @@ def demo_command(
     """
     if vision:
         return _vision_demo(fixtures, quiet)
+    output_folder.set(out)
     from evalsuite.fixtures import build_fixtures
     from evalsuite.runner import RecordRequest, RunRequest
     from evalsuite.runner import record as record_reference
+    from evalsuite.spec import default_spec_path
     from evalsuite.task import RunContext
 
     built = build_fixtures(fixtures, [DEMO_REF, DEMO_CKPT], progress=lambda msg: console.print(msg))
@@ -411,12 +433,17 @@ def demo_command(
             context=RunContext(corpus_name=corpus),
         )
         console.print(f"recording: {record_reference(request)}")
+    names = task_names(tasks)
+    thresholds_file = default_spec_path(DEMO_THRESHOLDS)
+    thresholds = {t: v for t, v in read_thresholds(thresholds_file).items() if t in names}
     request = RunRequest(
         ckpt=str(built[DEMO_CKPT]),
         ref=str(built[DEMO_REF]),
-        tasks=task_names(tasks),
+        tasks=names,
         out=out,
         context=RunContext(corpus_name=corpus),
+        thresholds=thresholds,
+        thresholds_file=thresholds_file,
         # The demo's reports are what it is for; its observations (about 0.6 GB of logits) are not kept.
         keep_observations=False,
     )
@@ -427,6 +454,7 @@ def _vision_demo(fixtures: Path, quiet: bool) -> int:
     from evalsuite.fixtures import TINY_BF16, TINY_W4A8, build_fixtures
     from evalsuite.runner import RunRequest
 
+    output_folder.set(VISION_DEMO_OUT)
     built = build_fixtures(fixtures, [TINY_BF16, TINY_W4A8], progress=lambda msg: console.print(msg))
     console.print(
         "note: no vision-language model can be had offline, so this is the tiny random-weight MiniCPM-V 4.7: "
@@ -437,7 +465,7 @@ def _vision_demo(fixtures: Path, quiet: bool) -> int:
         ckpt=str(built[TINY_W4A8]),
         ref=str(built[TINY_BF16]),
         tasks=["vision"],
-        out=Path("reports") / "tiny-minicpmv47-vision",
+        out=VISION_DEMO_OUT,
         keep_observations=False,
     )
     return execute(request, quiet=quiet)
@@ -502,6 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     if not sys.stdout.isatty():
         # Piped help is typer's rich panels at 80 columns, which cut option names: give it room.
         os.environ.setdefault("TERMINAL_WIDTH", "120")
+    output_folder.set(None)  # an in-process caller may run several commands
     try:
         code = app(args=args, prog_name="evalsuite", standalone_mode=False)
         if code == 130:  # typer turns Ctrl-C into exit code 130, silently
@@ -518,7 +547,32 @@ def main(argv: list[str] | None = None) -> None:
     except TyperException as exc:  # usage errors: typer vendors click, so its exceptions live here
         exc.show()
         sys.exit(2)
+    except Exception as exc:
+        # Not evalsuite's own: a bug, a device out of memory, a library that changed. Never exit 1, which CI
+        # reads as "a check failed".
+        print(internal_error(exc), file=sys.stderr)
+        sys.exit(3)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def internal_error(exc: BaseException) -> str:
+    """Write the traceback of `exc` beside the run's reports (or to a temporary file) and return the one
+    line that names it. The reports themselves are never half-written (each is replaced atomically)."""
+    text = "".join(traceback.format_exception(exc))
+    folder = output_folder.get()
+    target = None
+    for candidate in ([folder / TRACEBACK_NAME] if folder is not None else []) + [
+        Path(tempfile.gettempdir()) / f"evalsuite-traceback-{os.getpid()}.txt"
+    ]:
+        try:
+            write_atomic(candidate, text)
+        except OSError:
+            continue
+        target = candidate
+        break
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    where = f"traceback in {target}" if target is not None else "the traceback could not be written"
+    return f"evalsuite: internal error: {type(exc).__name__}: {message}; {where}"
 
 
 if __name__ == "__main__":

@@ -126,6 +126,9 @@ def load_pair(
 
 def check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
     """Refuse, from the files alone, a checkpoint the backend could not load faithfully (InputError)."""
+    from evalsuite.backends.transformers_internals import check_internals
+
+    check_internals(options, checkpoint.format)
     if options.stream and options.backend in BACKEND_NAMES:
         from evalsuite.backends.streamed import check_streamed_load_plan
 
