@@ -378,8 +378,8 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
 
 
 def spec_provenance(task: Task, request: RunRequest) -> dict[str, str]:
-    """Where a task's spec and thresholds came from, for results.json (a report says when they are the
-    shipped defaults, which are calibrated on a 135 M demo pair)."""
+    """Where a task's spec and thresholds came from, for results.json (a report says when they are not the
+    shipped defaults, and whose they are)."""
     source = request.specs.get(task.name) or spec_source(type(task))
     if task.name in request.thresholds:
         thresholds = f"--thresholds {request.thresholds_file or ''}".rstrip()
