@@ -108,6 +108,13 @@ def parse_specs(items: list[str] | None) -> dict[str, Path]:
     return specs
 
 
+CorpusPath = Annotated[
+    Path | None,
+    typer.Option(
+        help="A local copy of WikiText-2's raw test split (parquet file, datasets save_to_disk folder, or "
+        "wiki.test.raw), checked to be that split."
+    ),
+]
 SpecOption = Annotated[
     list[str] | None, typer.Option("--spec", help="TASK=PATH: use this spec file for TASK (repeatable).")
 ]
@@ -255,6 +262,7 @@ def run_command(
     text_file: Annotated[Path | None, typer.Option(help="Score this UTF-8 text instead of a corpus.")] = None,
     corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
     allow_download: Annotated[bool, typer.Option(help="Let datasets fetch WikiText-2 from the hub.")] = False,
+    corpus_path: CorpusPath = None,
     thresholds: Annotated[Path | None, typer.Option(help="TOML overriding spec thresholds.")] = None,
     spec: SpecOption = None,
     baseline: Annotated[
@@ -297,7 +305,9 @@ def run_command(
         ckpt_options=dataclasses.replace(options, backend=backend),
         tasks=task_names(tasks),
         out=out,
-        context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
+        context=RunContext(
+            corpus_name=corpus, text_file=text_file, allow_download=allow_download, corpus_path=corpus_path
+        ),
         ref_options=options,
         thresholds=read_thresholds(thresholds),
         thresholds_file=thresholds,
@@ -317,6 +327,7 @@ def record_command(
     text_file: Annotated[Path | None, typer.Option(help="Score this UTF-8 text instead of a corpus.")] = None,
     corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
     allow_download: Annotated[bool, typer.Option(help="Let datasets fetch WikiText-2 from the hub.")] = False,
+    corpus_path: CorpusPath = None,
     spec: SpecOption = None,
     dtype: Dtype = "bfloat16",
     device: Device = "cpu",
@@ -334,7 +345,9 @@ def record_command(
         ckpt=resolve_source(ckpt, fixtures),
         tasks=task_names(tasks),
         out=out,
-        context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
+        context=RunContext(
+            corpus_name=corpus, text_file=text_file, allow_download=allow_download, corpus_path=corpus_path
+        ),
         options=backend_options(dtype, device, trust_remote_code, stream, max_memory),
         specs=parse_specs(spec),
     )

@@ -244,10 +244,16 @@ class RunContext:
     text_file: Path | None = None
     allow_download: bool = False
     digests: DigestCache | None = None
+    corpus_path: Path | None = None  # a local copy of WikiText-2's test split (`--corpus-path`)
 
     @cached_property
     def corpus(self) -> Corpus:
-        return load_corpus(self.corpus_name, text_file=self.text_file, allow_download=self.allow_download)
+        return load_corpus(
+            self.corpus_name,
+            text_file=self.text_file,
+            allow_download=self.allow_download,
+            corpus_path=self.corpus_path,
+        )
 
 
 def task(name: str) -> Callable[[type], type]:

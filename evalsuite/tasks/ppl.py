@@ -105,6 +105,7 @@ class Perplexity:
             "n_windows": n_windows,
             "n_scored_tokens": len(nll_ref),
             "tokens_sha256": ref.meta["tokens_sha256"],
+            **corpus_provenance(self.context),
             **ppl_summary("ref", nll_ref, n_windows),
             **ppl_summary("ckpt", nll_ckpt, n_windows),
             "ppl_ratio": float(np.exp(ln_ratio.value)),
@@ -156,3 +157,15 @@ class Perplexity:
             "kld_histogram": f"{folder.name}/ppl_kld_histogram.png",
             "window_ppl": f"{folder.name}/ppl_window_ppl.png",
         }
+
+
+def corpus_provenance(context: RunContext) -> dict[str, str]:
+    """For results.json: the sha256 of the text the tokens were made from, where it was read, and why `auto`
+    fell back from WikiText-2 when it did."""
+    corpus = context.corpus
+    values = {"corpus_sha256": corpus.sha256}
+    if corpus.source is not None:
+        values["corpus_source"] = corpus.source
+    if corpus.fallback is not None:
+        values["corpus_fallback"] = corpus.fallback
+    return values
