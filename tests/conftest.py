@@ -252,3 +252,33 @@ def assert_refused(code: int, lines: list[str], *fragments: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("evalsuite: error: "), lines
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+def demo_thresholds(tasks: str, folder: Path) -> Path:
+    """The bounds `evalsuite demo` judges the SmolLM2 pair by (tasks/demo-thresholds.toml), cut to the tables
+    of `tasks` as the demo cuts them (a run refuses thresholds for a task it does not run)."""
+    import tomllib
+
+    from evalsuite.cli import DEMO_THRESHOLDS
+    from evalsuite.spec import default_spec_path
+
+    tables = tomllib.loads(default_spec_path(DEMO_THRESHOLDS).read_text(encoding="utf-8"))
+    lines = []
+    for task in tasks.split(","):
+        if task in tables:
+            lines.append(f"[{task}]")
+            for metric, bound in tables[task].items():
+                lines.append(f'"{metric}" = {{ ' + ", ".join(f"{k} = {v!r}" for k, v in bound.items()) + " }")
+    path = folder / "demo-thresholds.toml"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_demo_rerun(smollm2_pair, smollm2_run, tmp_path_factory) -> Run:
+    """`smollm2_run` (judged by the shipped defaults, which it fails) compared again under the demo's
+    thresholds: every observation is reused, nothing loads."""
+    root = tmp_path_factory.mktemp("smollm2-demo")
+    args = ("run", "--ckpt", smollm2_pair[SMOLLM2_W4A8], "--ref", smollm2_pair[SMOLLM2_BF16])
+    args += ("--tasks", SMOLLM2_TASKS, "--corpus", "python-docs")
+    return rerun(smollm2_run, root / "run", *args, "--thresholds", demo_thresholds(SMOLLM2_TASKS, root))
