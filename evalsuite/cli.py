@@ -198,17 +198,21 @@ def execute(request, quiet: bool = False, junit: Path | None = None, model_card:
     with third_party_quiet() as noise, Progress(*columns, console=console, disable=quiet) as progress:
         result = run(request, progress=_progress_factory(progress), on_load=_announce_load)
     _summarise_noise(noise)
-    write_reports(result.results, result.folder)
-    # A traceback left by an earlier crash in this folder no longer describes it.
-    (result.folder.root / TRACEBACK_NAME).unlink(missing_ok=True)
+    # Everything rendered before anything is written: a rendering error leaves no report half-made.
+    extra: dict[Path, str] = {}
     if junit is not None:
         from evalsuite.junit import render_junit
 
-        write_atomic(junit, render_junit(result.results))
+        extra[junit] = render_junit(result.results)
     if model_card:
         from evalsuite.model_card import render_model_card
 
-        write_atomic(result.folder.root / "model-card.md", render_model_card(result.results))
+        extra[result.folder.root / "model-card.md"] = render_model_card(result.results)
+    write_reports(result.results, result.folder)
+    for path, text in extra.items():
+        write_atomic(path, text)
+    # A traceback left by an earlier crash in this folder no longer describes it.
+    (result.folder.root / TRACEBACK_NAME).unlink(missing_ok=True)
     print_summary(result.results, Console())
     print(f"report: {result.folder.report_md}")
     if result.exit_code == 2:

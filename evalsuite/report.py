@@ -288,10 +288,13 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def write_reports(results: dict[str, Any], folder: RunFolder) -> None:
-    """Write results.json and report.md, each atomically."""
+    """Write results.json and report.md, each atomically; both are rendered before either is written, so a
+    failure to render leaves neither (never a results.json without its report)."""
     # Strict JSON: TaskResult.to_json writes every non-finite number as null, with its reason.
-    write_atomic(folder.results_json, json.dumps(results, indent=2, allow_nan=False) + "\n")
-    write_atomic(folder.report_md, render_markdown(results))
+    document = json.dumps(results, indent=2, allow_nan=False) + "\n"
+    markdown = render_markdown(results)
+    write_atomic(folder.results_json, document)
+    write_atomic(folder.report_md, markdown)
 
 
 def print_summary(results: dict[str, Any], console: Console) -> None:

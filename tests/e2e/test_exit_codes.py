@@ -69,6 +69,19 @@ def test_an_exception_not_evalsuites_own_exits_3_with_one_line_and_the_traceback
     assert (out / "results.json").is_file() and not (out / "traceback.txt").exists()
 
 
+def test_a_report_that_fails_to_render_leaves_no_results_json_behind(tiny_pair, tmp_path, monkeypatch):
+    from evalsuite import report
+
+    def unrenderable(results):
+        raise ValueError("a metric the table cannot show")
+
+    monkeypatch.setattr(report, "render_markdown", unrenderable)
+    out = tmp_path / "run"
+    code, lines, _ = cli_in_process(*tensors_args(tiny_pair, out))
+    assert code == 3 and lines[-1].startswith("evalsuite: internal error: ValueError: a metric the"), lines
+    assert not (out / "results.json").exists() and not (out / "report.md").exists()
+
+
 def test_ctrl_c_exits_130(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setattr(Tensors, "compare_files", _raising(KeyboardInterrupt()))
     code, lines, _ = cli_in_process(*tensors_args(tiny_pair, tmp_path / "run"))
