@@ -34,6 +34,7 @@ from evalsuite.formats.exl3_decode import (
     bits_of_width,
     decode_weight,
     padded,
+    rotated_tile_errors,
 )
 
 if TYPE_CHECKING:
@@ -217,6 +218,18 @@ def decoded_blocks(
         signs = svh[first // 16 : end // 16] if packed else svh[first:end]
         block = trellis[:, first // 16 : end // 16]
         yield first, decode_weight(block, suh, signs, name, in_features, count)
+
+
+def block_tile_errors(
+    stored: Mapping[str, torch.Tensor], first: int, error: torch.Tensor, in_features: int
+) -> torch.Tensor:
+    """Per-tile mean squared error in the rotated basis (`exl3_decode.rotated_tile_errors`) of the error of
+    one block of `decoded_blocks` starting at output channel `first`: (out tiles of the block, in tiles)."""
+    suh = stored["suh"] if "suh" in stored else stored["su"]
+    svh, packed = (stored["svh"], False) if "svh" in stored else (stored["sv"], True)
+    end = first + padded(error.shape[0])
+    signs = svh[first // 16 : end // 16] if packed else svh[first:end]
+    return rotated_tile_errors(error, suh, signs, in_features)
 
 
 def storage_problems(storage: Mapping[str, Any], tensors: Mapping[str, TensorInfo]) -> list[tuple[str, str]]:

@@ -371,3 +371,39 @@ def decode_weight(
         if kept > 0:
             result[first : first + kept] = decoded[:kept, :in_features]
     return result
+
+
+def rotated_tile_errors(
+    error: torch.Tensor, suh_or_su: torch.Tensor, svh_or_sv: torch.Tensor, in_features: int
+) -> torch.Tensor:
+    """The mean squared error of every 16×16 tile of W_hat (exllamav3's rotated basis), from an error of the
+    dense weight: `error` float32 (rows, in_features), HF orientation, the rows a block of output features
+    whose sign vector is `svh_or_sv` (padded to a multiple of 128 rows); `suh_or_su` for all input features.
+
+    The inverse of `decode_weight`'s rotation: E_hat = H · diag(1/suh) · E · diag(1/svh) · H / 128, with
+    1/s taken as 0 where a sign-and-scale is 0 (a feature the decode always zeroes, so its error is no
+    tile's). A corrupted tile of the trellis changes only its own 256 values of W_hat, while in the dense
+    weight it spreads over a whole 128×128 block; quantization noise is about equal across tiles there, by
+    the rotation's design. Returns float32 (out_tiles, in_tiles) in the transposed (output-first) layout,
+    NaN for a tile all of whose rows or columns are zeroed.
+    """
+    rows = svh_or_sv.numel() * (16 if svh_or_sv.dtype == torch.int16 else 1)
+    in_p = padded(in_features)
+    su = _sign_scales(suh_or_su, "suh", "su", in_p, "input feature")
+    sv = _sign_scales(svh_or_sv, "svh", "sv", rows, "output feature")
+    if rows % HADAMARD_SIZE or error.shape[0] > rows or error.shape[1] != in_features:
+        raise InputError(f"an error block of {list(error.shape)} does not fit {rows} padded output features")
+    inv_su = torch.where(su != 0, 1.0 / su, torch.zeros_like(su))
+    inv_sv = torch.where(sv != 0, 1.0 / sv, torch.zeros_like(sv))
+    scaled = torch.zeros((rows, in_p), dtype=torch.float32)
+    scaled[: error.shape[0], :in_features] = error
+    scaled *= inv_su
+    scaled *= inv_sv[:, None]
+    h = _hadamard()
+    turned = (scaled.view(-1, HADAMARD_SIZE) @ h).view(rows, in_p)
+    rotated = torch.matmul(h, turned.view(-1, HADAMARD_SIZE, in_p)).view(rows, in_p) * (1.0 / HADAMARD_SIZE)
+    mse = rotated.square().view(rows // TILE, TILE, in_p // TILE, TILE).mean(dim=(1, 3))
+    live_rows = (inv_sv != 0).view(-1, TILE).any(dim=1)
+    live_cols = (inv_su != 0).view(-1, TILE).any(dim=1)
+    mse[~(live_rows[:, None] & live_cols[None, :])] = float("nan")
+    return mse

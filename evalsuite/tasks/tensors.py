@@ -83,6 +83,8 @@ class Tensors:
         "worst_rel_err",
         "worst_channel_rel_err",
         "bpw_claim_error",
+        "tile_outliers",
+        "worst_tile_ratio",
         "assets_compared",
         "assets_missing",
         "assets_changed",
@@ -111,6 +113,9 @@ class Tensors:
         "worst_rel_err": "relative Frobenius error of the worst decoded tensor against its source",
         "worst_channel_rel_err": "the same for the worst single output channel (above 1: further than zeros)",
         "payload_bytes": "bytes of every tensor the candidate stores",
+        "tile_outliers": "EXL3 16×16 tiles whose error in the rotated basis is an outlier against the median "
+        "tile of their own tensor (a damaged trellis tile)",
+        "worst_tile_ratio": "the largest tile error over its tensor's median tile error (EXL3)",
     }
 
     def __init__(self, spec: TensorsSpec, context: RunContext) -> None:

@@ -177,6 +177,12 @@ class Verification:
                 else None
             ),
         }
+        tiled = [r for r in quantized if r.worst_tile_ratio is not None]
+        if tiled:
+            worst_tile = max(tiled, key=lambda r: r.worst_tile_ratio)
+            values["tile_outliers"] = sum(r.tile_outliers or 0 for r in tiled)
+            values["worst_tile_ratio"] = worst_tile.worst_tile_ratio
+            values["worst_tile_ratio_tensor"] = f"{worst_tile.name} (tile {worst_tile.worst_tile})"
         if "bits" in self.claims:
             claimed = self.claims["bits"]
             values["claimed_bits"] = claimed
