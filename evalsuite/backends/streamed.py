@@ -255,9 +255,9 @@ class IntegerLayers:
                 if layer is not None:
                     by_layer[what].setdefault(layer, []).append(name)
         _refuse_missing_in_layers(checkpoint, self.prefix, by_layer["missing"], by_layer["unexpected"])
-        from evalsuite.backends.intref import _refuse_mismatch
+        from evalsuite.backends.skeleton import refuse_mismatch
 
-        _refuse_mismatch(checkpoint, missing, unexpected)
+        refuse_mismatch(checkpoint, missing, unexpected)
         self.units: dict[int | None, list[str]] = {}
         for name in checkpoint.tensors:
             if not (

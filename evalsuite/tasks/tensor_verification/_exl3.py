@@ -8,7 +8,7 @@ is no second CPU decoder to compare it with, so `decode_exact` stays unmeasured 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -42,6 +42,14 @@ TILE_SIGNAL_FRACTION = 0.25
 
 class Exl3Verifier:
     """How an EXL3 candidate is verified (see `FormatVerifier`)."""
+
+    # exllamav3 stores a Linear it does not quantize (routers, gates, Gated DeltaNet's in_proj_a/b) as FP16
+    # (`modules/linear.py:247`, `loader/safetensors.py:842`, `modules/quant/fp16.py:62-66`): protected, and
+    # value-equal to the source cast to FP16.
+    protected_casts: ClassVar[dict[tuple[str, str], str]] = {
+        ("BF16", "F16"): "stored FP16 as exllamav3 stores a Linear it leaves unquantized: value-equal to the "
+        "source cast to FP16",
+    }
 
     def __init__(self, format: Exl3) -> None:
         self.format = format
