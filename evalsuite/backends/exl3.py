@@ -262,14 +262,15 @@ class DecodedSkeleton:
 
     def summary(self) -> dict[str, Any]:
         """What the decoded path runs: how many EXL3 Linear layers, their codebooks and bits."""
-        bits = sorted({stored_bits(stored["trellis"]) for stored in self.linears.values()} - {None})
+        run = [self.linears[module] for module in self.decoded]  # the ignored ones are not decoded
+        bits = sorted({stored_bits(stored["trellis"]) for stored in run} - {None})
         ignored = {
             "ignored_tensors": len(self.ignored),
             "ignored_bytes": sum(self.checkpoint.tensors[name].nbytes for name in self.ignored),
         }
         return {
-            "exl3_linears": len(self.linears),
-            "codebooks": sorted({codebook(stored) for stored in self.linears.values()}),
+            "exl3_linears": len(run),
+            "codebooks": sorted({codebook(stored) for stored in run}),
             "bits": bits,
             "ignored_on_load": ignored,
         }
@@ -363,23 +364,35 @@ class DecodedExl3Backend(HFBackend):
 
     def describe(self) -> dict[str, Any]:
         """The decoded path: what was decoded, and the Transformers model that runs it."""
-        summary = self.decoded_summary
-        bits = ", ".join(str(b) for b in summary["bits"])
-        return {
-            "backend": "exl3",
-            "path": "decoded",
-            "execution": (
-                f"EXL3 decoded on the CPU by evalsuite ({summary['exl3_linears']} Linear layers, "
-                f"{'/'.join(summary['codebooks'])}, K {bits}) into Transformers "
-                f"{_version('transformers')} ({type(self.model).__name__}); exllamav3 not run"
-            ),
-            "format": self.checkpoint.format,
-            **summary,
-        }
+        return decoded_execution(self.decoded_summary, self.model, self.checkpoint)
+
+
+def decoded_execution(summary: dict[str, Any], model: nn.Module, checkpoint: Checkpoint) -> dict[str, Any]:
+    """How the decoded path ran (loaded whole or streamed): what was decoded, the model that ran it, and
+    what the model class ignored on load."""
+    bits = ", ".join(str(b) for b in summary["bits"])
+    ignored = summary["ignored_on_load"]
+    left = (
+        f"; {ignored['ignored_tensors']} tensors the model ignores on load not run"
+        if ignored["ignored_tensors"]
+        else ""
+    )
+    return {
+        "backend": "exl3",
+        "path": "decoded",
+        "execution": (
+            f"EXL3 decoded on the CPU by evalsuite ({summary['exl3_linears']} Linear layers, "
+            f"{'/'.join(summary['codebooks'])}, K {bits}) into Transformers "
+            f"{_version('transformers')} ({type(model).__name__}); exllamav3 not run{left}"
+        ),
+        "format": checkpoint.format,
+        **summary,
+    }
 
 
 class Exllamav3Backend:
-    """The pack run by exllamav3 on CUDA: window logits and greedy generation.
+    """The pack run by exllamav3 on CUDA: window logits and greedy generation. Its model is exllamav3's
+    (`exl3_model`), not a Transformers model: it is no `HFModelAccess`, and lm-eval refuses it.
 
     Written from exllamav3 1.6.5's sources (`model/model.py`, `eval/ppl.py`) and not yet run: the
     development machines have no CUDA (see bench/exl3_gpu_check.sh, which compares this path's logits with
@@ -395,15 +408,15 @@ class Exllamav3Backend:
         self.options = options
         self.device = torch.device("cuda:0" if options.device in ("cuda", "auto") else options.device)
         self.config = Config.from_directory(str(checkpoint.path))
-        self.model = Model.from_config(self.config)
+        self.exl3_model = Model.from_config(self.config)
         # Full-window logits: the output buffer must hold a whole window (eval/ppl.py loads the same way).
-        self.model.load(device=self.device, max_output_size=4096, max_output_factor=5)
+        self.exl3_model.load(device=self.device, max_output_size=4096, max_output_factor=5)
         self.vocab_size = int(self.config.vocab_size)
         self.tokenizer = checkpoint.load_tokenizer(trust_remote_code=options.trust_remote_code)
         self.eos = eos_token_ids(checkpoint, self.tokenizer)
 
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model.forward(ids.reshape(1, -1), {"attn_mode": "flash_attn_nc"})
+        out = self.exl3_model.forward(ids.reshape(1, -1), {"attn_mode": "flash_attn_nc"})
         return out[0, :, : self.vocab_size]
 
     @torch.inference_mode()
@@ -452,8 +465,8 @@ class Exllamav3Backend:
         }
 
     def close(self) -> None:
-        self.model.unload()
-        del self.model
+        self.exl3_model.unload()
+        del self.exl3_model
         torch.cuda.empty_cache()
 
 
