@@ -588,6 +588,10 @@ class StreamedPair:
 def check_streamed_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
     """Refuse, from the files and the skeleton alone, a side that cannot be streamed: a model whose decoder
     layers cannot be found, a layer whose tensors the files lack, anything a whole load would refuse."""
+    if options.backend == "exl3":
+        from evalsuite.backends.exl3 import check_exl3_load_plan
+
+        check_exl3_load_plan(checkpoint, options)  # the pack's own claims, as for a whole load
     _layer_loader(checkpoint, options)
 
 
