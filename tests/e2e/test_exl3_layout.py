@@ -212,3 +212,31 @@ def test_a_single_broken_tile_of_a_smollm2_projection_fails_tensors(smollm2_exl3
     assert [d["tensor"] for d in named] == [f"{name}.weight"] and "trellis[17, 9]" in named[0]["detail"]
     clean = tensors_run(smollm2_exl3_pair[SMOLLM2_EXL3], smollm2_exl3_pair[SMOLLM2_BF16], tmp_path / "clean")
     assert clean["status"] == "pass" and clean["metrics"]["tile_outliers"] == 0
+
+
+def test_a_pack_that_fits_only_packed_streams_by_itself(tiny_mtp_exl3_pair):
+    from evalsuite.backends.memory import loaded_bytes, streamed_if_needed
+    from evalsuite.backends.options import BackendOptions
+
+    pack = Checkpoint.open(tiny_mtp_exl3_pair[MTP_EXL3])
+    options = BackendOptions(backend="exl3")
+    decoded = loaded_bytes(pack, options)
+    # The trellises decode to about four times their bytes at 4 bpw; the MTP head is never loaded.
+    assert decoded > 2 * pack.total_bytes
+    budget = (pack.total_bytes + decoded) // 2  # room for the files, not for the decoded model
+    chosen, reason = streamed_if_needed(pack, BackendOptions(backend="exl3", max_memory=budget))
+    assert chosen.stream and "loaded whole" in reason
+    chosen, reason = streamed_if_needed(pack, BackendOptions(backend="exl3", max_memory=4 * decoded))
+    assert not chosen.stream and reason is None
+
+
+def test_greedy_decoding_on_exllamav3_stops_at_generation_configs_eos_too(tiny_mtp_exl3_pair, tmp_path):
+    from evalsuite.backends.exl3 import eos_token_ids
+
+    copy = copy_checkpoint(tiny_mtp_exl3_pair[MTP_EXL3], tmp_path / "eos")
+    config_eos = Checkpoint.open(copy).config["eos_token_id"]
+    path = copy / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": [config_eos, 7]}))
+    assert eos_token_ids(Checkpoint.open(copy)) == {config_eos, 7}
+    path.unlink()
+    assert eos_token_ids(Checkpoint.open(copy)) == {config_eos}
