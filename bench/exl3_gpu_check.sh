@@ -20,7 +20,7 @@
 # The device machine reaches no network: carry the fixture folder (and its BF16 source beside it) along.
 #
 # Usage, from anywhere (the repository root is found from this file):
-#     bash bench/exl3_gpu_check.sh [GOLDEN_OUT] [FIXTURE_DIR]
+#     bash bench/exl3_gpu_check.sh [GOLDEN_OUT] [FIXTURE_DIR] [MTP_FIXTURE_DIR]
 # The first `import exllamav3` compiles its CUDA extension with torch.utils.cpp_extension (needs nvcc and
 # several minutes; MAX_JOBS and TORCH_CUDA_ARCH_LIST, e.g. "9.0" for an H100/H200, speed it up). Without
 # network access, install exllamav3 from a wheel carried along: pip install --no-deps ./exllamav3-1.6.5-*.whl
@@ -208,4 +208,57 @@ import sys
 doc = json.load(open(sys.argv[1]))
 print("part 3: ckpt_execution =", doc["tasks"]["ppl"]["metrics"].get("ckpt_execution"))
 print("part 3: ppl", {k: doc["tasks"]["ppl"]["metrics"].get(k) for k in ("ppl_ratio", "same_top_p", "kld_mean")})
+PY
+
+# ------------------------------------------------------------------------------------------------------------
+# Part 4 (layout, untested): the MTP fixture `tiny-qwen35moe-mtp-exl3` (FP16 routers and gates, an MTP head at
+# mtp_bits) as exllamav3 sees it: its own create_quantization_config_json (conversion/quant_config.py) is run
+# on a copy and must list the same tensor_storage as the fixture's writer; then exllamav3 loads the pack
+# (Qwen3_5MoeForCausalLM, its MTP head registered) and its logits are compared with the decoded path's.
+# ------------------------------------------------------------------------------------------------------------
+MTP_DIR="${3:-$(dirname "$FIXTURE_DIR")/tiny-qwen35moe-mtp-exl3}"
+if [ ! -f "$MTP_DIR/quantization_config.json" ]; then
+    echo "part 4 skipped: no MTP EXL3 fixture at $MTP_DIR (pass it as the third argument)"
+    exit 0
+fi
+python - "$MTP_DIR" <<'PY'
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from evalsuite.backends.exl3 import DecodedExl3Backend, Exllamav3Backend
+from evalsuite.backends.options import BackendOptions
+from evalsuite.checkpoint import Checkpoint
+from exllamav3.conversion.quant_config import create_quantization_config_json
+
+pack = Path(sys.argv[1])
+ours = json.loads((pack / "quantization_config.json").read_text())["tensor_storage"]
+with tempfile.TemporaryDirectory() as tmp:
+    copy = Path(shutil.copytree(pack, Path(tmp) / "pack"))
+    create_quantization_config_json(str(copy))
+    theirs = json.loads((copy / "quantization_config.json").read_text())["tensor_storage"]
+only_ours, only_theirs = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+differ = sorted(k for k in set(ours) & set(theirs) if ours[k] != theirs[k])
+print(f"part 4: tensor_storage modules: ours {len(ours)}, exllamav3 {len(theirs)}; only ours {only_ours[:5]}, "
+      f"only exllamav3 {only_theirs[:5]}, differing {differ[:5]}")
+
+checkpoint = Checkpoint.open(pack)
+ids = torch.tensor([checkpoint.load_tokenizer()("The quick brown fox jumps over the lazy dog.")["input_ids"]])
+positions = torch.arange(ids.shape[1] - 1)
+exl3 = Exllamav3Backend(checkpoint, BackendOptions(backend="exl3", device="cuda:0"))
+theirs_logits = next(exl3.window_logits(ids, positions)).float()
+exl3.close()
+decoded = DecodedExl3Backend(checkpoint, BackendOptions(backend="exl3", device="cuda:0", dtype="float16"))
+ours_logits = next(decoded.window_logits(ids, positions)).float().cpu()
+decoded.close()
+ref, cand = torch.log_softmax(theirs_logits, -1), torch.log_softmax(ours_logits, -1)
+kl = (ref.exp() * (ref - cand)).sum(-1).mean().item()
+print(f"part 4: mean KL(exllamav3 || decoded) {kl:.2e} over {len(positions)} positions")
+if only_ours or only_theirs or differ or kl > 1e-2:
+    sys.exit("part 4: the MTP pack's layout or logits disagree with exllamav3")
+print("part 4: passed")
 PY

@@ -12,6 +12,11 @@ disk). Then, each `evalsuite run --tasks ppl` a child process of its own (the de
    model bytes (goal <= 0.2) and the cgroup's own peak (it counts the page cache of the files read too);
 3. the same run loaded whole, without a limit: streamed time / loaded time (goal <= 1.3).
 
+`--exl3`: the same with the EXL3 copy of the 3 GB model (`minicpmv47-3gb-exl3`, K=4, a K=6 head, random
+trellis words: 0.8 GB on disk) as the candidate, run by the `exl3` backend's decoded path; the limit and the
+ratio are taken against the candidate's decoded BF16 bytes (what a loaded run holds), not its file size.
+`--ref DIR --ckpt DIR` run the same steps on another pair (a small one checks the script in seconds).
+
 Both runs start with the files' digests cached and the files in the page cache, so the ratio compares
 execution, not first reads. These machines are shared: compare the ratios, not the seconds. Needs root (the
 cgroup); the cgroup is removed afterwards.
@@ -28,17 +33,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from evalsuite.backends.memory import exl3_decoded_bytes
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.digest import DigestCache
 from evalsuite.fixtures import build_fixtures
-from evalsuite.fixtures.names import SCALED_BF16, SCALED_W4A8
+from evalsuite.fixtures.names import SCALED_BF16, SCALED_EXL3, SCALED_W4A8
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 LIMIT_FRACTION = 0.25
 # What `evalsuite run` has imported when it loads its first model, streamed or not.
 IMPORTS = (
     "import psutil, evalsuite.cli, evalsuite.runner, evalsuite.registry, evalsuite.backends.hf, "
-    "evalsuite.backends.streamed, evalsuite.backends.intref, transformers.models.minicpmv4_7, "
+    "evalsuite.backends.streamed, evalsuite.backends.intref, evalsuite.backends.exl3, "
+    "transformers.models.minicpmv4_7, "
     "compressed_tensors.compressors; print(psutil.Process().memory_info().rss)"
 )
 
@@ -73,18 +80,31 @@ def main() -> int:
     parser.add_argument(
         "--fixtures", type=Path, default=Path.home() / ".cache" / "evalsuite" / "bench-fixtures"
     )
+    parser.add_argument("--exl3", action="store_true", help="the EXL3 copy as the candidate")
+    parser.add_argument("--ref", type=Path, help="another reference (with --ckpt): a quick check")
+    parser.add_argument("--ckpt", type=Path, help="another candidate (with --ref)")
+    parser.add_argument("--streamed-only", action="store_true", help="skip step 3 (the loaded run)")
     options = parser.parse_args()
 
-    built = build_fixtures(options.fixtures, [SCALED_BF16, SCALED_W4A8], progress=print)
-    ref, ckpt = built[SCALED_BF16], built[SCALED_W4A8]
+    if options.ref is not None and options.ckpt is not None:
+        ref, ckpt = options.ref, options.ckpt
+    else:
+        candidate = SCALED_EXL3 if options.exl3 else SCALED_W4A8
+        built = build_fixtures(options.fixtures, [SCALED_BF16, candidate], progress=print)
+        ref, ckpt = built[SCALED_BF16], built[candidate]
     model_bytes = Checkpoint.open(ref).total_bytes
+    what = "model (BF16)"
+    if Checkpoint.open(ckpt).format == "exl3":
+        # What a loaded EXL3 side holds: its Linears decoded to BF16 (the files are a quarter of that).
+        model_bytes = exl3_decoded_bytes(Checkpoint.open(ckpt), 2)
+        what = f"EXL3 candidate decoded to BF16 (files {Checkpoint.open(ckpt).total_bytes / 1e9:.2f} GB)"
     for folder in (ref, ckpt):  # digests cached, files read once: both runs start alike
         Checkpoint.open(folder).content_sha256(DigestCache.default())
 
     baseline = rss_after_imports()
     limit = baseline + int(LIMIT_FRACTION * model_bytes)
-    print(f"model (BF16) {model_bytes / 1e9:.2f} GB; RSS after imports {baseline / 1e6:.0f} MB")
-    print(f"limit: {limit / 1e6:.0f} MB = RSS after imports + {LIMIT_FRACTION} × model bytes")
+    print(f"{what} {model_bytes / 1e9:.2f} GB; RSS after imports {baseline / 1e6:.0f} MB")
+    print(f"limit: {limit / 1e6:.0f} MB = RSS after imports + {LIMIT_FRACTION} × those bytes")
 
     with tempfile.TemporaryDirectory(prefix="evalsuite-bench-stream-") as tmp:
         base = ["run", "--ref", str(ref), "--ckpt", str(ckpt), "--tasks", "ppl", "--corpus", "python-docs"]
@@ -103,6 +123,16 @@ def main() -> int:
         if code not in (0, 1):
             print(f"FAILED: the streamed run did not finish under the limit (exit {code})")
             return 2
+        print(
+            f"streamed: finished under the limit in {streamed_s:.0f} s "
+            f"(cgroup peak {cgroup_peak / 1e6:.0f} MB, page cache included; {failcnt} times at the limit); "
+            f"peak RSS {streamed_peak / 1e6:.0f} MB; "
+            f"(peak RSS − RSS after imports) / model bytes = {(streamed_peak - baseline) / model_bytes:.3f}"
+            "  (goal <= 0.2)",
+            flush=True,
+        )
+        if options.streamed_only:
+            return 0
         code, loaded_s, loaded_peak = timed_run([*base, "--out", f"{tmp}/loaded"], None)
         if code not in (0, 1):
             print(f"FAILED: the loaded run exited with {code}")
@@ -112,14 +142,6 @@ def main() -> int:
             for name in ("streamed", "loaded")
         ]
     metrics = ("ppl_ref", "ppl_ckpt", "kld_mean", "same_top_p")
-    print(
-        f"streamed: finished under the limit in {streamed_s:.0f} s (cgroup peak {cgroup_peak / 1e6:.0f} MB, "
-        f"page cache included; {failcnt} times at the limit)"
-    )
-    print(
-        f"  peak RSS {streamed_peak / 1e6:.0f} MB; (peak RSS − RSS after imports) / model bytes = "
-        f"{(streamed_peak - baseline) / model_bytes:.3f}  (goal <= 0.2)"
-    )
     print(
         f"loaded: {loaded_s:.0f} s, peak RSS {loaded_peak / 1e6:.0f} MB; "
         f"(peak RSS − RSS after imports) / model bytes = {(loaded_peak - baseline) / model_bytes:.3f}"

@@ -27,6 +27,8 @@ from evalsuite.fixtures import (
     SMOLLM2_W4A8,
     TINY_BF16,
     TINY_EXL3,
+    TINY_MTP_BF16,
+    TINY_MTP_EXL3,
     TINY_W4A8,
     build_fixtures,
 )
@@ -68,6 +70,12 @@ def tiny_exl3_pair() -> dict[str, Path]:
 def smollm2_exl3_pair() -> dict[str, Path]:
     """SmolLM2-135M-Instruct in BF16 and its EXL3 copy (4 bpw, head 6 bpw; read-only)."""
     return build_fixtures(FIXTURES, [SMOLLM2_BF16, SMOLLM2_EXL3])
+
+
+@pytest.fixture(scope="session")
+def tiny_mtp_exl3_pair() -> dict[str, Path]:
+    """The tiny Qwen3.5 MoE causal LM with an MTP layer and its EXL3 copy (FP16 routers, MTP at 4 bpw)."""
+    return build_fixtures(FIXTURES, [TINY_MTP_BF16, TINY_MTP_EXL3])
 
 
 @dataclass

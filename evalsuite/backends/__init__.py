@@ -2,7 +2,7 @@
 
 `hf` runs the checkpoint through Transformers as users run it (bf16, or compressed-tensors as Transformers
 executes it); `intref` is the integer W4A8 reference execution; `exl3` runs an EXL3 pack through exllamav3
-on CUDA, or anywhere as its Transformers model with the EXL3 weights decoded. `hf` and `intref` run streamed,
+on CUDA, or anywhere as its Transformers model with the EXL3 weights decoded. All three run streamed,
 one decoder layer resident at a time, for a model larger than memory (`streamed`; `memory` decides when).
 Backends are loaded by the runner for one side at a time and closed before another loads. Before anything
 loads, `check_load_plan` decides from the files whether a backend can load a checkpoint (a checkpoint
@@ -69,7 +69,9 @@ class HFModelAccess(Protocol):
 
 # The backends whose loaded form is an `HFModelAccess`: known by name, so that a task that needs the raw model
 # on a backend without one is skipped before any model loads.
-MODEL_ACCESS_BACKENDS = frozenset({"hf", "intref"})
+# `exl3` on its decoded path (the only one on a CPU) is a Transformers model; its exllamav3 path is not, and
+# a task that needs the model refuses it once it is loaded (`isinstance(backend, HFModelAccess)`).
+MODEL_ACCESS_BACKENDS = frozenset({"hf", "intref", "exl3"})
 
 
 def exposes_model(backend: str) -> bool:

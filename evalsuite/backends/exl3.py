@@ -43,8 +43,14 @@ from evalsuite.backends.hf import (
     meta_model,
     transformers_config,
 )
-from evalsuite.backends.intref import _fused_experts, _named_tensors, _refuse_mismatch, _tensor_slots
 from evalsuite.backends.options import BackendOptions
+from evalsuite.backends.skeleton import (
+    fused_experts,
+    ignored_on_load,
+    named_tensors,
+    refuse_mismatch,
+    tensor_slots,
+)
 from evalsuite.checkpoint import EXL3_CONFIG_FILE, Checkpoint
 from evalsuite.errors import DependencyError, InputError
 from evalsuite.formats import one_torch_thread
@@ -89,13 +95,14 @@ class DecodedSkeleton:
         self.dtype = DTYPES[options.dtype]
         self.config, _ = transformers_config(checkpoint, options)
         self.model = self._build()
-        self.slots = _tensor_slots(self.model)
+        self.slots = tensor_slots(self.model)
         self.linears = exl3_linears(checkpoint.tensors)
-        self.experts = {name: m for name, m in self.model.named_modules() if _fused_experts(m)}
+        self.experts = {name: m for name, m in self.model.named_modules() if fused_experts(m)}
         self.decoded: dict[str, str | ExpertPiece] = {}  # EXL3 module -> its weight's slot or piece
         self.dense: dict[str, str | ExpertPiece] = {}  # stored tensor -> its slot or piece
         self.problems: list[str] = []
         self.unexpected: list[str] = []
+        self.ignored: list[str] = []
         self._place()
 
     def _build(self) -> nn.Module:
@@ -152,6 +159,15 @@ class DecodedSkeleton:
                 self.dense[name] = piece
             else:
                 self.unexpected.append(name)
+        # What Transformers itself drops on load (an MTP head the model class does not build) is left in the
+        # files, counted, and verified by the tensors task like any tensor; anything else is refused.
+        self.ignored = ignored_on_load(self.model, self.unexpected)
+        self.unexpected = [name for name in self.unexpected if name not in set(self.ignored)]
+        self.decoded = {
+            module: target
+            for module, target in self.decoded.items()
+            if not any(info.name in self.ignored for info in self.linears[module].values())
+        }
 
     def missing(self) -> list[str]:
         """Parameters and persistent buffers of the model that no stored tensor fills (a tied target whose
@@ -174,11 +190,22 @@ class DecodedSkeleton:
         if self.problems:
             more = f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
             raise InputError(f"EXL3 Linear {self.problems[0]}{more}", self.checkpoint.path)
-        _refuse_mismatch(self.checkpoint, self.missing(), sorted(self.unexpected))
+        refuse_mismatch(self.checkpoint, self.missing(), sorted(self.unexpected))
 
     def load(self, device: str) -> nn.Module:
         """Every decoded Linear and every stored tensor into the model, the generation config, the device."""
         self.refuse_problems()
+        self.load_tensors(None)
+        _tie(self.model)
+        leftover = sorted(n for n, t in named_tensors(self.model) if t.is_meta)
+        refuse_mismatch(self.checkpoint, leftover, [])
+        _generation_config(self.model, self.checkpoint)
+        return self.model.to(device) if device != "cpu" else self.model
+
+    def load_tensors(self, names: set[str] | None) -> None:
+        """Decode and place the EXL3 Linears and dense tensors among `names` (every one when None): a fused
+        experts tensor is placed once all of its experts are, so `names` must hold whole units (the whole
+        model, or one decoder layer's tensors when streamed)."""
         plan = getattr(self.model, "_get_dtype_plan", None)
         keep_fp32 = list(plan(self.dtype)) if plan is not None else []
         fused: dict[str, torch.Tensor] = {}
@@ -208,30 +235,44 @@ class DecodedSkeleton:
             else:
                 owner._buffers[leaf] = value
 
+        def wanted(name: str) -> bool:
+            return names is None or name in names
+
         with one_torch_thread():
             for module, target in self.decoded.items():
-                stored = {p: self.checkpoint.read_tensor(i.name) for p, i in self.linears[module].items()}
+                infos = self.linears[module]
+                if not wanted(infos["trellis"].name):
+                    continue
+                stored = {p: self.checkpoint.read_tensor(i.name) for p, i in infos.items()}
                 shape = target.shape if isinstance(target, ExpertPiece) else self.slots[target][2].shape
                 place(target, decode_linear(stored, *shape).to(self.dtype))
-        for name, tensor in self.checkpoint.iter_tensors(self.dense):
+        dense = [name for name in self.dense if wanted(name)]
+        for name, tensor in self.checkpoint.iter_tensors(dense):
             target = self.dense[name]
             place(target, tensor.to(self.dtype) if isinstance(target, ExpertPiece) else tensor)
         for name, value in fused.items():
             owner, _, _ = self.slots[name]
             owner._parameters[name.rpartition(".")[2]] = nn.Parameter(value, requires_grad=False)
-        _tie(self.model)
-        leftover = sorted(n for n, t in _named_tensors(self.model) if t.is_meta)
-        _refuse_mismatch(self.checkpoint, leftover, [])
-        _generation_config(self.model, self.checkpoint)
-        return self.model.to(device) if device != "cpu" else self.model
+
+    def decoded_bytes(self) -> int:
+        """What the model's weights occupy decoded into the run's dtype (float32 where its dtype plan keeps
+        them): every slot the files fill, the ignored tensors not counted."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return sum(t.numel() * (4 if t.dtype == torch.float32 else size) for _, _, t in self.slots.values())
 
     def summary(self) -> dict[str, Any]:
         """What the decoded path runs: how many EXL3 Linear layers, their codebooks and bits."""
-        bits = sorted({stored_bits(stored["trellis"]) for stored in self.linears.values()} - {None})
+        run = [self.linears[module] for module in self.decoded]  # the ignored ones are not decoded
+        bits = sorted({stored_bits(stored["trellis"]) for stored in run} - {None})
+        ignored = {
+            "ignored_tensors": len(self.ignored),
+            "ignored_bytes": sum(self.checkpoint.tensors[name].nbytes for name in self.ignored),
+        }
         return {
-            "exl3_linears": len(self.linears),
-            "codebooks": sorted({codebook(stored) for stored in self.linears.values()}),
+            "exl3_linears": len(run),
+            "codebooks": sorted({codebook(stored) for stored in run}),
             "bits": bits,
+            "ignored_on_load": ignored,
         }
 
 
@@ -260,6 +301,34 @@ def _generation_config(model: nn.Module, checkpoint: Checkpoint) -> None:
     if (checkpoint.path / "generation_config.json").is_file():
         with contextlib.suppress(Exception):
             model.generation_config = GenerationConfig.from_pretrained(str(checkpoint.path))
+
+
+def eos_token_ids(checkpoint: Checkpoint, tokenizer: Any = None) -> set[int]:
+    """The tokens exllamav3's greedy decoding stops at: config.json's `eos_token_id` (one or a list, at the
+    top or in text_config; `model/config.py:163-175`), the tokenizer's EOS token, and every id of
+    generation_config.json's `eos_token_id` (`tokenizer/tokenizer.py:199-215`)."""
+    import json
+
+    def ids(value: Any) -> set[int]:
+        items = value if isinstance(value, list) else [value]
+        return {int(v) for v in items if isinstance(v, int) and not isinstance(v, bool)}
+
+    found = ids(
+        checkpoint.config.get(
+            "eos_token_id", (checkpoint.config.get("text_config") or {}).get("eos_token_id")
+        )
+    )
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        found |= ids(tokenizer.eos_token_id)
+    path = checkpoint.path / "generation_config.json"
+    if path.is_file():
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise InputError(f"generation_config.json is not valid JSON ({exc})", checkpoint.path) from None
+        if isinstance(document, dict):
+            found |= ids(document.get("eos_token_id"))
+    return found
 
 
 def check_exl3_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
@@ -295,23 +364,35 @@ class DecodedExl3Backend(HFBackend):
 
     def describe(self) -> dict[str, Any]:
         """The decoded path: what was decoded, and the Transformers model that runs it."""
-        summary = self.decoded_summary
-        bits = ", ".join(str(b) for b in summary["bits"])
-        return {
-            "backend": "exl3",
-            "path": "decoded",
-            "execution": (
-                f"EXL3 decoded on the CPU by evalsuite ({summary['exl3_linears']} Linear layers, "
-                f"{'/'.join(summary['codebooks'])}, K {bits}) into Transformers "
-                f"{_version('transformers')} ({type(self.model).__name__}); exllamav3 not run"
-            ),
-            "format": self.checkpoint.format,
-            **summary,
-        }
+        return decoded_execution(self.decoded_summary, self.model, self.checkpoint)
+
+
+def decoded_execution(summary: dict[str, Any], model: nn.Module, checkpoint: Checkpoint) -> dict[str, Any]:
+    """How the decoded path ran (loaded whole or streamed): what was decoded, the model that ran it, and
+    what the model class ignored on load."""
+    bits = ", ".join(str(b) for b in summary["bits"])
+    ignored = summary["ignored_on_load"]
+    left = (
+        f"; {ignored['ignored_tensors']} tensors the model ignores on load not run"
+        if ignored["ignored_tensors"]
+        else ""
+    )
+    return {
+        "backend": "exl3",
+        "path": "decoded",
+        "execution": (
+            f"EXL3 decoded on the CPU by evalsuite ({summary['exl3_linears']} Linear layers, "
+            f"{'/'.join(summary['codebooks'])}, K {bits}) into Transformers "
+            f"{_version('transformers')} ({type(model).__name__}); exllamav3 not run{left}"
+        ),
+        "format": checkpoint.format,
+        **summary,
+    }
 
 
 class Exllamav3Backend:
-    """The pack run by exllamav3 on CUDA: window logits and greedy generation.
+    """The pack run by exllamav3 on CUDA: window logits and greedy generation. Its model is exllamav3's
+    (`exl3_model`), not a Transformers model: it is no `HFModelAccess`, and lm-eval refuses it.
 
     Written from exllamav3 1.6.5's sources (`model/model.py`, `eval/ppl.py`) and not yet run: the
     development machines have no CUDA (see bench/exl3_gpu_check.sh, which compares this path's logits with
@@ -327,16 +408,15 @@ class Exllamav3Backend:
         self.options = options
         self.device = torch.device("cuda:0" if options.device in ("cuda", "auto") else options.device)
         self.config = Config.from_directory(str(checkpoint.path))
-        self.model = Model.from_config(self.config)
+        self.exl3_model = Model.from_config(self.config)
         # Full-window logits: the output buffer must hold a whole window (eval/ppl.py loads the same way).
-        self.model.load(device=self.device, max_output_size=4096, max_output_factor=5)
+        self.exl3_model.load(device=self.device, max_output_size=4096, max_output_factor=5)
         self.vocab_size = int(self.config.vocab_size)
         self.tokenizer = checkpoint.load_tokenizer(trust_remote_code=options.trust_remote_code)
-        eos = (self.checkpoint.config.get("text_config") or self.checkpoint.config).get("eos_token_id")
-        self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.eos = eos_token_ids(checkpoint, self.tokenizer)
 
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model.forward(ids.reshape(1, -1), {"attn_mode": "flash_attn_nc"})
+        out = self.exl3_model.forward(ids.reshape(1, -1), {"attn_mode": "flash_attn_nc"})
         return out[0, :, : self.vocab_size]
 
     @torch.inference_mode()
@@ -385,8 +465,8 @@ class Exllamav3Backend:
         }
 
     def close(self) -> None:
-        self.model.unload()
-        del self.model
+        self.exl3_model.unload()
+        del self.exl3_model
         torch.cuda.empty_cache()
 
 

@@ -40,21 +40,10 @@ from evalsuite.backends.hf import (
 )
 from evalsuite.backends.intref_plan import ActivationConvention, QuantizedModule, integer_modules
 from evalsuite.backends.options import BackendOptions
+from evalsuite.backends.skeleton import fused_experts, named_tensors, refuse_mismatch, tensor_slots
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
 from evalsuite.formats.compressed_tensors import SchemeLookup
-
-
-def _fused_experts(module: nn.Module) -> bool:
-    """Transformers' fused routed experts: 3-D `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I)."""
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    return (
-        isinstance(gate_up, torch.Tensor)
-        and isinstance(down, torch.Tensor)
-        and gate_up.dim() == 3
-        and down.dim() == 3
-        and hasattr(module, "act_fn")
-    )
 
 
 class IntegerSkeleton:
@@ -78,7 +67,7 @@ class IntegerSkeleton:
     def expected_tensors(self) -> tuple[list[str], list[str]]:
         """(missing, unexpected): tensors the model needs that the files lack, and the reverse, by name, from
         the safetensors headers; a tied target the files do not store is filled from its source."""
-        slots = _tensor_slots(self.model)
+        slots = tensor_slots(self.model)
         stored = {
             name
             for name in self.checkpoint.tensors
@@ -97,7 +86,7 @@ class IntegerSkeleton:
         replacements: dict[str, nn.Module] = {}
         lookup = SchemeLookup(self.checkpoint.quantization_config or {}, self.checkpoint.path / "config.json")
         for name, module in model.named_modules():
-            if _fused_experts(module):
+            if fused_experts(module):
                 first = f"{name}.0.gate_proj"
                 if first not in plan:
                     raise InputError(
@@ -171,8 +160,8 @@ class IntegerSkeleton:
         """Every tensor of the files into the model, by name; missing or unexpected tensors are refused."""
         self.load_named(model, plan, dtype)
         self.tie(model)
-        missing = sorted(n for n, t in _named_tensors(model) if t.is_meta)
-        _refuse_mismatch(self.checkpoint, missing, [])
+        missing = sorted(n for n, t in named_tensors(model) if t.is_meta)
+        refuse_mismatch(self.checkpoint, missing, [])
 
     def load_named(
         self,
@@ -184,7 +173,7 @@ class IntegerSkeleton:
         """The tensors `names` of the files (default: all) into the model, by name, on the CPU; a tensor the
         model has no place for is refused. Streamed execution loads one decoder layer's names at a time."""
         keep_fp32 = list(model._get_dtype_plan(dtype)) if hasattr(model, "_get_dtype_plan") else []
-        slots = _tensor_slots(model)
+        slots = tensor_slots(model)
         unexpected: list[str] = []
         for name, tensor in self.checkpoint.iter_tensors(names):
             module_name, _, leaf = name.rpartition(".")
@@ -216,7 +205,7 @@ class IntegerSkeleton:
                 owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
             else:
                 owner._buffers[leaf] = value
-        _refuse_mismatch(self.checkpoint, [], unexpected)
+        refuse_mismatch(self.checkpoint, [], unexpected)
 
     @staticmethod
     def tie(model: nn.Module) -> None:
@@ -242,20 +231,7 @@ def check_intref_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> N
     """Refuse, from the files alone, a checkpoint whose tensors do not match the integer model (missing
     tensors would be left on the meta device, unexpected ones would be ignored)."""
     missing, unexpected = IntegerSkeleton(checkpoint, options).expected_tensors()
-    _refuse_mismatch(checkpoint, missing, unexpected)
-
-
-def _refuse_mismatch(checkpoint: Checkpoint, missing: list[str], unexpected: list[str]) -> None:
-    problems = []
-    for what, names in (("missing from the files", missing), ("not in the model", unexpected)):
-        if names:
-            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            problems.append(f"{len(names)} tensors {what} ({shown})")
-    if problems:
-        raise InputError(
-            "the files do not match the model Transformers builds from the config: " + "; ".join(problems),
-            checkpoint.path,
-        )
+    refuse_mismatch(checkpoint, missing, unexpected)
 
 
 class IntrefBackend(HFBackend):
@@ -328,28 +304,3 @@ def _integer_modules(model: nn.Module) -> tuple[dict[str, IntLinear], dict[str, 
         name: m for name, m in model.named_modules() if isinstance(m, IntLinear) and id(m) not in inside
     }
     return linears, experts
-
-
-def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    params = list(model.named_parameters(remove_duplicate=False))
-    persistent = [
-        (f"{m}.{b}" if m else b, t)
-        for m, module in model.named_modules()
-        for b, t in module._buffers.items()
-        if t is not None and b not in module._non_persistent_buffers_set
-    ]
-    return params + persistent
-
-
-def _tensor_slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
-    """Every parameter and persistent buffer by its state-dict name: (owning module, kind, current tensor)."""
-    slots: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{module_name}." if module_name else ""
-        for leaf, param in module._parameters.items():
-            if param is not None:
-                slots[prefix + leaf] = (module, "parameter", param)
-        for leaf, buf in module._buffers.items():
-            if buf is not None and leaf not in module._non_persistent_buffers_set:
-                slots[prefix + leaf] = (module, "buffer", buf)
-    return slots

@@ -7,7 +7,9 @@ made from the safetensors headers alone, before anything loads:
 
 - backend `hf` holds every weight in the compute dtype: Transformers decompresses compressed-tensors weights
   (an INT4 `weight_packed` word is eight weights), so a W4A8 pack needs as much as its BF16 source;
-- backend `intref` keeps the packed weights packed: it needs about the files' bytes.
+- backend `intref` keeps the packed weights packed: it needs about the files' bytes;
+- backend `exl3` (decoded path) holds every EXL3 Linear decoded in the compute dtype: a 4 bpw trellis needs
+  four times its stored bytes (`exl3_decoded_bytes`).
 
 A GGUF checkpoint is never streamed (Transformers dequantizes it by reading the whole file), nor is a side on
 `--device auto`, whose placement accelerate decides over several devices.
@@ -73,6 +75,8 @@ def loaded_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
     if options.backend == "intref":
         return checkpoint.total_bytes
     per_weight = _DTYPE_BYTES[options.dtype]
+    if options.backend == "exl3" or checkpoint.format == "exl3":
+        return exl3_decoded_bytes(checkpoint, per_weight)
     total = 0
     for name, info in checkpoint.tensors.items():
         if name.endswith(".weight_shape"):
@@ -123,3 +127,31 @@ def streamed_if_needed(
         f"({format_bytes(available)})"
     )
     return dataclasses.replace(options, stream=True), reason
+
+
+def exl3_decoded_bytes(checkpoint: Checkpoint, per_weight: int) -> int:
+    """An EXL3 pack's weights decoded into the compute dtype, from the headers alone: each trellis as its
+    Linear's padded weight (in/16 · out/16 tiles of 256 weights: an upper bound by the padding, at most 128
+    features each way), every other floating-point tensor at `per_weight` bytes, sign vectors and codebook
+    markers not at all (the decode consumes them), and nothing for the tensors the model class ignores on
+    load (an MTP head), which a loaded model never holds."""
+    import re
+
+    from evalsuite.backends.skeleton import ignored_on_load_patterns
+    from evalsuite.formats.exl3 import PARAMS, exl3_linears
+
+    patterns = [re.compile(p) for p in ignored_on_load_patterns(checkpoint.config)]
+    linears = exl3_linears(checkpoint.tensors)
+    total = 0
+    for name, info in checkpoint.tensors.items():
+        if any(p.search(name) for p in patterns):
+            continue
+        module, _, param = name.rpartition(".")
+        if module in linears and param in PARAMS:
+            if param == "trellis" and len(info.shape) == 3:
+                total += info.shape[0] * info.shape[1] * 256 * per_weight
+        elif info.dtype in FLOAT_DTYPES:
+            total += info.numel * per_weight
+        else:
+            total += info.nbytes
+    return total

@@ -35,6 +35,9 @@ Transformers' loading internals used here (`convert_and_load_state_dict_in_model
 `get_model_conversion_mapping`, `rename_source_key`, `_get_dtype_plan`, `initialize_weights`) are those of the
 5.x series the project pins.
 
+Backend `exl3`: the pack's Transformers model from `DecodedSkeleton`, each unit's EXL3 Linears decoded on the
+CPU when it is materialised, as a whole load decodes them (`DecodedExl3Layers`).
+
 Generation does not apply: decoding one token at a time would read every layer from the files per token.
 """
 
@@ -255,9 +258,9 @@ class IntegerLayers:
                 if layer is not None:
                     by_layer[what].setdefault(layer, []).append(name)
         _refuse_missing_in_layers(checkpoint, self.prefix, by_layer["missing"], by_layer["unexpected"])
-        from evalsuite.backends.intref import _refuse_mismatch
+        from evalsuite.backends.skeleton import refuse_mismatch
 
-        _refuse_mismatch(checkpoint, missing, unexpected)
+        refuse_mismatch(checkpoint, missing, unexpected)
         self.units: dict[int | None, list[str]] = {}
         for name in checkpoint.tensors:
             if not (
@@ -286,6 +289,55 @@ class IntegerLayers:
     def free_layer(self, index: int) -> None:
         # The same modules stay (their integer-path counters with them); the tensors read from the files go
         # back to meta, computed buffers (rotary frequencies) stay.
+        _release_tensors(self.layers[index], keep_computed=True)
+
+
+class DecodedExl3Layers:
+    """Backend `exl3`, streamed: the pack's Transformers model on the meta device (`DecodedSkeleton`), each
+    unit's EXL3 Linears decoded and its other tensors loaded by name when it is materialised; the tensors
+    the model class ignores on load (an MTP head) are left in the files, as in a whole load."""
+
+    def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
+        from evalsuite.backends.exl3 import DecodedSkeleton
+
+        self.checkpoint = checkpoint
+        self.device = torch.device(options.device)
+        self.skeleton = DecodedSkeleton(checkpoint, options)
+        self.model = self.skeleton.model
+        self.layers, self.prefix = decoder_layers(self.model, checkpoint)
+        by_layer: dict[str, dict[int, list[str]]] = {"missing": {}, "unexpected": {}}
+        for what, names in (("missing", self.skeleton.missing()), ("unexpected", self.skeleton.unexpected)):
+            for name in names:
+                layer = _layer_of(name, self.prefix)
+                if layer is not None:
+                    by_layer[what].setdefault(layer, []).append(name)
+        _refuse_missing_in_layers(checkpoint, self.prefix, by_layer["missing"], by_layer["unexpected"])
+        self.skeleton.refuse_problems()
+        ignored = set(self.skeleton.ignored)
+        self.units: dict[int | None, set[str]] = {}
+        for name in checkpoint.tensors:
+            if name not in ignored:
+                self.units.setdefault(_layer_of(name, self.prefix), set()).add(name)
+
+    def load_rest(self) -> None:
+        from evalsuite.backends.exl3 import _generation_config, _tie
+
+        self.skeleton.load_tensors(self.units.get(REST, set()))
+        _tie(self.model)
+        _generation_config(self.model, self.checkpoint)
+        if self.device.type != "cpu":
+            inside = {id(m) for m in self.layers.modules()}
+            for module in self.model.modules():
+                if id(module) not in inside:
+                    _move_own_tensors(module, self.device)
+
+    def load_layer(self, index: int) -> None:
+        self.skeleton.load_tensors(self.units.get(index, set()))
+        if self.device.type != "cpu":
+            self.layers[index].to(self.device)
+
+    def free_layer(self, index: int) -> None:
+        # Decoded weights go back to meta; computed buffers (rotary frequencies) stay.
         _release_tensors(self.layers[index], keep_computed=True)
 
 
@@ -363,7 +415,7 @@ class _Replay(_StandIn):
 
 
 class StreamedBackend:
-    """A side executed one decoder layer at a time (module docstring), by backend `hf` or `intref`.
+    """A side executed one decoder layer at a time (module docstring), by backend `hf`, `intref` or `exl3`.
 
     Besides the `Backend` primitives that teacher-forced tasks use (`window_logits`), it exposes the steps,
     for tasks that look inside the model (`layers`, `attribution`): `capture` a window, hold a layer
@@ -373,8 +425,7 @@ class StreamedBackend:
     def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
         self.checkpoint = checkpoint
         self.options = options
-        loader_cls = IntegerLayers if options.backend == "intref" else TransformersLayers
-        self.loader: TransformersLayers | IntegerLayers = loader_cls(checkpoint, options)
+        self.loader = _layer_loader(checkpoint, options)
         self.model = self.loader.model
         self.model.eval()
         self.layers, self.prefix = self.loader.layers, self.loader.prefix
@@ -410,6 +461,10 @@ class StreamedBackend:
             from evalsuite.backends.intref import integer_execution
 
             doc = integer_execution(self.model, self.loader.skeleton.activations, self.checkpoint)
+        elif self.options.backend == "exl3":
+            from evalsuite.backends.exl3 import decoded_execution
+
+            doc = decoded_execution(self.loader.skeleton.summary(), self.model, self.checkpoint)
         else:
             doc = {
                 "backend": "hf",
@@ -533,9 +588,19 @@ class StreamedPair:
 def check_streamed_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
     """Refuse, from the files and the skeleton alone, a side that cannot be streamed: a model whose decoder
     layers cannot be found, a layer whose tensors the files lack, anything a whole load would refuse."""
-    loader = (
-        IntegerLayers(checkpoint, options)
-        if options.backend == "intref"
-        else TransformersLayers(checkpoint, options)
-    )
-    del loader
+    if options.backend == "exl3":
+        from evalsuite.backends.exl3 import check_exl3_load_plan
+
+        check_exl3_load_plan(checkpoint, options)  # the pack's own claims, as for a whole load
+    _layer_loader(checkpoint, options)
+
+
+def _layer_loader(
+    checkpoint: Checkpoint, options: BackendOptions
+) -> TransformersLayers | IntegerLayers | DecodedExl3Layers:
+    """The loader of the side's backend: `hf`, `intref` or `exl3` (always its decoded path when streamed)."""
+    if options.backend == "intref":
+        return IntegerLayers(checkpoint, options)
+    if options.backend == "exl3":
+        return DecodedExl3Layers(checkpoint, options)
+    return TransformersLayers(checkpoint, options)

@@ -27,15 +27,21 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from evalsuite.checkpoint import EXL3_CONFIG_FILE, Checkpoint, TensorInfo
-from evalsuite.formats.exl3_decode import HADAMARD_SIZE, HALF_BITRATES, decode_weight
+from evalsuite.formats.exl3_decode import (
+    BLOCK_ELEMENTS,
+    CODEBOOK_MULTIPLIERS,
+    HADAMARD_SIZE,
+    bits_of_width,
+    decode_weight,
+    padded,
+    rotated_tile_errors,
+)
 
 if TYPE_CHECKING:
     import torch
 
 PARAMS = frozenset({"trellis", "suh", "svh", "su", "sv", "mcg", "mul1"})
 MARKS = frozenset({"trellis"})
-# exllamav3's locked codebook multipliers (exl3_lib/quantize.py), stored as int32 scalars.
-CODEBOOK_MULTIPLIERS = {"mcg": 0xCBAC1FED, "mul1": 0x83DCD12D}
 # The dtype strings exllamav3 writes into tensor_storage (str(torch dtype)) for safetensors dtypes.
 TORCH_DTYPE_NAMES = {
     "BF16": "torch.bfloat16",
@@ -52,13 +58,12 @@ PART_CLAIMS = {"head": "head_bits", "vision": "vision_bits", "mtp": "mtp_bits"}
 # What a quantized Linear may store beside its trellis (the bias is kept, padded, in float16).
 LINEAR_PARAMS = PARAMS | {"bias"}
 # Elements of a block of decoded output channels: 4 MB of float32, at least one 128-channel block.
-_BLOCK_ELEMENTS = 1 << 20
+_BLOCK_ELEMENTS = BLOCK_ELEMENTS
 
 
-def bits_per_weight(trellis_shape: tuple[int, ...]) -> float | int:
-    """K = shape[-1] / 16 bits per weight, an int when whole (as exllamav3 writes it)."""
-    bpw = trellis_shape[-1] / 16
-    return int(bpw) if bpw.is_integer() else bpw
+def bits_per_weight(trellis_shape: tuple[int, ...]) -> float | int | None:
+    """K of a trellis shape (`exl3_decode.bits_of_width` of its last dimension), None for no EXL3 width."""
+    return bits_of_width(trellis_shape[-1])
 
 
 class Exl3:
@@ -92,11 +97,6 @@ class Exl3:
                 self.config = {k: v for k, v in document.items() if k != "tensor_storage"}
 
 
-def padded(features: int) -> int:
-    """A feature count padded to a multiple of 128, as exllamav3 pads every Linear before quantizing it."""
-    return -(-features // HADAMARD_SIZE) * HADAMARD_SIZE
-
-
 def exl3_linears(tensors: Mapping[str, TensorInfo]) -> dict[str, dict[str, TensorInfo]]:
     """Every module that stores a trellis, with what it stores beside it: parameter name → tensor.
 
@@ -116,12 +116,7 @@ def stored_bits(trellis: TensorInfo) -> float | int | None:
     """K of a trellis from its header, or None when its shape is no EXL3 bitrate."""
     if trellis.dtype != "I16" or len(trellis.shape) != 3:
         return None
-    words = trellis.shape[-1]
-    if words % 16 == 0 and 1 <= words // 16 <= 8:
-        return words // 16
-    if words % 16 == 8 and words / 16 in HALF_BITRATES:
-        return words / 16
-    return None
+    return bits_of_width(trellis.shape[-1])
 
 
 def linear_problems(
@@ -223,6 +218,18 @@ def decoded_blocks(
         signs = svh[first // 16 : end // 16] if packed else svh[first:end]
         block = trellis[:, first // 16 : end // 16]
         yield first, decode_weight(block, suh, signs, name, in_features, count)
+
+
+def block_tile_errors(
+    stored: Mapping[str, torch.Tensor], first: int, error: torch.Tensor, in_features: int
+) -> torch.Tensor:
+    """Per-tile mean squared error in the rotated basis (`exl3_decode.rotated_tile_errors`) of the error of
+    one block of `decoded_blocks` starting at output channel `first`: (out tiles of the block, in tiles)."""
+    suh = stored["suh"] if "suh" in stored else stored["su"]
+    svh, packed = (stored["svh"], False) if "svh" in stored else (stored["sv"], True)
+    end = first + padded(error.shape[0])
+    signs = svh[first // 16 : end // 16] if packed else svh[first:end]
+    return rotated_tile_errors(error, suh, signs, in_features)
 
 
 def storage_problems(storage: Mapping[str, Any], tensors: Mapping[str, TensorInfo]) -> list[tuple[str, str]]:

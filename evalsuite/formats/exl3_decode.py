@@ -58,18 +58,40 @@ import torch
 
 from evalsuite.errors import InputError
 
+# The one home of EXL3's constants and bitrate rule: `formats.exl3`, the verification, the backend and the
+# fixtures' encoder import them from here.
 CODEBOOKS = ("3inst", "mcg", "mul1")
 MCG_MULTIPLIER = 0xCBAC1FED
 MUL1_MULTIPLIER = 0x83DCD12D
+# exllamav3's locked codebook multipliers (exl3_lib/quantize.py), stored as int32 scalars whose presence
+# selects the codebook.
+CODEBOOK_MULTIPLIERS = {"mcg": MCG_MULTIPLIER, "mul1": MUL1_MULTIPLIER}
 HADAMARD_SIZE = 128
 TILE = 16
 HALF_BITRATES = (1.5, 2.5, 3.5)
 # Tiles decoded per step: bounds the int32 temporaries to a few tens of MB.
 _CHUNK_TILES = 16384
-# Elements of a block of decode_weight's rows (at least one 128-row Hadamard block): 4 MB of float32.
-_BLOCK_ELEMENTS = 1 << 20
+# Elements of a block of decoded rows (at least one 128-row Hadamard block): 4 MB of float32.
+BLOCK_ELEMENTS = 1 << 20
 
 Bits = int | float
+
+
+def padded(features: int) -> int:
+    """A feature count padded to a multiple of 128, as exllamav3 pads a quantized Linear before quantizing
+    it (`modules/linear.py`, `Linear.__init__`, `pad_to = 128`)."""
+    return -(-features // HADAMARD_SIZE) * HADAMARD_SIZE
+
+
+def bits_of_width(words: int) -> Bits | None:
+    """K of a trellis whose tiles are `words` int16 words wide: words / 16 for K in 1..8 (an int), 1.5, 2.5
+    or 3.5 for 24, 40 or 56 words (mul1 only); None for any other width. The only bitrate reader: what
+    `conversion/quant_config.py` writes as `bits_per_weight` (shape[-1] / 16, an int when whole)."""
+    if words % 16 == 0 and 1 <= words // 16 <= 8:
+        return words // 16
+    if words % 16 == 8 and words / 16 in HALF_BITRATES:
+        return words / 16
+    return None
 
 
 def _fp16_from_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -129,11 +151,10 @@ def trellis_bits(trellis: torch.Tensor) -> Bits:
             f"trellis is {str(trellis.dtype).removeprefix('torch.')} {list(trellis.shape)}, "
             "not a 3-D int16 tensor (in/16, out/16, 16·K)"
         )
+    bits = bits_of_width(trellis.shape[-1])
+    if bits is not None:
+        return bits
     words = trellis.shape[-1]
-    if words % 16 == 0 and 1 <= words // 16 <= 8:
-        return words // 16
-    if words % 16 == 8 and words / 16 in HALF_BITRATES:
-        return words / 16
     raise InputError(
         f"trellis width {words} words is no EXL3 bitrate: expected 16·K words for K in 1..8 "
         "(or 24, 40, 56 for the half-integer K 1.5, 2.5, 3.5)"
@@ -263,10 +284,6 @@ def _float_table(name: str) -> torch.Tensor:
     return _table(name).to(torch.float32)
 
 
-def _padded(features: int) -> int:
-    return -(-features // HADAMARD_SIZE) * HADAMARD_SIZE
-
-
 def _sign_scales(vector: torch.Tensor, name: str, packed_name: str, length: int, side: str) -> torch.Tensor:
     """float32 (length,) from an fp16 sign-and-scale vector or an int16 sign bitfield."""
     if vector.dim() != 1 or vector.dtype not in (torch.float16, torch.int16):
@@ -317,7 +334,7 @@ def decode_weight(
     result plus two buffers of about 4 MB.
     """
     trellis_bits(trellis)  # a trellis of no EXL3 shape is named before the feature counts are compared
-    in_padded, out_padded = _padded(in_features), _padded(out_features)
+    in_padded, out_padded = padded(in_features), padded(out_features)
     want = (in_padded // TILE, out_padded // TILE)
     if in_features < 1 or out_features < 1 or tuple(trellis.shape[:2]) != want:
         raise InputError(
@@ -331,7 +348,7 @@ def decode_weight(
     h = _hadamard()
     # W^T = diag(svh) · H · W_hat^T · H · diag(suh), built in blocks of whole 128-row Hadamard blocks of
     # output features, so that the work buffers stay small and only the result is weight-sized.
-    rows = HADAMARD_SIZE * max(1, _BLOCK_ELEMENTS // (HADAMARD_SIZE * in_padded))
+    rows = HADAMARD_SIZE * max(1, BLOCK_ELEMENTS // (HADAMARD_SIZE * in_padded))
     block = torch.empty((rows, in_padded), dtype=torch.float32)
     rotated = torch.empty_like(block)
     result = torch.empty((out_features, in_features), dtype=torch.float32)
@@ -354,3 +371,39 @@ def decode_weight(
         if kept > 0:
             result[first : first + kept] = decoded[:kept, :in_features]
     return result
+
+
+def rotated_tile_errors(
+    error: torch.Tensor, suh_or_su: torch.Tensor, svh_or_sv: torch.Tensor, in_features: int
+) -> torch.Tensor:
+    """The mean squared error of every 16×16 tile of W_hat (exllamav3's rotated basis), from an error of the
+    dense weight: `error` float32 (rows, in_features), HF orientation, the rows a block of output features
+    whose sign vector is `svh_or_sv` (padded to a multiple of 128 rows); `suh_or_su` for all input features.
+
+    The inverse of `decode_weight`'s rotation: E_hat = H · diag(1/suh) · E · diag(1/svh) · H / 128, with
+    1/s taken as 0 where a sign-and-scale is 0 (a feature the decode always zeroes, so its error is no
+    tile's). A corrupted tile of the trellis changes only its own 256 values of W_hat, while in the dense
+    weight it spreads over a whole 128×128 block; quantization noise is about equal across tiles there, by
+    the rotation's design. Returns float32 (out_tiles, in_tiles) in the transposed (output-first) layout,
+    NaN for a tile all of whose rows or columns are zeroed.
+    """
+    rows = svh_or_sv.numel() * (16 if svh_or_sv.dtype == torch.int16 else 1)
+    in_p = padded(in_features)
+    su = _sign_scales(suh_or_su, "suh", "su", in_p, "input feature")
+    sv = _sign_scales(svh_or_sv, "svh", "sv", rows, "output feature")
+    if rows % HADAMARD_SIZE or error.shape[0] > rows or error.shape[1] != in_features:
+        raise InputError(f"an error block of {list(error.shape)} does not fit {rows} padded output features")
+    inv_su = torch.where(su != 0, 1.0 / su, torch.zeros_like(su))
+    inv_sv = torch.where(sv != 0, 1.0 / sv, torch.zeros_like(sv))
+    scaled = torch.zeros((rows, in_p), dtype=torch.float32)
+    scaled[: error.shape[0], :in_features] = error
+    scaled *= inv_su
+    scaled *= inv_sv[:, None]
+    h = _hadamard()
+    turned = (scaled.view(-1, HADAMARD_SIZE) @ h).view(rows, in_p)
+    rotated = torch.matmul(h, turned.view(-1, HADAMARD_SIZE, in_p)).view(rows, in_p) * (1.0 / HADAMARD_SIZE)
+    mse = rotated.square().view(rows // TILE, TILE, in_p // TILE, TILE).mean(dim=(1, 3))
+    live_rows = (inv_sv != 0).view(-1, TILE).any(dim=1)
+    live_cols = (inv_su != 0).view(-1, TILE).any(dim=1)
+    mse[~(live_rows[:, None] & live_cols[None, :])] = float("nan")
+    return mse

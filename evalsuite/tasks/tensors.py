@@ -9,12 +9,15 @@ config), and a manifest the candidate ships (`SHA256SUMS`, `UPLOAD_MANIFEST.json
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from evalsuite import plots
+from evalsuite.backends.skeleton import ignored_on_load_patterns
+from evalsuite.checkpoint import Checkpoint
 from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
 from evalsuite.manifest import ManifestCheck, find_manifests, read_manifest, verify_manifest
@@ -83,6 +86,10 @@ class Tensors:
         "worst_rel_err",
         "worst_channel_rel_err",
         "bpw_claim_error",
+        "tile_outliers",
+        "worst_tile_ratio",
+        "ignored_on_load_tensors",
+        "ignored_on_load_bytes",
         "assets_compared",
         "assets_missing",
         "assets_changed",
@@ -111,6 +118,12 @@ class Tensors:
         "worst_rel_err": "relative Frobenius error of the worst decoded tensor against its source",
         "worst_channel_rel_err": "the same for the worst single output channel (above 1: further than zeros)",
         "payload_bytes": "bytes of every tensor the candidate stores",
+        "tile_outliers": "EXL3 16×16 tiles whose error in the rotated basis is an outlier against the median "
+        "tile of their own tensor (a damaged trellis tile)",
+        "worst_tile_ratio": "the largest tile error over its tensor's median tile error (EXL3)",
+        "ignored_on_load_tensors": "candidate tensors its Transformers model class drops on load (an MTP "
+        "head: `_keys_to_ignore_on_load_unexpected`), verified like the others",
+        "ignored_on_load_bytes": "their bytes",
     }
 
     def __init__(self, spec: TensorsSpec, context: RunContext) -> None:
@@ -146,6 +159,7 @@ class Tensors:
         rules = self.spec.modules
         found = verify_tensors(ref.checkpoint, ckpt.checkpoint, rules)
         values = found.summary()
+        values.update(ignored_on_load_summary(ckpt.checkpoint))
         assets = compare_assets(ref.checkpoint.path, ckpt.checkpoint.path, self.spec.assets)
         values.update(assets.summary())
         digests = self.context.digests or DigestCache.default()
@@ -219,6 +233,17 @@ class Tensors:
             folder / "tensors_rel_err.png",
         )
         return {"tensors": f"{folder.name}/tensors.json", "rel_err_map": f"{folder.name}/tensors_rel_err.png"}
+
+
+def ignored_on_load_summary(candidate: Checkpoint) -> dict[str, int]:
+    """The candidate's tensors that its model class drops on load (an MTP head): how many and their bytes.
+    They are verified like every tensor; a loaded model runs without them."""
+    patterns = [re.compile(p) for p in ignored_on_load_patterns(candidate.config)]
+    names = [n for n in candidate.tensors if any(p.search(n) for p in patterns)]
+    return {
+        "ignored_on_load_tensors": len(names),
+        "ignored_on_load_bytes": sum(candidate.tensors[n].nbytes for n in names),
+    }
 
 
 def manifest_summary(checks: list[ManifestCheck]) -> dict[str, Any]:

@@ -160,11 +160,18 @@ def test_spec_refuses_an_empty_task_list_and_a_zero_limit():
         LmEvalSpec.model_validate({"tasks": ["toy"], "num_fewshot": -1})
 
 
-def test_a_backend_without_the_transformers_model_makes_the_task_skipped(tiny_pair):
+def test_a_backend_without_the_transformers_model_makes_the_task_skipped(tiny_pair, monkeypatch):
+    import types
+
+    from evalsuite import backends
+
     ckpt = Checkpoint.open(tiny_pair["tiny-minicpmv47-bf16"])
     ref = Side("ref", BackendOptions(), checkpoint=ckpt)
     other = Side("ckpt", BackendOptions(backend="exl3"), checkpoint=ckpt)
-    assert exposes_model("hf") and exposes_model("intref") and not exposes_model("exl3")
+    # exl3's decoded path is a Transformers model; its exllamav3 path keeps exllamav3's model apart.
+    assert exposes_model("hf") and exposes_model("intref") and exposes_model("exl3")
+    assert not isinstance(types.SimpleNamespace(exl3_model=object(), tokenizer=object()), HFModelAccess)
+    monkeypatch.setattr(backends, "MODEL_ACCESS_BACKENDS", frozenset({"hf", "intref"}))
     with pytest.raises(TaskSkipped, match="backend 'exl3'"):
         lmeval_task().prepare(ref, other)
     assert not isinstance(object(), HFModelAccess)

@@ -14,6 +14,7 @@ from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.formats import QuantizedFormat, ShardReader, one_torch_thread
 from evalsuite.formats.compressed_tensors import CompressedTensors
 from evalsuite.formats.exl3 import Exl3
+from evalsuite.formats.exl3_decode import padded
 from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTensorsVerifier
 from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
 from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection
@@ -150,8 +151,12 @@ class Verification:
         worst = max(measured, key=lambda r: r.rel_err, default=None)
         worst_channel = max(measured, key=lambda r: r.worst_channel_rel_err, default=None)
         backbone = [r for r in quantized if r.part == "text" and r.bits_per_weight is not None]
-        backbone_numel = sum(r.numel for r in backbone)
-        avg_bits = sum(r.numel * r.bits_per_weight for r in backbone) / backbone_numel if backbone else None
+        backbone_numel = sum(_claimed_numel(r) for r in backbone)
+        avg_bits = (
+            sum(_claimed_numel(r) * r.bits_per_weight for r in backbone) / backbone_numel
+            if backbone
+            else None
+        )
         values: dict[str, Any] = {
             "source_tensors": len(source),
             "protected_total": len(protected),
@@ -177,11 +182,26 @@ class Verification:
                 else None
             ),
         }
+        tiled = [r for r in quantized if r.worst_tile_ratio is not None]
+        if tiled:
+            worst_tile = max(tiled, key=lambda r: r.worst_tile_ratio)
+            values["tile_outliers"] = sum(r.tile_outliers or 0 for r in tiled)
+            values["worst_tile_ratio"] = worst_tile.worst_tile_ratio
+            values["worst_tile_ratio_tensor"] = f"{worst_tile.name} (tile {worst_tile.worst_tile})"
         if "bits" in self.claims:
             claimed = self.claims["bits"]
             values["claimed_bits"] = claimed
             values["bpw_claim_error"] = abs(avg_bits - claimed) if avg_bits is not None else None
         return values
+
+
+def _claimed_numel(row: TensorRow) -> int:
+    """The weight of a quantized row in the average bits per weight: its elements, or for an EXL3 Linear
+    its padded elements, as exllamav3 weighs the `bits` it claims (`conversion/allocation.py:103-108`,
+    `Linear.weights_numel` over the features padded to 128, `modules/linear.py:655-656`)."""
+    if row.format == "exl3" and len(row.shape) == 2:
+        return padded(row.shape[0]) * padded(row.shape[1])
+    return row.numel
 
 
 def _first_row(pair: Pair, info: TensorInfo, rules: ModuleRules) -> TensorRow:
@@ -216,7 +236,8 @@ def _measure_pair(
         info = dataclasses.replace(info, name=pair.source)
     row = _first_row(pair, info, rules)
     if pair.how == "same":
-        problems = compare_same(info, candidate.tensors[pair.candidate[""]], reader, row)
+        casts = getattr(verifier, "protected_casts", None)
+        problems = compare_same(info, candidate.tensors[pair.candidate[""]], reader, row, casts)
     elif pair.how == "quantized":
         assert verifier is not None  # only a candidate's format pairs a tensor as quantized
         row.tensor_class = "quantized"

@@ -8,7 +8,7 @@ is no second CPU decoder to compare it with, so `decode_exact` stays unmeasured 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from evalsuite.formats import ShardReader, as_float32
 from evalsuite.formats.exl3 import (
     PART_CLAIMS,
     Exl3,
+    block_tile_errors,
     codebook,
     decoded_blocks,
     linear_problems,
@@ -27,10 +28,28 @@ from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem,
 
 # What the decode reads of a Linear (the markers only by their presence).
 _DECODED = ("trellis", "suh", "su", "svh", "sv")
+# A tile is broken when its error in the rotated basis is an outlier against its own tensor's tiles (above
+# TILE_OUTLIER_RATIO × the median tile's error) and as large as a signal (above TILE_SIGNAL_FRACTION × the
+# median tile's source energy: a relative error of 0.5). Quantization noise is about equal across the tiles
+# of a tensor (the rotation spreads every weight over a 128×128 block); a tile whose trellis words were
+# damaged decodes values unrelated to its source, an error of the order of the signal at any K. The ratio
+# alone does not do: at K=6 the CPU encoder's worst clean tiles reach 33× their median (a relative error of
+# 0.2), while at K=2 a half-destroyed tile is only about 13× its median. The clean fixtures' worst tiles and
+# the false-alarm rate are in the README ("EXL3 packs").
+TILE_OUTLIER_RATIO = 8.0
+TILE_SIGNAL_FRACTION = 0.25
 
 
 class Exl3Verifier:
     """How an EXL3 candidate is verified (see `FormatVerifier`)."""
+
+    # exllamav3 stores a Linear it does not quantize (routers, gates, Gated DeltaNet's in_proj_a/b) as FP16
+    # (`modules/linear.py:247`, `loader/safetensors.py:842`, `modules/quant/fp16.py:62-66`): protected, and
+    # value-equal to the source cast to FP16.
+    protected_casts: ClassVar[dict[tuple[str, str], str]] = {
+        ("BF16", "F16"): "stored FP16 as exllamav3 stores a Linear it leaves unquantized: value-equal to the "
+        "source cast to FP16",
+    }
 
     def __init__(self, format: Exl3) -> None:
         self.format = format
@@ -57,19 +76,19 @@ class Exl3Verifier:
         if found:
             row.note = "not decoded: its stored tensors do not form an EXL3 Linear of the source's shape"
             return [Problem("config", source.name, p) for p in found]
-        self._measure_decoded(source, tensors, reader, row)
-        return []
+        return self._measure_decoded(source, tensors, reader, row)
 
     @staticmethod
     def _measure_decoded(
         source: TensorInfo, tensors: dict[str, TensorInfo], reader: ShardReader, row: TensorRow
-    ) -> None:
+    ) -> list[Problem]:
         import torch
 
         stored = {p: torch.from_numpy(reader.tensor(info)) for p, info in tensors.items() if p in _DECODED}
         stored.update({p: info for p, info in tensors.items() if p not in _DECODED})  # markers: presence
         out_features, in_features = source.shape
         errors = ErrorAccumulator()
+        tiles, signal = [], []
         for r0, block in decoded_blocks(stored, out_features, in_features):
             r1 = r0 + block.shape[0]
             shape = (r1 - r0, in_features)
@@ -77,7 +96,11 @@ class Exl3Verifier:
                 reader.rows(source, r0, r1, "source"), source.dtype, reader.scratch("ref", shape, "f4")
             )
             errors.add(r0, ref, block.numpy(), reader.scratch("difference", shape, "f4"))
+            source_rows = torch.from_numpy(ref)
+            tiles.append(block_tile_errors(stored, r0, block - source_rows, in_features))
+            signal.append(block_tile_errors(stored, r0, source_rows, in_features))
         errors.fill(row)
+        return _tile_outliers(torch.cat(tiles), torch.cat(signal), source.name, row)
 
     def check_config(self, rows: list[TensorRow]) -> tuple[list[Problem], dict[str, Any]]:
         """tensor_storage against the tensors and the trellis bitrates; codebook and per-part bit claims."""
@@ -117,3 +140,35 @@ class Exl3Verifier:
             ]
         claims = {k: config[k] for k in ("bits", "head_bits", "codebook") if k in config}
         return problems, claims
+
+
+def _tile_outliers(mse: Any, energy: Any, name: str, row: TensorRow) -> list[Problem]:
+    """The tensor's tiles against its median tile (`TILE_OUTLIER_RATIO`, `TILE_SIGNAL_FRACTION`): a problem
+    naming how many tiles are broken and the worst of them, by its trellis index (input tile, output tile).
+    `mse` / `energy`: per tile (output tiles, input tiles), the error's and the source's mean square in the
+    rotated basis."""
+    import torch
+
+    live = ~torch.isnan(mse)
+    median = float(mse[live].median()) if live.any() else 0.0
+    if median <= 0.0:
+        return []  # nothing decodes with an error: no tile stands out
+    floor = TILE_SIGNAL_FRACTION * float(energy[live].median())
+    ratio = torch.nan_to_num(mse / median, nan=0.0)
+    worst = int(ratio.argmax())
+    out_tile, in_tile = divmod(worst, ratio.shape[1])
+    row.worst_tile = f"trellis[{in_tile}, {out_tile}]: inputs {16 * in_tile}.., outputs {16 * out_tile}.."
+    row.worst_tile_ratio = float(ratio.max())
+    broken = (ratio > TILE_OUTLIER_RATIO) & (torch.nan_to_num(mse, nan=0.0) > floor)
+    row.tile_outliers = int(broken.sum())
+    if row.tile_outliers == 0:
+        return []
+    scores = torch.where(broken, ratio, torch.zeros_like(ratio))
+    out_tile, in_tile = divmod(int(scores.argmax()), ratio.shape[1])
+    detail = (
+        f"{row.tile_outliers} of its {int(live.sum())} 16×16 tiles decode with an error above "
+        f"{TILE_OUTLIER_RATIO:g}× its median tile's and above {TILE_SIGNAL_FRACTION:g}× its median tile's "
+        f"signal (rotated basis); the worst, trellis[{in_tile}, {out_tile}] (inputs {16 * in_tile}.., "
+        f"outputs {16 * out_tile}..), at {float(scores.max()):.1f}× the median"
+    )
+    return [Problem("tile", name, detail)]

@@ -30,7 +30,7 @@ class Problem:
 
 
 # Fields of a TensorRow that are not columns of their own: `to_json` writes what they hold.
-_FORMAT_DETAILS = frozenset({"stored", "codebook"})
+_FORMAT_DETAILS = frozenset({"stored", "codebook", "worst_tile", "worst_tile_ratio", "tile_outliers"})
 
 
 @dataclass
@@ -75,6 +75,11 @@ class TensorRow:
     problems: list[str] = field(default_factory=list)
     stored: StoredQuantization | None = None
     codebook: str | None = None  # EXL3: mcg, mul1, 3inst (no marker) or mixed; None for an unreadable trellis
+    # EXL3: the tile with the largest error in the rotated basis, its error over the median tile's, and how
+    # many tiles exceed the outlier ratio (`_exl3.TILE_OUTLIER_RATIO`).
+    worst_tile: str | None = None
+    worst_tile_ratio: float | None = None
+    tile_outliers: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The row of tensors.json."""
@@ -84,6 +89,11 @@ class TensorRow:
             row.update(group_size=self.stored.group_size, symmetric=self.stored.symmetric)
         if self.format == "exl3":
             row["codebook"] = self.codebook
+            row.update(
+                worst_tile=self.worst_tile,
+                worst_tile_ratio=self.worst_tile_ratio,
+                tile_outliers=self.tile_outliers,
+            )
         return row
 
 

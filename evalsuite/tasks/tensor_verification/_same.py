@@ -5,6 +5,7 @@ the tokenizer's and the processor's."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -29,10 +30,21 @@ def _value_text(raw: np.ndarray, dtype: str) -> str:
 
 
 def compare_same(
-    source: TensorInfo, candidate: TensorInfo, reader: ShardReader, row: TensorRow
+    source: TensorInfo,
+    candidate: TensorInfo,
+    reader: ShardReader,
+    row: TensorRow,
+    protected_casts: Mapping[tuple[str, str], str] | None = None,
 ) -> list[Problem]:
     """A tensor kept under its name: protected when dtype and shape are kept (its bytes must be identical),
-    a cast when only a floating-point dtype changed (measured like a decode, classed as quantized)."""
+    a cast when only a floating-point dtype changed (measured like a decode, classed as quantized).
+
+    `protected_casts` maps (source dtype, candidate dtype) to why the format stores a tensor so: such a cast
+    is protected too, and its values must equal the source's cast to the candidate's dtype (exllamav3 stores
+    the Linears it leaves unquantized as FP16)."""
+    why = (protected_casts or {}).get((source.dtype, candidate.dtype))
+    if why is not None and source.shape == candidate.shape:
+        return _compare_cast(source, candidate, reader, row, why)
     if source.shape != candidate.shape or source.dtype != candidate.dtype:
         if source.shape == candidate.shape and {source.dtype, candidate.dtype} <= DTYPE_BITS.keys():
             bits = DTYPE_BITS[candidate.dtype]
@@ -89,3 +101,41 @@ def _measure_cast(source: TensorInfo, candidate: TensorInfo, reader: ShardReader
         cand = as_float32(cand, candidate.dtype, reader.scratch("decoded", shape, "f4"))
         errors.add(r0, ref, cand, reader.scratch("difference", shape, "f4"))
     errors.fill(row)
+
+
+def _compare_cast(
+    source: TensorInfo, candidate: TensorInfo, reader: ShardReader, row: TensorRow, why: str
+) -> list[Problem]:
+    """A protected cast: every stored value equal to the source's value cast to the stored dtype (rounded to
+    nearest, as torch casts), checked block by block; the first difference is named."""
+    import torch
+
+    rows, cols = rows_and_cols(source.shape)
+    row.tensor_class, row.format = "protected", candidate.dtype.lower()
+    row.note = why
+    torch_dtype = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}[candidate.dtype]
+    for r0, r1 in row_blocks(rows, cols):
+        shape = (r1 - r0, cols)
+        ref = as_float32(
+            reader.rows(source, r0, r1, "source"), source.dtype, reader.scratch("ref", shape, "f4")
+        )
+        cast = torch.from_numpy(ref).to(torch_dtype).to(torch.float32).numpy()
+        cand = as_float32(
+            reader.rows(candidate, r0, r1, "candidate"),
+            candidate.dtype,
+            reader.scratch("decoded", shape, "f4"),
+        )
+        # NaN-aware and bitwise on values: a stored value equal to the cast is kept, whatever else.
+        differ = np.flatnonzero((cast != cand) & ~(np.isnan(cast) & np.isnan(cand)))
+        if differ.size:
+            element = r0 * cols + int(differ[0])
+            index = [int(i) for i in np.unravel_index(element, source.shape)] if source.shape else []
+            flat = int(differ[0])
+            row.identical = False
+            row.first_difference = (
+                f"element {index}: source {ref.reshape(-1)[flat]:.6g} cast to {candidate.dtype} is "
+                f"{cast.reshape(-1)[flat]:.6g}, stored {cand.reshape(-1)[flat]:.6g}"
+            )
+            return [Problem("protected", source.name, f"{why}, but {row.first_difference}")]
+    row.identical = True
+    return []

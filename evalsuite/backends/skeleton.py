@@ -1,0 +1,85 @@
+"""What the backends that build a model on the meta device and fill it from the files share: the model's
+tensor slots by state-dict name, Transformers' fused experts, the tensors its class ignores on load, and the
+refusal of files that do not match the model (`intref`, `exl3`, `streamed`)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.errors import InputError
+
+
+def fused_experts(module: nn.Module) -> bool:
+    """Transformers' fused routed experts: 3-D `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and gate_up.dim() == 3
+        and down.dim() == 3
+        and hasattr(module, "act_fn")
+    )
+
+
+def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter (tied ones under each name) and persistent buffer of `model`, by state-dict name."""
+    params = list(model.named_parameters(remove_duplicate=False))
+    persistent = [
+        (f"{m}.{b}" if m else b, t)
+        for m, module in model.named_modules()
+        for b, t in module._buffers.items()
+        if t is not None and b not in module._non_persistent_buffers_set
+    ]
+    return params + persistent
+
+
+def tensor_slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+    """Every parameter and persistent buffer by its state-dict name: (owning module, kind, current tensor)."""
+    slots: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for leaf, param in module._parameters.items():
+            if param is not None:
+                slots[prefix + leaf] = (module, "parameter", param)
+        for leaf, buf in module._buffers.items():
+            if buf is not None and leaf not in module._non_persistent_buffers_set:
+                slots[prefix + leaf] = (module, "buffer", buf)
+    return slots
+
+
+def refuse_mismatch(checkpoint: Checkpoint, missing: list[str], unexpected: list[str]) -> None:
+    """InputError naming the tensors a model needs that the files lack, and those they hold in excess."""
+    problems = []
+    for what, names in (("missing from the files", missing), ("not in the model", unexpected)):
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            problems.append(f"{len(names)} tensors {what} ({shown})")
+    if problems:
+        raise InputError(
+            "the files do not match the model Transformers builds from the config: " + "; ".join(problems),
+            checkpoint.path,
+        )
+
+
+def ignored_on_load(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """The names Transformers drops without a word when it loads `model`: those matching its class's
+    `_keys_to_ignore_on_load_unexpected` (Qwen3.5's MTP head, `^mtp.*`, for one), in order."""
+    patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    return [name for name in names if any(p.search(name) for p in patterns)]
+
+
+def ignored_on_load_patterns(config: dict) -> list[str]:
+    """`_keys_to_ignore_on_load_unexpected` of the model classes a config.json names (`architectures`),
+    read from the Transformers classes without building a model; empty for a class Transformers lacks."""
+    import transformers
+
+    patterns: list[str] = []
+    for name in config.get("architectures") or ():
+        model_class = getattr(transformers, str(name), None) if isinstance(name, str) else None
+        patterns += list(getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or ())
+    return patterns
