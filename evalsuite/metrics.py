@@ -8,7 +8,9 @@ identical inputs give exactly 0 and exactly 1 where they should. No model, no I/
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -394,3 +396,21 @@ def choice_kl_divergence(lls_ref: ArrayLike, lls_ckpt: ArrayLike) -> float:
     logp_a = a - np.logaddexp.reduce(a)
     logp_b = b - np.logaddexp.reduce(b)
     return float(kl_divergence(logp_a[None, :], logp_b[None, :])[0])
+
+
+def _position_label(position: int) -> str:
+    return f"{position // 1024}k" if position and position % 1024 == 0 else str(position)
+
+
+def position_buckets(positions: ArrayLike, edges: Sequence[int]) -> list[tuple[str, NDArray[np.bool_]]]:
+    """The samples of each position bucket [edges[i], edges[i+1]) and [edges[-1], ∞), as (name, mask);
+    names say the range in tokens (`pos_1k_4k`, `pos_16k_inf`, 1k = 1,024). Empty buckets are left out."""
+    pos = np.asarray(positions).reshape(-1)
+    bounds = [*edges, None]
+    out = []
+    for lo, hi in itertools.pairwise(bounds):
+        mask = (pos >= lo) if hi is None else (pos >= lo) & (pos < hi)
+        if mask.any():
+            name = f"pos_{_position_label(lo)}_{'inf' if hi is None else _position_label(hi)}"
+            out.append((name, mask))
+    return out

@@ -150,3 +150,33 @@ def unit_bars(names: Sequence[str], kld: Sequence[float], path: Path, whole: flo
     more = f" (largest {len(shown)} of {len(names)})" if len(names) > len(shown) else ""
     ax.set_title(f"KL attribution by unit{more}")
     _save(fig, path)
+
+
+def kld_by_position(
+    positions: np.ndarray, kld: np.ndarray, edges: Sequence[int], path: Path, estimator: str
+) -> None:
+    """Mean KL divergence against the position in the window (means of bins of about 1/64 of the scored
+    span, a log axis), with the position buckets' edges marked: drift with depth shows as a rising line."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    pos = np.asarray(positions, dtype=np.int64)
+    values = np.asarray(kld, dtype=np.float64)
+    lo, hi = int(pos.min()), int(pos.max()) + 1
+    bins = np.unique(np.linspace(lo, hi, min(65, hi - lo + 1)).astype(np.int64))
+    which = np.clip(np.searchsorted(bins, pos, side="right") - 1, 0, len(bins) - 2)
+    counts = np.bincount(which, minlength=len(bins) - 1)
+    sums = np.bincount(which, weights=values, minlength=len(bins) - 1)
+    means = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    centres = (bins[:-1] + bins[1:]) / 2
+    if (means > 0).any():
+        ax.plot(centres, np.where(means > 0, means, np.nan), "-o", markersize=3, color="#4c72b0")
+        ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "KLD is 0 at every position", ha="center", va="center", transform=ax.transAxes)
+    for edge in edges:
+        if lo < edge < hi:
+            ax.axvline(edge, color="#c44e52", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("position in the window of the logits (they predict the next token)")
+    ax.set_ylabel(f"mean KLD per token (nats, {estimator})")
+    ax.set_title(f"KL(ref ‖ ckpt) by position ({values.size} tokens)")
+    _save(fig, path)

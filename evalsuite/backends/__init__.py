@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from evalsuite.backends.chunked_head import ScoredStates
     from evalsuite.backends.streamed import StreamedPair
     from evalsuite.checkpoint import Checkpoint
 
@@ -54,6 +55,18 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Free the model (and the accelerator memory it holds)."""
+        ...
+
+
+@runtime_checkable
+class ChunkedHead(Protocol):
+    """Optional capability: the final hidden states at the scored positions, with the head to apply to a chunk
+    of them at a time, so that a long window never holds its [positions × vocabulary] logits at once. `hf`,
+    `intref` and their streamed forms have it; check with `isinstance` once loaded."""
+
+    def window_scored_states(self, windows: torch.Tensor, positions: torch.Tensor) -> Iterator[ScoredStates]:
+        """For each row of `windows`, in order, its final hidden states at `positions` (`ScoredStates`):
+        `chunks(rows)` gives the same logits as `window_logits`, `rows` positions at a time."""
         ...
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
 from evalsuite.backends.options import DTYPE_NAMES, BackendOptions
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import DependencyError, InputError
@@ -274,6 +275,17 @@ class HFBackend:
         for window in windows:
             ids = window.reshape(1, -1).to(self.device)
             yield self.model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits[0]
+
+    def window_scored_states(self, windows: torch.Tensor, positions: torch.Tensor) -> Iterator[ScoredStates]:
+        """Each window forwarded on its own, the head left out: the final hidden states at `positions`, with
+        the head to apply to a few of them at a time (`ScoredStates.chunks`)."""
+        keep = positions.to(self.device)
+        head = self.model.get_output_embeddings()
+        for window in windows:
+            ids = window.reshape(1, -1).to(self.device)
+            with head_input_kept(self.model) as stand_in, torch.inference_mode():
+                self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
+            yield scored_states(self.model, stand_in, head)
 
     @torch.inference_mode()
     def generate_greedy(

@@ -19,7 +19,8 @@ How the windows go through, with nothing but Transformers' own code computing:
    recorded for it (`forward_layer`).
 3. **head**: the model's own forward runs once more with every layer replaced by a stand-in that hands back
    the last layer's output: the final norm, the head on the scored positions only (`logits_to_keep`) and
-   whatever the model does after it run as in a loaded run (`head_logits`).
+   whatever the model does after it run as in a loaded run (`head_logits`); or, for long windows, the
+   head left out and applied a chunk of positions at a time (`head_states`, see `chunked_head`).
 
 Materialising a layer, backend `hf`: the layer's file tensors go through Transformers' own loading function
 (`convert_and_load_state_dict_in_model`) with the model's own weight conversions (routed experts fused into
@@ -54,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
 from evalsuite.backends.hf import (
     DTYPES,
     _first_line,
@@ -544,13 +546,37 @@ class StreamedBackend:
     def window_logits(self, windows: torch.Tensor, positions: torch.Tensor) -> Iterator[torch.Tensor]:
         """The `Backend` primitive: every window through every layer, one layer resident at a time; the logits
         come once the last layer has run."""
+        for hidden, call in self._final_states(windows):
+            yield self.head_logits(hidden, call, positions)
+
+    def _final_states(self, windows: torch.Tensor) -> list[tuple[torch.Tensor, WindowCall]]:
         calls = [self.capture(window) for window in windows]
         states = [call.hidden for call in calls]
         for index in range(self.n_layers):
             with self.resident(index) as layer:
                 states = [self.forward_layer(layer, index, h, c) for h, c in zip(states, calls, strict=True)]
-        for hidden, call in zip(states, calls, strict=True):
-            yield self.head_logits(hidden, call, positions)
+        return list(zip(states, calls, strict=True))
+
+    def head_states(self, hidden: torch.Tensor, call: WindowCall, positions: torch.Tensor) -> ScoredStates:
+        """What `head_logits` computes, stopped at the head: the final hidden states at `positions` (the
+        model's own final norm applied), with the head to apply to a few rows at a time."""
+        output = (hidden,) if self._tuple_output else hidden
+        ids = call.window.reshape(1, -1).to(self.device)
+        keep = positions.to(self.device)
+        head = self.model.get_output_embeddings()
+        with (
+            self._standing_in(lambda i, layer: _Replay(layer, output if i == 0 else None)),
+            head_input_kept(self.model) as stand_in,
+            torch.inference_mode(),
+        ):
+            self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
+        return scored_states(self.model, stand_in, head)
+
+    def window_scored_states(self, windows: torch.Tensor, positions: torch.Tensor) -> Iterator[ScoredStates]:
+        """The chunked-head primitive (`ChunkedHead`): every window through every layer, one layer resident
+        at a time, then each window's final hidden states at `positions`."""
+        for hidden, call in self._final_states(windows):
+            yield self.head_states(hidden, call, positions)
 
     def generate_greedy(
         self, inputs: dict[str, torch.Tensor], max_new_tokens: int, top_k: int = 5, full_steps: int = 0

@@ -74,6 +74,34 @@ class LogitsWriter:
             self._writer.shutdown()
 
 
+def write_window_chunks(folder: Path, window: int, n_rows: int, chunks: Iterator[torch.Tensor]) -> Path:
+    """Window `window`'s file written from successive blocks of its rows (`n_rows` in all), one block in
+    memory at a time: for a long window whose logits would not fit at once. Like `LogitsWriter`'s, the file
+    appears under its final name only once complete, and reads back with `read_rows`."""
+    final = window_file(folder, window)
+    tmp = final.with_suffix(".npy.tmp")
+    written = 0
+    with tmp.open("wb") as fh:
+        for rows in chunks:
+            if rows.dtype not in STORED_DTYPES:
+                raise InputError(f"cannot store logits of dtype {rows.dtype}", folder)
+            rows = rows.detach().cpu().contiguous()
+            if written == 0:
+                shape = (n_rows, int(rows.shape[1]))
+                header = {"descr": STORED_DTYPES[rows.dtype], "fortran_order": False, "shape": shape}
+                np.lib.format.write_array_header_1_0(fh, header)
+            raw = rows.view(torch.uint16) if rows.dtype == torch.bfloat16 else rows
+            fh.write(memoryview(raw.numpy()))
+            written += len(rows)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if written != n_rows:
+        tmp.unlink()
+        raise InputError(f"the model returned {written} logit rows for window {window}, expected {n_rows}")
+    tmp.replace(final)
+    return final
+
+
 def read_header(path: Path) -> tuple[tuple[int, int], torch.dtype, int]:
     """(shape, dtype, data offset) of a logits file; InputError unless a row-major 2-D logits array."""
     with path.open("rb") as fh:

@@ -13,6 +13,13 @@ from evalsuite.observation import Observation
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
 from evalsuite.task import Inputs, Need, RunContext, TaskResult, task
+from evalsuite.tasks.long_context import (
+    ChunkedWindowLogits,
+    LongContext,
+    check_long_windows,
+    position_bucket_metrics,
+    scored_positions,
+)
 from evalsuite.tasks.window_logits import (
     RecordOptions,
     WindowLogits,
@@ -32,6 +39,7 @@ class PplSpec(TaskSpec):
     protocol: WindowProtocol = WindowProtocol()
     record: RecordOptions = RecordOptions()
     compare: CompareOptions = CompareOptions()
+    long_context: LongContext = LongContext()
 
 
 @task("ppl")
@@ -76,10 +84,19 @@ class Perplexity:
 
     def prepare(self, ref: Side, ckpt: Side) -> Inputs:
         """The windows, tokenized once; the candidate's tokenizer must agree with the reference's."""
-        return prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt)
+        inputs = prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt)
+        check_long_windows(self.spec.protocol, self.spec.long_context, inputs, [ref, ckpt])
+        return inputs
 
     def needs(self) -> list[Need]:
         observer = WindowLogits(self.spec.protocol, self.spec.record, self.spec.compare.kld_chunk_rows)
+        if self.spec.long_context.head_chunk_rows:
+            observer = ChunkedWindowLogits(
+                self.spec.protocol,
+                self.spec.record,
+                self.spec.compare.kld_chunk_rows,
+                self.spec.long_context.head_chunk_rows,
+            )
         return [Need("ref", "ref", observer), Need("ckpt", "ckpt", observer)]
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
@@ -139,10 +156,24 @@ class Perplexity:
                 f"text too short for the protocol: {n_windows} of {protocol.starts.count} windows fit "
                 f"({ref.meta['n_tokens_text']} tokens)"
             )
+        artifacts_made = self.plot(ref, nll_ckpt, kld, estimator, artifacts)
+        long = self.spec.long_context
+        if long.head_chunk_rows:
+            values["head_chunk_rows"] = long.head_chunk_rows
+            for label, obs in (("ref", ref), ("ckpt", ckpt)):
+                if "bytes_per_token" in obs.meta:
+                    values[f"{label}_stored_bytes_per_token"] = obs.meta["bytes_per_token"]
+        if long.position_buckets:
+            positions = scored_positions(protocol, n_windows)
+            values.update(
+                position_bucket_metrics(long.position_buckets, positions, kld, same, nll_ref, nll_ckpt)
+            )
+            plots.kld_by_position(
+                positions, kld, long.position_buckets, artifacts / "ppl_kld_by_position.png", estimator
+            )
+            artifacts_made["kld_by_position"] = f"{artifacts.name}/ppl_kld_by_position.png"
         checks, _ = self.spec.threshold_checks(values)
-        return TaskResult.from_checks(
-            values, checks, artifacts=self.plot(ref, nll_ckpt, kld, estimator, artifacts)
-        )
+        return TaskResult.from_checks(values, checks, artifacts=artifacts_made)
 
     def plot(
         self, ref: Observation, nll_ckpt: np.ndarray, kld: np.ndarray, estimator: str, folder: Path

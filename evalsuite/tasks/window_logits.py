@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from pydantic import model_validator
 
 from evalsuite import metrics
 from evalsuite.errors import InputError
@@ -50,6 +51,16 @@ class WindowProtocol(StrictModel):
     starts: Starts = Starts()
     scored: Scored = Scored()
     add_special_tokens: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _second_half_scored(cls, data: Any) -> Any:
+        """Without `scored`, the second half of each window (llama.cpp's perplexity protocol): every scored
+        token has at least half a window of context. For 512 tokens that is the default `Scored`."""
+        if isinstance(data, dict) and "scored" not in data and isinstance(data.get("window", 512), int):
+            window = data.get("window", 512)
+            data = {**data, "scored": {"first": window // 2, "last": window - 2}}
+        return data
 
     def model_post_init(self, _: Any) -> None:
         if not 0 <= self.scored.first <= self.scored.last <= self.window - 2:

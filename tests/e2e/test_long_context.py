@@ -1,0 +1,161 @@
+"""Long-context `ppl` on the tiny MiniCPM-V 4.7 pair: a 1,024-token window through its linear-attention
+(gated delta rule) and full-attention layers, the head applied per chunk of positions.
+
+The CLI runs in this process (`cli_in_process`): what is tested is the protocol, not the interpreter. One
+chunked run is shared by the tests below; each other model run adds one side's forward at most.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from evalsuite.backends.hf import HFBackend
+from evalsuite.backends.options import BackendOptions
+from evalsuite.backends.streamed import StreamedBackend
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.fixtures import TINY_BF16, TINY_W4A8
+from tests.conftest import assert_refused, cli_in_process
+
+WINDOW = 1024
+SPEC = f"""
+[protocol]
+window = {WINDOW}
+starts = {{ first = 0, step = {WINDOW}, count = 1 }}
+scored = {{ first = 0, last = {WINDOW - 2} }}
+
+[long_context]
+head_chunk_rows = HEAD_ROWS
+position_buckets = [0, 256, 512]
+every_window = true
+
+[thresholds]
+ppl_ratio = {{ max = 1.70 }}
+"""
+BUCKETS = ("pos_0_256", "pos_256_512", "pos_512_inf")
+
+
+def _spec(folder: Path, head_rows: int) -> Path:
+    path = folder / f"ppl-long-{head_rows}.toml"
+    path.write_text(SPEC.replace("HEAD_ROWS", str(head_rows)), encoding="utf-8")
+    return path
+
+
+def _run(out: Path, ckpt: Path, ref: Path, spec: Path, *extra: str | Path) -> dict:
+    args = ("run", "--ckpt", ckpt, "--ref", ref, "--tasks", "ppl", "--spec", f"ppl={spec}")
+    code, lines, _ = cli_in_process(*args, "--corpus", "python-docs", "--out", out, "--quiet", *extra)
+    assert code == 0, lines
+    return json.loads((out / "results.json").read_text(encoding="utf-8"))["tasks"]["ppl"]
+
+
+@pytest.fixture(scope="module")
+def chunked(tiny_pair, tmp_path_factory) -> tuple[Path, dict]:
+    """The W4A8 copy against its source, one 1,024-token window, the head applied 100 positions at a time
+    (not a divisor of the 1,023 scored positions: the last chunk is short)."""
+    folder = tmp_path_factory.mktemp("long-context")
+    out = folder / "chunked"
+    return out, _run(out, tiny_pair[TINY_W4A8], tiny_pair[TINY_BF16], _spec(folder, 100))
+
+
+def test_metrics_come_by_position_bucket_with_a_plot(chunked):
+    out, result = chunked
+    m = result["metrics"]
+    assert m["n_scored_tokens"] == WINDOW - 1 and m["head_chunk_rows"] == 100 and m["kld_mean"] > 0
+    assert [m[f"{b}_n_tokens"] for b in BUCKETS] == [256, 256, 511]
+    weighted = sum(m[f"{b}_kld_mean"] * m[f"{b}_n_tokens"] for b in BUCKETS)
+    assert weighted / m["n_scored_tokens"] == pytest.approx(m["kld_mean"], rel=1e-12)
+    # One bf16 logits row of the 512-token vocabulary per scored token, and its NLL and top token.
+    assert m["ref_stored_bytes_per_token"] == 512 * 2 + 16
+    assert (out / result["artifacts"]["kld_by_position"]).stat().st_size > 0
+
+
+def test_an_identical_candidate_gives_kld_zero_in_every_bucket(chunked, tiny_pair, tmp_path):
+    out, _ = chunked
+    spec = _spec(tmp_path, 100)
+    shutil.copytree(out, tmp_path / "same")  # the reference's observation is reused: no model loads
+    m = _run(tmp_path / "same", tiny_pair[TINY_BF16], tiny_pair[TINY_BF16], spec)["metrics"]
+    for bucket in BUCKETS:
+        assert m[f"{bucket}_kld_mean"] == 0.0 and m[f"{bucket}_same_top_p"] == 1.0, bucket
+        assert m[f"{bucket}_delta_p_mean"] == 0.0 and m[f"{bucket}_ln_ppl_ratio"] == 0.0, bucket
+
+
+def test_a_recorded_reference_replays_the_long_protocol(chunked, tiny_pair, tmp_path):
+    out, result = chunked
+    spec = _spec(tmp_path, 100)
+    rec = tmp_path / "rec"
+    code, lines, _ = cli_in_process(
+        "record", "--ckpt", tiny_pair[TINY_BF16], "--tasks", "ppl", "--spec", f"ppl={spec}",
+        "--corpus", "python-docs", "--out", rec, "--quiet",
+    )  # fmt: skip
+    assert code == 0, lines
+    manifest = json.loads((rec / "manifest.json").read_text(encoding="utf-8"))
+    assert "window-logits-chunked" in json.dumps(manifest)
+    shutil.copytree(out, tmp_path / "replay")  # the candidate's observation is reused
+    replay = _run(tmp_path / "replay", tiny_pair[TINY_W4A8], rec, spec)["metrics"]
+    live = result["metrics"]
+    assert "recording" in replay["kld_estimator"] and replay["ppl_ref"] == live["ppl_ref"]
+    assert replay["pos_512_inf_n_tokens"] == 511
+    # top-64 of a 512-token vocabulary + 64 sampled tail ids: an estimate near the full-vocabulary KLD
+    assert replay["kld_mean"] == pytest.approx(live["kld_mean"], rel=0.05)
+
+
+def test_a_text_shorter_than_the_windows_is_refused(tiny_pair, tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("A short text. " * 40, encoding="utf-8")
+    args = ("run", "--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16], "--tasks", "ppl")
+    code, lines, _ = cli_in_process(
+        *args, "--spec", f"ppl={_spec(tmp_path, 100)}", "--text-file", text, "--out", tmp_path / "o"
+    )
+    assert_refused(code, lines, "fewer than one 1024-token window")
+    spec = tmp_path / "two.toml"
+    spec.write_text(_spec(tmp_path, 100).read_text().replace("count = 1", "count = 100000"), encoding="utf-8")
+    code, lines, _ = cli_in_process(
+        *args, "--spec", f"ppl={spec}", "--corpus", "python-docs", "--out", tmp_path / "p"
+    )
+    assert_refused(code, lines, "too short for the protocol's 100000 window(s) of 1024 tokens")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "p" / "results.json").exists()
+
+
+def test_a_window_beyond_the_models_context_is_refused(tiny_pair, tmp_path):
+    spec = tmp_path / "long.toml"
+    spec.write_text(
+        SPEC.replace("HEAD_ROWS", "100").replace(str(WINDOW - 2), "8190").replace(str(WINDOW), "8192"),
+        encoding="utf-8",
+    )
+    code, lines, _ = cli_in_process(
+        "run", "--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16], "--tasks", "ppl",
+        "--spec", f"ppl={spec}", "--corpus", "python-docs", "--out", tmp_path / "o",
+    )  # fmt: skip
+    assert_refused(code, lines, "8192-token window is longer than the model's context (4096 tokens")
+
+
+def test_the_head_per_chunk_gives_the_logits_of_the_whole_head_loaded_and_streamed(tiny_pair):
+    """Past 512 tokens through the linear-attention layer: the chunks (100 rows, the last one short) are the
+    logits the model's own forward returns for every scored position at once, bit for bit, loaded and
+    streamed. And the check can fail: compressed-tensors' per-token INT8 activations read a 2-D input as one
+    token, so the W4A8 copy's INT8 head applied to (positions, hidden) instead of the forward's (1, positions,
+    hidden) gives other logits."""
+    checkpoint = Checkpoint.open(tiny_pair[TINY_W4A8])
+    window = torch.from_numpy(np.arange(WINDOW, dtype=np.int64) % 500)[None]
+    positions = torch.arange(0, WINDOW - 1)
+    backend = HFBackend(checkpoint, BackendOptions())
+    try:
+        whole = next(iter(backend.window_logits(window, positions)))
+        states = next(iter(backend.window_scored_states(window, positions)))
+        assert torch.equal(torch.cat(list(states.chunks(100))), whole)
+        with torch.inference_mode():
+            flat = torch.cat([states.head(states.hidden[i : i + 100]) for i in range(0, len(states), 100)])
+        assert not torch.equal(flat, whole)
+    finally:
+        backend.close()
+    streamed = StreamedBackend(checkpoint, BackendOptions(stream=True))
+    try:
+        states = next(iter(streamed.window_scored_states(window, positions)))
+        assert torch.equal(torch.cat(list(states.chunks(100))), whole)
+    finally:
+        streamed.close()
