@@ -89,6 +89,7 @@ class RunRequest:
     specs: dict[str, Path] = field(default_factory=dict)  # task -> spec file replacing tasks/TASK.toml
     resume: bool = True
     keep_observations: bool = True  # False: the run folder keeps its reports only (the demo)
+    spec_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)  # task -> spec sections (compare)
 
 
 @dataclass
@@ -142,6 +143,7 @@ def build_tasks(
     thresholds: dict[str, dict[str, Any]] | None = None,
     specs: dict[str, Path] | None = None,
     thresholds_file: Path | None = None,
+    spec_overrides: dict[str, dict[str, Any]] | None = None,
 ) -> list[Task]:
     """Instantiate the requested tasks with their validated specs; a bad spec, an unknown task or a
     threshold on a metric the task does not report fails here, before any model."""
@@ -158,9 +160,12 @@ def build_tasks(
     tasks = []
     for name in dict.fromkeys(names):
         cls = get_task(name)
-        overrides = None
+        overrides = dict((spec_overrides or {}).get(name, {})) or None
         if name in thresholds:
-            overrides = {"thresholds": _checked_thresholds(cls, thresholds[name], thresholds_file)}
+            overrides = {
+                **(overrides or {}),
+                "thresholds": _checked_thresholds(cls, thresholds[name], thresholds_file),
+            }
         spec = load_spec(cls.spec_model, specs.get(name) or spec_source(cls), overrides)
         tasks.append(cls(spec, context))
     return tasks
@@ -344,7 +349,14 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
     check_out_folder(request.out)
     # File tasks hash through the run's digest cache: a file is read once per run, whichever task asks.
     context = dataclasses.replace(request.context, digests=digests)
-    tasks = build_tasks(request.tasks, context, request.thresholds, request.specs, request.thresholds_file)
+    tasks = build_tasks(
+        request.tasks,
+        context,
+        request.thresholds,
+        request.specs,
+        request.thresholds_file,
+        request.spec_overrides,
+    )
     if ckpt.options.backend == "intref" and not ckpt.options.conventions:
         ckpt.options = ckpt.options.with_backend("intref", intref_conventions(request))
     baseline = load_results(request.baseline) if request.baseline is not None else None
