@@ -18,6 +18,7 @@ import numpy as np
 
 from evalsuite import metrics, plots
 from evalsuite.checkpoint import Checkpoint
+from evalsuite.model_card import render_alternatives
 from evalsuite.report import format_number
 from evalsuite.run_folder import write_atomic
 from evalsuite.tasks.kld_detail import read_tokens
@@ -189,6 +190,7 @@ def write_comparison(
         )
     write_atomic(out / "compare.json", json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n")
     write_atomic(out / "compare.md", render_compare_md(doc))
+    write_atomic(out / "model-card-alternatives.md", render_alternatives(doc))
     return doc
 
 
