@@ -252,3 +252,13 @@ def assert_refused(code: int, lines: list[str], *fragments: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("evalsuite: error: "), lines
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster of 2 CPUs for the whole session (its start-up takes seconds on 2 cores); the
+    tests that use it skip where Ray is not installed (`pip install 'evalsuite[ray]'`)."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'evalsuite[ray]'")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
