@@ -145,11 +145,18 @@ def test_executor_ray_without_ray_is_one_line_exit_2(tiny_pair, candidates, tmp_
     assert not (tmp_path / "cmp" / "reference").exists()  # refused before the reference was observed
 
 
-def test_the_ray_executor_writes_the_same_comparison(ray_cluster, tiny_pair, candidates, comparison, tmp_path):
+# The slow tier: a Ray cluster's start-up and its workers' imports of torch and Transformers take about a
+# minute of wall time on 2 cores, and Ray is an optional extra that the `[test]` extra does not pull in.
+@pytest.mark.slow
+def test_the_ray_executor_writes_the_same_comparison(
+    ray_cluster, tiny_pair, candidates, comparison, tmp_path
+):
     out = tmp_path / "ray"
     code, lines, _ = cli_in_process(*compare_args(tiny_pair[TINY_BF16], candidates, out, "--executor", "ray"))
     assert code == 0, lines
     assert (out / "compare.json").read_bytes() == (comparison.out / "compare.json").read_bytes()
     for name in ("same-a", tiny_pair[TINY_W4A8].name):
-        ray_doc, local_doc = (json.loads((o / name / "results.json").read_text()) for o in (out, comparison.out))
+        ray_doc, local_doc = (
+            json.loads((o / name / "results.json").read_text()) for o in (out, comparison.out)
+        )
         assert ray_doc["tasks"] == local_doc["tasks"]
