@@ -160,3 +160,29 @@ def test_the_ray_executor_writes_the_same_comparison(
             json.loads((o / name / "results.json").read_text()) for o in (out, comparison.out)
         )
         assert ray_doc["tasks"] == local_doc["tasks"]
+
+
+@pytest.mark.slow
+def test_compare_of_the_smollm2_pair_the_exl3_pack_and_a_copy(
+    smollm2_pair, smollm2_exl3_pair, smollm2_run, tmp_path
+):
+    from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_EXL3, SMOLLM2_W4A8
+
+    ref = smollm2_pair[SMOLLM2_BF16]
+    same = copy_checkpoint(ref, tmp_path / "bf16-copy")
+    ckpts = [smollm2_pair[SMOLLM2_W4A8], smollm2_exl3_pair[SMOLLM2_EXL3], same]
+    out = tmp_path / "cmp"
+    args = ("compare", "--ref", ref, "--tasks", "ppl", "--corpus", "python-docs", "--out", out, "--quiet")
+    code, lines, models = counted((*args, *[a for c in ckpts for a in ("--ckpt", c)]))
+    assert code in (0, 1), lines
+    assert [name for name, _ in models.loads].count(ref.name) == 1, models.loads
+    doc = json.loads((out / "compare.json").read_text(encoding="utf-8"))
+    rows = {r["name"]: r for r in doc["candidates"]}
+    assert rows["bf16-copy"]["kld_mean"] == 0.0 and rows["bf16-copy"]["within_noise_floor"] is True
+    for name in (SMOLLM2_W4A8, SMOLLM2_EXL3):
+        assert rows[name]["within_noise_floor"] is False and rows[name]["kld_floor_ratio"] > 1
+    # the W4A8 candidate's ppl figures are those of the session's single run of the same pair
+    compared = json.loads((out / SMOLLM2_W4A8 / "results.json").read_text())["tasks"]["ppl"]["metrics"]
+    single = smollm2_run.metrics("ppl")
+    assert {k: compared[k] for k in single} == single
+    assert rows[SMOLLM2_EXL3]["bits_per_weight"] < rows["bf16-copy"]["bits_per_weight"]
