@@ -10,7 +10,10 @@ The candidates are the W4A8 copy and three copies of it with every weight scale 
       a fresh process as a user runs them (goal <= 0.6: the reference is observed once, not four times);
   and what the noise floor adds to `compare` (one more reference forward, in the same load).
 
-    flock /tmp/evalsuite-heavy.lock python bench/compare.py [--fixtures DIR]
+    flock /tmp/evalsuite-heavy.lock python bench/compare.py [--fixtures DIR] [--pair tiny]
+
+`--pair tiny` runs the tiny MiniCPM-V 4.7 pair instead (a minute, not ten): its forwards are so cheap that the
+fixed costs of a comparison (KLD passes, plots, start-up) weigh far more than on any real model.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from evalsuite.backends import load_backend
 from evalsuite.backends.options import BackendOptions
 from evalsuite.cli import DEFAULT_FIXTURES
 from evalsuite.compare import CompareRequest, compare
-from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, build_fixtures
+from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
 from evalsuite.runner import build_tasks
 from evalsuite.side import open_side
 from evalsuite.task import RunContext
@@ -78,12 +81,14 @@ def cli(*args: str | Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
+    parser.add_argument("--pair", choices=("smollm2", "tiny"), default="smollm2")
     args = parser.parse_args()
-    pair = build_fixtures(args.fixtures, [SMOLLM2_BF16, SMOLLM2_W4A8])
-    ref = pair[SMOLLM2_BF16]
+    source, quantized = (SMOLLM2_BF16, SMOLLM2_W4A8) if args.pair == "smollm2" else (TINY_BF16, TINY_W4A8)
+    pair = build_fixtures(args.fixtures, [source, quantized])
+    ref = pair[source]
     with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp:
         root = Path(tmp)
-        candidates = [pair[SMOLLM2_W4A8]]
+        candidates = [pair[quantized]]
         candidates += [scaled_copy(candidates[0], root / f"w4a8-x{f}", f) for f in SCALES]
         # (a) in this process: the observations alone, then compare (imports are warm for both)
         observe = observation_seconds(ref, ref, root / "obs" / "ref")
@@ -107,7 +112,7 @@ def main() -> None:
         ckpts = [a for c in candidates for a in ("--ckpt", c)]
         command = cli("compare", "--ref", ref, *ckpts, *common, "--no-noise-floor", "--out", root / "cmd")
     n = len(candidates)
-    print(f"SmolLM2-135M, {n} candidates, task ppl; timings taken in one run (a shared, busy machine)")
+    print(f"{ref.name} pair, {n} candidates, task ppl; timings taken in one run (a shared, busy machine)")
     print(f"observations alone (1 reference + {n} candidates): {observe:.1f} s")
     print(f"compare in process: {timings[False]:.1f} s; with the noise floor: {timings[True]:.1f} s")
     print(f"(a) compare / observations = {timings[False] / observe:.3f}   (goal <= 1.05)")

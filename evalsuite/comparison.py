@@ -19,9 +19,12 @@ import numpy as np
 from evalsuite import metrics, plots
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.model_card import render_alternatives
+from evalsuite.observation import Observation
 from evalsuite.report import format_number
-from evalsuite.run_folder import write_atomic
+from evalsuite.run_folder import RunFolder, write_atomic
 from evalsuite.tasks.kld_detail import read_tokens
+from evalsuite.tasks.lmeval import OBSERVER_NAME as LMEVAL_OBSERVER
+from evalsuite.tasks.lmeval import compare_task
 
 SCHEMA = "evalsuite.compare/1"
 PPL_COLUMNS = (
@@ -98,8 +101,34 @@ def paired_rows(out: Path, names: list[str], docs: dict[str, dict[str, Any]]) ->
             se = metrics.clustered_stderr(tb[key] - ta[key], ta["window"])
             pair[f"{what}_diff"], pair[f"{what}_diff_stderr"] = est.value, se
             pair[f"{what}_verdict"] = _sentence(a, b, f"{what.upper()} B − A", est, se)
+        pair.update(downstream_pair(out, a, b))
         rows.append(pair)
     return rows
+
+
+def _lmeval_observation(out: Path, name: str) -> Observation | None:
+    """A candidate's lm-eval samples from its run folder (a copy of the reference has the reference's)."""
+    folder = RunFolder(out / name).observations
+    for role in ("ckpt", "ref"):
+        found = sorted(folder.glob(f"{role}-{LMEVAL_OBSERVER}-*")) if folder.is_dir() else []
+        if found and Observation.is_complete(found[0]):
+            return Observation.load(found[0])
+    return None
+
+
+def downstream_pair(out: Path, a: str, b: str) -> dict[str, Any]:
+    """Where `lmeval` ran on both: B's paired accuracy change over A per document, and the documents that
+    flipped between them (`lmeval`'s own paired statistics, with A in the reference's place)."""
+    first, second = _lmeval_observation(out, a), _lmeval_observation(out, b)
+    if first is None or second is None:
+        return {}
+    values: dict[str, Any] = {}
+    for task in second.meta["lm_eval_tasks"]:
+        if task in first.meta["lm_eval_tasks"]:
+            stats, _ = compare_task(task, first, second)
+            keep = (".delta", ".delta_stderr", ".flips_c2w", ".flips_w2c", ".mcnemar_p")
+            values.update({f"lmeval.{k}": v for k, v in stats.items() if k.endswith(keep)})
+    return values
 
 
 def _tokens(out: Path, name: str, doc: dict[str, Any]) -> dict[str, np.ndarray] | None:
@@ -157,6 +186,10 @@ def render_compare_md(doc: dict[str, Any]) -> str:
         lines += ["", "## Adjacent candidates on the front (paired by token)", ""]
         for p in doc["pairs"]:
             lines += [f"- {p['kld_verdict']}", f"- {p['nll_verdict']}"]
+            flips = {k: v for k, v in p.items() if k.startswith("lmeval.")}
+            if flips:
+                shown = ", ".join(f"{k.removeprefix('lmeval.')} {format_number(v)}" for k, v in flips.items())
+                lines.append(f"- downstream, {p['b']} − {p['a']}: {shown}")
     downstream = [r for r in doc["candidates"] if r["downstream"]]
     if downstream:
         lines += ["", "## Downstream (lmeval, candidate − reference)", ""]
