@@ -23,9 +23,10 @@ from evalsuite.compare_executors import ray_api, run_candidates
 from evalsuite.comparison import write_comparison
 from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
+from evalsuite.observe import OnLoad, observe_all
+from evalsuite.plan import RunRequest, plan_run
 from evalsuite.recording import is_recording
 from evalsuite.run_folder import RunFolder
-from evalsuite.runner import OnLoad, RunRequest, observe_all, plan_run
 from evalsuite.task import Progress, RunContext, no_progress
 
 REFERENCE_FOLDER = "reference"

@@ -14,9 +14,11 @@ from typing import Any
 from evalsuite.backends.memory import loaded_bytes
 from evalsuite.digest import DigestCache
 from evalsuite.errors import EvalsuiteError, InputError
+from evalsuite.observe import OnLoad
+from evalsuite.plan import RunRequest
 from evalsuite.report import write_reports
 from evalsuite.run_folder import RunFolder
-from evalsuite.runner import OnLoad, RunRequest, RunResult, run
+from evalsuite.runner import RunResult, run
 from evalsuite.side import open_side
 from evalsuite.task import Progress
 
