@@ -1,4 +1,4 @@
-"""The command line: `run`, `record`, `report`, `fixtures`, `demo`, `manifest`, `tasks`, `inspect`.
+"""The command line: `run`, `compare`, `record`, `report`, `fixtures`, `demo`, `manifest`, `tasks`, `inspect`.
 
 Exit codes: 0 every check passed, 1 a check failed (a regression), 2 the run could not be done (bad input, a
 missing dependency), 3 an internal error (any other exception: a bug, an out-of-memory device, a changed
@@ -321,6 +321,76 @@ def run_command(
         keep_observations=keep_observations,
     )
     return execute(request, quiet=quiet, junit=junit)
+
+
+@app.command("compare")
+def compare_command(
+    ckpt: Annotated[
+        list[str],
+        typer.Option(help="A candidate (repeatable): a folder, a cached hub id, or a fixture name."),
+    ],
+    ref: Annotated[str, typer.Option(help="Reference checkpoint or a recording of it, observed once.")],
+    out: Annotated[
+        Path, typer.Option(help="Comparison folder: compare.{md,json}, one run folder per candidate.")
+    ],
+    tasks: Annotated[str, typer.Option(help="Comma-separated tasks.")] = "ppl",
+    text_file: Annotated[Path | None, typer.Option(help="Score this UTF-8 text instead of a corpus.")] = None,
+    corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
+    allow_download: Annotated[bool, typer.Option(help="Let datasets fetch WikiText-2 from the hub.")] = False,
+    thresholds: Annotated[Path | None, typer.Option(help="TOML overriding spec thresholds.")] = None,
+    spec: SpecOption = None,
+    backend: Annotated[
+        str, typer.Option(help="How the candidates are executed (as `run --backend`).")
+    ] = "auto",
+    dtype: Dtype = "bfloat16",
+    device: Device = "cpu",
+    stream: Stream = False,
+    max_memory: MaxMemory = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow code from the checkpoint folders.")] = False,
+    noise_floor: Annotated[
+        bool, typer.Option(help="Measure ppl's noise floor: the reference again with BF16-sized noise.")
+    ] = True,
+    executor: Annotated[str, typer.Option(help="local (one candidate after another) or ray.")] = "local",
+    ray_address: Annotated[
+        str | None, typer.Option(help="Ray cluster address [default: RAY_ADDRESS, else a local cluster].")
+    ] = None,
+    fixtures: Annotated[Path, typer.Option(help="Where fixture names are looked up.")] = DEFAULT_FIXTURES,
+    quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+) -> int:
+    """Compare many candidates with one reference: each candidate's run, and DIR/compare.{md,json}."""
+    from evalsuite.compare import CompareRequest, compare
+    from evalsuite.task import RunContext
+
+    options = backend_options(dtype, device, trust_remote_code, stream, max_memory)
+    request = CompareRequest(
+        ref=resolve_source(ref, fixtures),
+        ckpts=[resolve_source(c, fixtures) for c in ckpt],
+        tasks=task_names(tasks),
+        out=out,
+        context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
+        ckpt_options=dataclasses.replace(options, backend=backend),
+        ref_options=options,
+        thresholds=read_thresholds(thresholds),
+        thresholds_file=thresholds,
+        specs=parse_specs(spec),
+        noise_floor=noise_floor,
+        executor=executor,
+        ray_address=ray_address,
+    )
+    Progress, columns = _progress_columns()
+    with third_party_quiet() as noise, Progress(*columns, console=console, disable=quiet) as progress:
+        result = compare(
+            request,
+            progress=_progress_factory(progress),
+            on_load=_announce_load,
+            on_candidate=lambda name: console.print(f"candidate: {name}"),
+        )
+    _summarise_noise(noise)
+    for row in result.comparison["candidates"]:
+        front = " (front)" if row["pareto"] else ""
+        print(f"{row['name']}\t{row['verdict']}\tbpw {row['bits_per_weight']}\tkld {row['kld_mean']}{front}")
+    print(f"comparison: {result.out / 'compare.md'}")
+    return result.exit_code
 
 
 @app.command("record")

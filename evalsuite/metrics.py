@@ -414,3 +414,108 @@ def position_buckets(positions: ArrayLike, edges: Sequence[int]) -> list[tuple[s
             name = f"pos_{_position_label(lo)}_{'inf' if hi is None else _position_label(hi)}"
             out.append((name, mask))
     return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# KLD detail: how the divergence is spread over tokens (llama.cpp's `tools/perplexity/perplexity.cpp` KL
+# divergence printout, exllamav3's `eval/qbench/measure.py` confidence buckets)
+# --------------------------------------------------------------------------------------------------------
+
+# The Δp percentiles llama.cpp prints ("Maximum Δp", "99.9% Δp", …, "Minimum Δp"), as fractions.
+DELTA_P_PERCENTILES = (1.0, 0.999, 0.99, 0.95, 0.90, 0.75, 0.5, 0.25, 0.10, 0.05, 0.01, 0.001, 0.0)
+# The reference's top-1 probability buckets of exllamav3's qbench; the last one holds p = 1 too.
+CONFIDENCE_BUCKETS = ((0.0, 0.25), (0.25, 0.5), (0.5, 0.75), (0.75, 0.95), (0.95, 1.0))
+
+
+def percentile_name(q: float) -> str:
+    """`max`, `min`, `median`, or `p99.9` / `p5`: the suffix a percentile's metric is named by."""
+    if q == 1.0:
+        return "max"
+    if q == 0.0:
+        return "min"
+    if q == 0.5:
+        return "median"
+    return f"p{round(q * 100, 3):g}"
+
+
+def delta_p_percentiles(dp: ArrayLike) -> dict[str, float]:
+    """The percentiles of per-token Δp at `DELTA_P_PERCENTILES`, keyed `max`, `p99.9`, …, `min`.
+
+    Order statistics carry no simple standard error; the sample size is that of `dp`.
+    """
+    values = quantiles(dp, DELTA_P_PERCENTILES)
+    return {percentile_name(q): v for q, v in zip(DELTA_P_PERCENTILES, values, strict=True)}
+
+
+def top_k_agreement(top_ref: ArrayLike, top_ckpt: ArrayLike, k: int) -> Estimate:
+    """Share of positions whose k most probable tokens are the same on both sides, in the same order (k = 1
+    is the same-top-token rate), with the binomial standard error. Rows are positions, columns the ranked
+    token ids (at least k of them)."""
+    a, b = np.asarray(top_ref), np.asarray(top_ckpt)
+    if a.ndim != 2 or a.shape != b.shape:
+        raise ValueError(f"ranked top-token arrays must be (positions, ranks) alike: {a.shape} vs {b.shape}")
+    if not 1 <= k <= a.shape[1]:
+        raise ValueError(f"top-{k} agreement needs {k} ranked tokens, the arrays hold {a.shape[1]}")
+    return rate_with_stderr(np.all(a[:, :k] == b[:, :k], axis=1))
+
+
+@dataclass(frozen=True)
+class ConfidenceBucket:
+    """KLD of the tokens where the reference's top-1 probability lies in [lo, hi): their share of all
+    tokens, their mean KLD with its standard error and their median (None when the bucket is empty)."""
+
+    lo: float
+    hi: float
+    n: int
+    share: float
+    mean: Estimate | None
+    median: float | None
+
+
+def confidence_buckets(
+    kld: ArrayLike, ref_top_p: ArrayLike, edges: tuple[tuple[float, float], ...] = CONFIDENCE_BUCKETS
+) -> list[ConfidenceBucket]:
+    """Per-token KLD bucketed by the reference's top-1 probability; the last bucket includes its upper edge
+    (a reference certain of a token, p = 1, counts in it)."""
+    x, conf = _as_f64(kld), _as_f64(ref_top_p)
+    if x.shape != conf.shape:
+        raise ValueError(f"paired samples differ in length: {x.size} vs {conf.size}")
+    out = []
+    for i, (lo, hi) in enumerate(edges):
+        upper = conf <= hi if i == len(edges) - 1 else conf < hi
+        inside = (conf >= lo) & upper
+        n = int(inside.sum())
+        mean = mean_with_stderr(x[inside]) if n else None
+        median = float(np.median(x[inside])) if n else None
+        out.append(ConfidenceBucket(lo, hi, n, n / x.size, mean, median))
+    return out
+
+
+def ratio_to_floor(value: float, floor: float) -> float:
+    """value / floor, a candidate's KLD in units of the measurement's own noise floor: inf for a positive
+    value over a zero floor, NaN for 0 / 0."""
+    if floor > 0:
+        return float(value) / float(floor)
+    return float("nan") if value == 0 else float("inf")
+
+
+def distinguishable(estimate: Estimate, stderr: float | None = None, z: float = 1.96) -> bool:
+    """Whether a mean difference lies further than z standard errors from 0 (two-sided 95% by default);
+    `stderr` replaces the estimate's own (a window-clustered one, say). No error estimate: never."""
+    se = estimate.stderr if stderr is None else stderr
+    if not np.isfinite(se):
+        return False
+    return abs(estimate.value) > z * se
+
+
+def pareto_front(costs: ArrayLike, losses: ArrayLike) -> list[bool]:
+    """Which points lie on the Pareto front of (cost, loss), both to be minimised: no other point is at
+    least as good on both and better on one. Ties on both count as on the front together."""
+    c, loss = _as_f64(costs), _as_f64(losses)
+    if c.shape != loss.shape:
+        raise ValueError(f"paired samples differ in length: {c.size} vs {loss.size}")
+    front = []
+    for i in range(c.size):
+        dominated = np.any((c <= c[i]) & (loss <= loss[i]) & ((c < c[i]) | (loss < loss[i])))
+        front.append(not bool(dominated))
+    return front

@@ -436,3 +436,41 @@ def render_model_card(results: dict[str, Any]) -> str:
     )
     lines += _environment(results)
     return "\n".join(lines)
+
+
+def render_alternatives(comparison: dict[str, Any], chosen: str | None = None) -> str:
+    """The model card's "Alternatives measured" section, from a compare.json document alone: every candidate
+    measured against the same reference on the same text, the chosen one (a candidate name) marked.
+
+    Args:
+        comparison: a compare.json document (schema `evalsuite.compare/1`).
+        chosen: the candidate this card is for, if any.
+    """
+    lines = ["### Alternatives measured", ""]
+    lines.append(
+        "Every candidate below was compared with the same reference on the same tokens "
+        "(`evalsuite compare`); ★ marks the Pareto front of bits per weight against mean KLD."
+    )
+    if comparison.get("kld_floor") is not None:
+        lines[-1] += (
+            f" The noise floor (the reference again with BF16-sized noise on each decoder layer) is a mean "
+            f"KLD of {format_number(comparison['kld_floor'])}."
+        )
+    head = ["candidate", "bits per weight", "PPL ratio", "mean KLD", "same top token", "vs floor"]
+    lines += ["", _row(head)]
+    lines.append("|" + " --- |" * 6)
+    for r in comparison["candidates"]:
+        name = f"**{r['name']}**" if r["name"] == chosen else r["name"]
+        kld = format_number(r.get("kld_mean"))
+        if r.get("kld_mean_stderr") is not None:
+            kld += f" ± {format_number(r['kld_mean_stderr'])}"
+        floor = {True: "within", False: f"× {format_number(r.get('kld_floor_ratio'))}"}.get(
+            r.get("within_noise_floor"), "–"
+        )
+        cells = [name + (" ★" if r.get("pareto") else ""), format_number(r.get("bits_per_weight"))]
+        cells += [format_number(r.get("ppl_ratio")), kld, format_number(r.get("same_top_p")), floor]
+        lines.append(_row(cells))
+    for pair in comparison.get("pairs", []):
+        lines.append("")
+        lines.append(f"- {pair['kld_verdict']}.")
+    return "\n".join(lines) + "\n"

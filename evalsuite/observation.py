@@ -1,7 +1,7 @@
 """What one side produced for one observer: JSON metadata, compact arrays, and large side files.
 
 An observation is saved under the run folder (or in a recording) and reused only under the same key: a
-digest of everything it depends on (see `evalsuite.runner.observation_key`).
+digest of everything it depends on (see `evalsuite.plan.observation_key`).
 """
 
 from __future__ import annotations

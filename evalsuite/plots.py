@@ -179,4 +179,34 @@ def kld_by_position(
     ax.set_xlabel("position in the window of the logits (they predict the next token)")
     ax.set_ylabel(f"mean KLD per token (nats, {estimator})")
     ax.set_title(f"KL(ref ‖ ckpt) by position ({values.size} tokens)")
+
+
+def metric_vs_bpw(
+    names: Sequence[str],
+    bpw: Sequence[float],
+    values: Sequence[float],
+    errors: Sequence[float],
+    front: Sequence[bool],
+    path: Path,
+    ylabel: str,
+    floor: float | None = None,
+) -> None:
+    """One point per candidate against its bits per weight, with error bars; the Pareto front joined by a
+    line, and the noise floor drawn where one was measured."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    x, y = np.asarray(bpw, dtype=np.float64), np.asarray(values, dtype=np.float64)
+    ax.errorbar(x, y, yerr=np.asarray(errors, dtype=np.float64), fmt="o", capsize=3, color="tab:blue")
+    on = np.asarray(front, dtype=bool)
+    if on.any():
+        order = np.argsort(x[on])
+        ax.plot(x[on][order], y[on][order], "-", color="tab:blue", alpha=0.5, label="Pareto front")
+    for name, xi, yi in zip(names, x, y, strict=True):
+        ax.annotate(name, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    if floor is not None:
+        ax.axhline(floor, color="tab:gray", linestyle="--", label=f"noise floor {floor:.3g}")
+    ax.set_xlabel("bits per weight")
+    ax.set_ylabel(ylabel)
+    if on.any() or floor is not None:
+        ax.legend(fontsize=8)
     _save(fig, path)

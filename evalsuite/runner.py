@@ -1,6 +1,7 @@
 """The runner: plan from the files, observe one side at a time, compare, and hand results to the report.
 
-A run has three phases.
+A run has three phases: the plan is `evalsuite.plan`'s, observing `evalsuite.observe`'s, and this module runs
+them, compares and gives the verdict (and records a reference).
 
 1. **Plan**, from files alone, before any model loads: both sides opened and their options checked; every
    task's spec and thresholds validated; each task's shared inputs prepared (tokens, prompts, images: a
@@ -19,34 +20,44 @@ A run has three phases.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import hashlib
-import json
 import platform
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 from evalsuite import __version__
-from evalsuite.backends import check_load_plan, load_backend, load_pair
-from evalsuite.backends.memory import streamed_if_needed
+from evalsuite.backends import check_load_plan
 from evalsuite.backends.options import BackendOptions
 from evalsuite.digest import DigestCache
 from evalsuite.errors import EvalsuiteError, InputError
-from evalsuite.observation import Observation
+from evalsuite.observe import OnLoad, observe_all
+from evalsuite.plan import (
+    SCHEMA,
+    PlannedObservation,
+    RunPlan,
+    RunRequest,
+    build_tasks,
+    check_baseline,
+    check_out_folder,
+    intref_conventions,
+    load_results,
+    observation_key,
+    plan_observations,
+    plan_run,
+    prepare_all,
+    recorded_observation,
+    side_options,
+    spec_provenance,
+    stream_if_needed,
+)
 from evalsuite.recording import RecordedObservation, write_recording
-from evalsuite.registry import get_task, spec_source
 from evalsuite.run_folder import RunFolder
-from evalsuite.side import Side, open_side
-from evalsuite.spec import Threshold, flat_metric_tables, load_spec
+from evalsuite.side import open_side
 from evalsuite.task import (
     FileTask,
-    Inputs,
     ModelTask,
-    Need,
     Progress,
     RecordableObserver,
     RunContext,
@@ -57,7 +68,37 @@ from evalsuite.task import (
     no_progress,
 )
 
-SCHEMA = "evalsuite.results/1"
+# Planning and observing live in evalsuite.plan and evalsuite.observe; their names stay importable from here.
+__all__ = [
+    "PACKAGES",
+    "SCHEMA",
+    "OnLoad",
+    "PlannedObservation",
+    "RecordRequest",
+    "RunPlan",
+    "RunRequest",
+    "RunResult",
+    "build_tasks",
+    "check_baseline",
+    "check_out_folder",
+    "environment",
+    "intref_conventions",
+    "load_results",
+    "observation_key",
+    "observe_all",
+    "plan_observations",
+    "plan_run",
+    "prepare_all",
+    "record",
+    "recorded_observation",
+    "run",
+    "side_options",
+    "spec_provenance",
+    "stream_if_needed",
+    "with_regression_checks",
+]
+
+
 PACKAGES = (
     "evalsuite",
     "torch",
@@ -73,25 +114,6 @@ PACKAGES = (
 
 
 @dataclass
-class RunRequest:
-    """Everything `evalsuite run` was asked to do."""
-
-    ckpt: str
-    ref: str
-    tasks: list[str]
-    out: Path
-    context: RunContext = field(default_factory=RunContext)
-    ckpt_options: BackendOptions = field(default_factory=BackendOptions)
-    ref_options: BackendOptions = field(default_factory=BackendOptions)
-    thresholds: dict[str, dict[str, Any]] = field(default_factory=dict)  # task -> {metric: {min|max}}
-    thresholds_file: Path | None = None  # where `thresholds` came from, named in its errors
-    baseline: Path | None = None  # an accepted earlier results.json: fail on metrics that worsened
-    specs: dict[str, Path] = field(default_factory=dict)  # task -> spec file replacing tasks/TASK.toml
-    resume: bool = True
-    keep_observations: bool = True  # False: the run folder keeps its reports only (the demo)
-
-
-@dataclass
 class RunResult:
     """The outcome: the results.json document and where it was written."""
 
@@ -101,10 +123,6 @@ class RunResult:
     @property
     def exit_code(self) -> int:
         return {"pass": 0, "fail": 1}.get(self.results["verdict"], 2)
-
-
-# Called with (side, options) just before a model is loaded: the CLI prints one line.
-OnLoad = Callable[[Side, BackendOptions], Any]
 
 
 def environment(options: BackendOptions) -> dict[str, Any]:
@@ -129,396 +147,6 @@ def environment(options: BackendOptions) -> dict[str, Any]:
         "dtype": options.dtype,
         "torch_threads": torch.get_num_threads(),
     }
-
-
-# --------------------------------------------------------------------------------------------------------
-# Tasks and specs
-# --------------------------------------------------------------------------------------------------------
-
-
-def build_tasks(
-    names: list[str],
-    context: RunContext,
-    thresholds: dict[str, dict[str, Any]] | None = None,
-    specs: dict[str, Path] | None = None,
-    thresholds_file: Path | None = None,
-) -> list[Task]:
-    """Instantiate the requested tasks with their validated specs; a bad spec, an unknown task or a
-    threshold on a metric the task does not report fails here, before any model."""
-    thresholds, specs = thresholds or {}, specs or {}
-    if not names:
-        raise InputError("no task to run: --tasks names none (e.g. --tasks ppl,tensors)")
-    for what, given in (("thresholds", thresholds), ("--spec", specs)):
-        unknown = set(given) - set(names)
-        if unknown:
-            raise InputError(
-                f"{what} given for tasks that are not run: {', '.join(sorted(unknown))}",
-                thresholds_file if what == "thresholds" else None,
-            )
-    tasks = []
-    for name in dict.fromkeys(names):
-        cls = get_task(name)
-        overrides = None
-        if name in thresholds:
-            overrides = {"thresholds": _checked_thresholds(cls, thresholds[name], thresholds_file)}
-        spec = load_spec(cls.spec_model, specs.get(name) or spec_source(cls), overrides)
-        tasks.append(cls(spec, context))
-    return tasks
-
-
-def _checked_thresholds(cls: type, table: Any, where: Path | None) -> dict[str, Any]:
-    """`--thresholds` entries of one task, each a valid bound on a metric the task reports."""
-    from pydantic import ValidationError
-
-    if not isinstance(table, dict):
-        raise InputError(f"[{cls.name}] must be a table of metric = {{ min = …, max = … }}", where)
-    # A name may be a pattern (`*.recovery`): tasks whose metrics are named per sub-task list them so.
-    known = getattr(cls, "metric_names", ())
-    checked = {}
-    for metric, bound in flat_metric_tables(table).items():
-        if known and not any(fnmatch.fnmatchcase(metric, pattern) for pattern in known):
-            raise InputError(
-                f"[{cls.name}] {metric}: `{cls.name}` reports no such metric (thresholds apply to: "
-                f"{', '.join(known)})",
-                where,
-            )
-        try:
-            checked[metric] = Threshold.model_validate(bound).model_dump(exclude_none=True)
-        except ValidationError as exc:
-            raise InputError(f"[{cls.name}] {metric}: {exc.errors()[0]['msg']}", where) from None
-    return checked
-
-
-# --------------------------------------------------------------------------------------------------------
-# The plan
-# --------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PlannedObservation:
-    """One observation the run needs: on which side, how executed, by which observer, for which tasks.
-
-    A `pair` observation is made on both sides at once: `side` is the candidate, `partner` the reference
-    (`partner_options` its execution). `consumes` maps the labels of the observations it is handed to their
-    keys.
-    """
-
-    key: str
-    side: Side
-    options: BackendOptions
-    need: Need
-    inputs: Inputs
-    tasks: list[str]
-    partner: Side | None = None
-    partner_options: BackendOptions | None = None
-    consumes: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def role(self) -> str:
-        """`ref`, `ckpt`, or `pair` for both sides at once."""
-        return "pair" if self.partner is not None else self.side.role
-
-
-@dataclass
-class RunPlan:
-    """Everything decided before any model loads."""
-
-    ref: Side
-    ckpt: Side
-    tasks: list[Task]
-    inputs: dict[str, Inputs]
-    skipped: dict[str, TaskResult]
-    observations: dict[str, PlannedObservation]  # by key, in observation order (reference first)
-    wiring: dict[str, dict[str, str]]  # task -> label -> key
-    provenance: dict[str, dict[str, str]] = field(default_factory=dict)  # task -> where its spec came from
-
-
-def side_options(side: Side, need: Need) -> BackendOptions:
-    """How a need's side is executed: the side's own options, or the need's backend and conventions;
-    streamed when the need asks for it (a `pair` need always does)."""
-    if need.backend is None or (need.backend == side.options.backend and not need.conventions):
-        options = side.options
-    else:
-        options = side.options.with_backend(need.backend, need.conventions)
-    if need.streamed or need.role == "pair":
-        options = dataclasses.replace(options, stream=True)
-    return options
-
-
-def observation_key(
-    side: Side,
-    options: BackendOptions,
-    need: Need,
-    inputs: Inputs,
-    digests: DigestCache,
-    consumes: dict[str, str] | None = None,
-    partner: tuple[Side, BackendOptions] | None = None,
-) -> str:
-    """Identity of an observation: every byte of the side's weights, its execution with its conventions,
-    the observer and what shapes it, the inputs' hashes, the evalsuite version; and for an observation made
-    from others, their keys; for a pair, the reference side's weights and execution too."""
-    doc: dict[str, Any] = {
-        "observer": need.observer.name,
-        "identity": need.observer.identity(),
-        "inputs": inputs_digest(inputs),
-        "content_sha256": side.content_sha256(digests),
-        "execution": options.to_json(),
-        "evalsuite": __version__,
-    }
-    if consumes:
-        doc["consumes"] = consumes
-    if partner is not None:
-        doc["partner"] = {
-            "content_sha256": partner[0].content_sha256(digests),
-            "execution": partner[1].to_json(),
-        }
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
-
-
-def prepare_all(tasks: list[Task], ref: Side, ckpt: Side) -> tuple[dict[str, Inputs], dict[str, TaskResult]]:
-    """Each task's shared inputs; tasks that cannot run here come back as `skipped` results."""
-    inputs: dict[str, Inputs] = {}
-    skipped: dict[str, TaskResult] = {}
-    for t in tasks:
-        try:
-            inputs[t.name] = t.prepare(ref, ckpt)
-        except TaskSkipped as skip:
-            skipped[t.name] = TaskResult(status="skipped", reason=str(skip))
-    return inputs, skipped
-
-
-def plan_observations(
-    tasks: list[Task],
-    inputs: dict[str, Inputs],
-    sides: dict[str, Side],
-    digests: DigestCache,
-    roles: tuple[str, ...] = ("ref", "ckpt", "pair"),
-) -> tuple[dict[str, PlannedObservation], dict[str, dict[str, str]]]:
-    """Every distinct observation the model tasks need of the `roles` sides, by key, and which key each
-    task's label gets. A need that consumes others is planned after them (a task lists them first)."""
-    planned: dict[str, PlannedObservation] = {}
-    wiring: dict[str, dict[str, str]] = {}
-    for t in tasks:
-        if t.name not in inputs or not isinstance(t, ModelTask):
-            continue
-        wiring[t.name] = {}
-        for need in t.needs():
-            if need.role not in roles or not all(label in wiring[t.name] for label in need.consumes):
-                continue
-            consumes = {label: wiring[t.name][label] for label in need.consumes}
-            side = sides["ckpt" if need.role == "pair" else need.role]
-            partner = None
-            if need.role == "pair":
-                partner = (sides["ref"], dataclasses.replace(sides["ref"].options, stream=True))
-            options = side_options(side, need)
-            key = observation_key(side, options, need, inputs[t.name], digests, consumes, partner)
-            wiring[t.name][need.label] = key
-            if key in planned:
-                planned[key].tasks.append(t.name)
-            else:
-                planned[key] = PlannedObservation(
-                    key,
-                    side,
-                    options,
-                    need,
-                    inputs[t.name],
-                    [t.name],
-                    partner=partner[0] if partner else None,
-                    partner_options=partner[1] if partner else None,
-                    consumes=consumes,
-                )
-    # The reference first (all its loads), then the candidate, then both at once: one model resident at a
-    # time (a pair holds one layer of each). The sort is stable: what a need consumes stays before it.
-    rank = {"ref": 0, "ckpt": 1, "pair": 2}
-    order = sorted(planned.values(), key=lambda p: rank[p.role])
-    return {p.key: p for p in order}, wiring
-
-
-def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
-    """Phase 1: everything that can be decided from files (see the module docstring)."""
-    ref_options, ckpt_options = request.ref_options.check(), request.ckpt_options.check()
-    ref = open_side("ref", request.ref, ref_options)
-    ckpt = open_side("ckpt", request.ckpt, ckpt_options)
-    for side in (ref, ckpt):
-        stream_if_needed(side)
-    check_out_folder(request.out)
-    # File tasks hash through the run's digest cache: a file is read once per run, whichever task asks.
-    context = dataclasses.replace(request.context, digests=digests)
-    tasks = build_tasks(request.tasks, context, request.thresholds, request.specs, request.thresholds_file)
-    if ckpt.options.backend == "intref" and not ckpt.options.conventions:
-        ckpt.options = ckpt.options.with_backend("intref", intref_conventions(request))
-    baseline = load_results(request.baseline) if request.baseline is not None else None
-    inputs, skipped = prepare_all(tasks, ref, ckpt)
-    if baseline is not None:
-        check_baseline(tasks, inputs, baseline, request.baseline)
-    for t in tasks:
-        if t.name in inputs and not isinstance(t, ModelTask | FileTask):
-            raise InputError(f"task `{t.name}` has neither needs/compare nor compare_files")
-    observations, wiring = plan_observations(tasks, inputs, {"ref": ref, "ckpt": ckpt}, digests)
-    folder = RunFolder(request.out)
-    loads: set[tuple[str, BackendOptions]] = set()
-    for planned in observations.values():
-        if planned.side.recording is not None:
-            recorded_observation(planned)  # refused now if stale, not after the candidate's hour
-        elif not (request.resume and _saved(folder, planned)):
-            loads.add((planned.side.role, planned.options))
-            if planned.partner is not None:
-                if planned.partner.recording is not None:
-                    raise InputError(
-                        f"`{planned.tasks[0]}` runs the reference's own layers, which a recording does not "
-                        "hold: give the reference checkpoint",
-                        planned.partner.path,
-                    )
-                loads.add((planned.partner.role, planned.partner_options))
-    for role, options in sorted(loads, key=lambda load: load[0] != "ref"):
-        side = ref if role == "ref" else ckpt
-        check_load_plan(side.checkpoint, options)
-    provenance = {t.name: spec_provenance(t, request) for t in tasks}
-    return RunPlan(ref, ckpt, tasks, inputs, skipped, observations, wiring, provenance)
-
-
-def spec_provenance(task: Task, request: RunRequest) -> dict[str, str]:
-    """Where a task's spec and thresholds came from, for results.json (a report says when they are not the
-    shipped defaults, and whose they are)."""
-    source = request.specs.get(task.name) or spec_source(type(task))
-    if task.name in request.thresholds:
-        thresholds = f"--thresholds {request.thresholds_file or ''}".rstrip()
-    elif task.name in request.specs:
-        thresholds = "--spec"
-    else:
-        thresholds = "shipped default"
-    return {"file": str(source), "thresholds": thresholds}
-
-
-def stream_if_needed(side: Side) -> None:
-    """Stream a side, one decoder layer resident at a time, when asked (`--stream`) or when its model would
-    not fit the memory budget (`evalsuite.backends.memory`); decided before any task prepares its inputs,
-    since tasks that generate are skipped on a streamed side."""
-    if side.checkpoint is not None:
-        side.options, side.stream_reason = streamed_if_needed(side.checkpoint, side.options)
-
-
-def intref_conventions(request: RunRequest) -> dict[str, Any]:
-    """The activation convention `--backend intref` runs the candidate with: the `intref` task's spec in
-    effect (`--spec intref=FILE` or the shipped one), whichever task is run."""
-    cls = get_task("intref")
-    spec = load_spec(cls.spec_model, request.specs.get("intref") or spec_source(cls))
-    return spec.activations.model_dump(mode="json")
-
-
-def check_out_folder(out: Path) -> None:
-    """`--out` must be a folder (or not exist yet), under a parent that is one."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise InputError("--out is a file, not a folder for the run's reports", out)
-    parent = next((p for p in out.resolve().parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise InputError("--out lies under a file, not a folder", parent)
-
-
-def check_baseline(
-    tasks: list[Task], inputs: dict[str, Inputs], baseline: dict[str, Any], path: Path
-) -> None:
-    """A baseline must hold every task of the run that will be compared, measured on the same inputs."""
-    for t in tasks:
-        if t.name not in inputs:
-            continue
-        entry = baseline["tasks"].get(t.name)
-        if not isinstance(entry, dict) or not entry.get("metrics"):
-            raise InputError(f"the baseline has no `{t.name}` metrics to compare with", path)
-        before = entry["metrics"]
-        for name, value in inputs_digest(inputs[t.name]).items():
-            if name.endswith("_sha256") and name in before and before[name] != value:
-                raise InputError(f"the baseline was measured on other inputs ({t.name}.{name} differs)", path)
-
-
-def recorded_observation(planned: PlannedObservation) -> Observation:
-    """The reference's observation from its recording, refused unless made the same way on the same inputs."""
-    need = planned.need
-    return planned.side.recording.observation(
-        planned.tasks[0],
-        need.observer.name,
-        need.observer.identity(),
-        inputs_digest(planned.inputs),
-        planned.options.backend,
-    )
-
-
-# --------------------------------------------------------------------------------------------------------
-# Observing
-# --------------------------------------------------------------------------------------------------------
-
-
-def _final(folder: RunFolder, planned: PlannedObservation) -> Path:
-    return folder.observation(planned.role, planned.need.observer.name, planned.key)
-
-
-def _saved(folder: RunFolder, planned: PlannedObservation) -> bool:
-    """Whether the run folder holds this very observation, complete (its key is in its folder name and in
-    its observation.json)."""
-    final = _final(folder, planned)
-    if not Observation.is_complete(final):
-        return False
-    try:
-        return Observation.load(final).key == planned.key
-    except InputError:
-        return False
-
-
-def observe_all(
-    plan: RunPlan,
-    folder: RunFolder,
-    resume: bool,
-    progress: Progress,
-    on_load: OnLoad | None,
-) -> dict[str, Observation]:
-    """Phase 2: every planned observation, loading each (side, execution) once, one model at a time."""
-    observed: dict[str, Observation] = {}
-    groups: dict[tuple[str, BackendOptions, BackendOptions | None], list[PlannedObservation]] = {}
-    for planned in plan.observations.values():
-        if planned.side.recording is not None:
-            observed[planned.key] = recorded_observation(planned)
-            continue
-        if resume and _saved(folder, planned):
-            observed[planned.key] = Observation.load(_final(folder, planned))
-            continue
-        groups.setdefault((planned.role, planned.options, planned.partner_options), []).append(planned)
-    for (role, options, partner_options), todo in groups.items():
-        side, partner = todo[0].side, todo[0].partner
-        if on_load is not None:
-            if partner is not None:
-                on_load(partner, partner_options)
-            on_load(side, options)
-        if partner is not None:
-            backend = load_pair(partner.checkpoint, partner_options, side.checkpoint, options)
-        else:
-            backend = load_backend(side.checkpoint, options)
-        try:
-            for planned in todo:
-                work = folder.observation_work(planned.role, planned.need.observer.name, planned.key, resume)
-                label = f"{role} ({options.backend})"
-
-                def labelled(what: str, total: int, label: str = label) -> Callable[[], None]:
-                    return progress(f"{label}: {what}", total)
-
-                inputs = planned.inputs
-                if planned.consumes:
-                    inputs = {**inputs, "observed": {k: observed[key] for k, key in planned.consumes.items()}}
-                obs = planned.need.observer.observe(backend, inputs, work, labelled)
-                obs.key = planned.key
-                obs.meta["tasks"] = sorted(planned.tasks)
-                obs.save(work)
-                observed[planned.key] = Observation.load(
-                    folder.commit_observation(work, _final(folder, planned))
-                )
-        finally:
-            backend.close()
-    return observed
-
-
-# --------------------------------------------------------------------------------------------------------
-# The run
-# --------------------------------------------------------------------------------------------------------
 
 
 def run(
@@ -581,19 +209,6 @@ def run(
     return RunResult(results=doc, folder=folder)
 
 
-def load_results(path: Path) -> dict[str, Any]:
-    """A results.json document (an accepted baseline, or a run to re-render), checked for its schema."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError("results file does not exist", path) from None
-    except ValueError as exc:
-        raise InputError(f"invalid JSON: {exc}", path) from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("tasks"), dict):
-        raise InputError(f"not an evalsuite results file (schema {SCHEMA})", path)
-    return doc
-
-
 def with_regression_checks(task: Task, result: TaskResult, baseline: dict[str, Any]) -> TaskResult:
     """Add one check per metric of the spec's `[regression]` table: no worse than the baseline's value.
     Everything else of the result (details, artifacts, notes) is kept."""
@@ -604,11 +219,6 @@ def with_regression_checks(task: Task, result: TaskResult, baseline: dict[str, A
             checks.append(tolerance.check(name, result.metrics.get(name), float(before[name])))
     status = "pass" if checks and all(c.passed for c in checks) else "fail"
     return dataclasses.replace(result, checks=checks, status=status)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Recording
-# --------------------------------------------------------------------------------------------------------
 
 
 @dataclass

@@ -290,3 +290,13 @@ def smollm2_demo_rerun(smollm2_pair, smollm2_run, tmp_path_factory) -> Run:
     args = ("run", "--ckpt", smollm2_pair[SMOLLM2_W4A8], "--ref", smollm2_pair[SMOLLM2_BF16])
     args += ("--tasks", SMOLLM2_TASKS, "--corpus", "python-docs")
     return rerun(smollm2_run, root / "run", *args, "--thresholds", demo_thresholds(SMOLLM2_TASKS, root))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster of 2 CPUs for the whole session (its start-up takes seconds on 2 cores); the
+    tests that use it skip where Ray is not installed (`pip install 'evalsuite[ray]'`)."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'evalsuite[ray]'")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

@@ -13,6 +13,7 @@ from evalsuite.observation import Observation
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
 from evalsuite.task import Inputs, Need, RunContext, TaskResult, task
+from evalsuite.tasks.kld_detail import detail_metrics, floor_metrics, token_detail, write_tokens
 from evalsuite.tasks.long_context import (
     ChunkedWindowLogits,
     LongContext,
@@ -20,6 +21,7 @@ from evalsuite.tasks.long_context import (
     position_bucket_metrics,
     scored_positions,
 )
+from evalsuite.tasks.noise_floor import NoiseFloorOptions, NoisyWindowLogits
 from evalsuite.tasks.window_logits import (
     RecordOptions,
     WindowLogits,
@@ -40,6 +42,7 @@ class PplSpec(TaskSpec):
     record: RecordOptions = RecordOptions()
     compare: CompareOptions = CompareOptions()
     long_context: LongContext = LongContext()
+    noise_floor: NoiseFloorOptions = NoiseFloorOptions()
 
 
 @task("ppl")
@@ -63,6 +66,13 @@ class Perplexity:
         "same_top_p",
         "delta_p_mean",
         "rms_delta_p",
+        "kld_reverse_mean",
+        "top?_agreement",
+        "delta_p_*",
+        "kld_conf_*",
+        "kld_floor",
+        "kld_floor_ratio",
+        "kld_above_floor",
     )
 
     metric_descriptions: ClassVar[dict[str, str]] = {
@@ -76,6 +86,13 @@ class Perplexity:
         "delta_p_mean": "mean change of the probability given to the true next token (ckpt − ref)",
         "rms_delta_p": "root mean square of that change: how much the probabilities move either way",
         "kld_estimator": "how KLD was computed: full vocabulary, or top-k + sampled tail from a recording",
+        "kld_reverse_mean": "mean KL(ckpt ‖ ref): the divergence weighted by the candidate's own beliefs",
+        "top5_agreement": "share of scored positions whose 5 most probable tokens agree, in order",
+        "delta_p_p99": "99th percentile of the per-token Δp (llama.cpp's `99.0% Δp`)",
+        "kld_conf_95_100_mean": "mean KLD where the reference gives its top token p >= 0.95",
+        "kld_floor": "mean KLD of the reference run again with BF16-sized noise on each decoder layer",
+        "kld_floor_ratio": "kld_mean / kld_floor: the candidate's divergence in units of the noise floor",
+        "within_noise_floor": "the candidate's KLD exceeds the floor's by no more than 1.96 window errors",
     }
 
     def __init__(self, spec: PplSpec, context: RunContext) -> None:
@@ -97,7 +114,16 @@ class Perplexity:
                 self.spec.compare.kld_chunk_rows,
                 self.spec.long_context.head_chunk_rows,
             )
-        return [Need("ref", "ref", observer), Need("ckpt", "ckpt", observer)]
+        needs = [Need("ref", "ref", observer), Need("ckpt", "ckpt", observer)]
+        if self.spec.noise_floor.enabled:
+            noisy = NoisyWindowLogits(
+                self.spec.protocol,
+                self.spec.record,
+                self.spec.compare.kld_chunk_rows,
+                noise=self.spec.noise_floor,
+            )
+            needs.append(Need("floor", "ref", noisy))
+        return needs
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
         ref, ckpt = observed["ref"], observed["ckpt"]
@@ -156,6 +182,13 @@ class Perplexity:
                 f"text too short for the protocol: {n_windows} of {protocol.starts.count} windows fit "
                 f"({ref.meta['n_tokens_text']} tokens)"
             )
+        chunk_rows = self.spec.compare.kld_chunk_rows
+        detail = token_detail(ref, ckpt, chunk_rows)
+        values.update(detail_metrics(detail, kld, nll_ref, nll_ckpt, windows))
+        tokens = {"kld": kld, "nll_ref": nll_ref, "nll_ckpt": nll_ckpt, "window": windows}
+        if "floor" in observed:
+            floor, tokens["kld_floor"] = floor_metrics(ref, observed["floor"], kld, windows, chunk_rows)
+            values.update(floor)
         artifacts_made = self.plot(ref, nll_ckpt, kld, estimator, artifacts)
         long = self.spec.long_context
         if long.head_chunk_rows:
@@ -172,6 +205,7 @@ class Perplexity:
                 positions, kld, long.position_buckets, artifacts / "ppl_kld_by_position.png", estimator
             )
             artifacts_made["kld_by_position"] = f"{artifacts.name}/ppl_kld_by_position.png"
+        artifacts_made["tokens"] = write_tokens(artifacts, tokens)
         checks, _ = self.spec.threshold_checks(values)
         return TaskResult.from_checks(values, checks, artifacts=artifacts_made)
 

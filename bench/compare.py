@@ -1,0 +1,125 @@
+"""Benchmark of `evalsuite compare` on the SmolLM2 pair with N = 4 candidates.
+
+The candidates are the W4A8 copy and three copies of it with every weight scale multiplied by 0.99, 1.01 and
+1.02: four packs with different bytes, each costing one observation. Prints, measured in this one run
+(compare ratios, not seconds; these machines are noisy):
+  (a) `compare` (noise floor off, in this process) over the observations it cannot avoid: the reference's and
+      the 4 candidates', each a load and the `ppl` windows forwarded, timed on their own in this process
+      (goal <= 1.05: compare adds little beyond observing);
+  (b) `evalsuite compare` as a command over four separate `evalsuite run` commands, one per candidate, each
+      a fresh process as a user runs them (goal <= 0.6: the reference is observed once, not four times);
+  and what the noise floor adds to `compare` (one more reference forward, in the same load).
+
+    flock /tmp/evalsuite-heavy.lock python bench/compare.py [--fixtures DIR] [--pair tiny]
+
+`--pair tiny` runs the tiny MiniCPM-V 4.7 pair instead (a minute, not ten): its forwards are so cheap that the
+fixed costs of a comparison (KLD passes, plots, start-up) weigh far more than on any real model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from evalsuite.backends import load_backend
+from evalsuite.backends.options import BackendOptions
+from evalsuite.cli import DEFAULT_FIXTURES
+from evalsuite.compare import CompareRequest, compare
+from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
+from evalsuite.runner import build_tasks
+from evalsuite.side import open_side
+from evalsuite.task import RunContext
+
+SCALES = (0.99, 1.01, 1.02)
+CONTEXT = RunContext(corpus_name="python-docs")
+
+
+def scaled_copy(src: Path, dst: Path, factor: float) -> Path:
+    """A copy of a compressed-tensors checkpoint with every `weight_scale` multiplied by `factor`."""
+    shutil.copytree(src, dst)
+    for shard in dst.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as fh:
+            metadata = fh.metadata()
+        tensors = load_file(str(shard))
+        tensors = {k: v * factor if k.endswith("weight_scale") else v for k, v in tensors.items()}
+        save_file(tensors, str(shard), metadata=metadata)
+    return dst
+
+
+def observation_seconds(path: Path, ref: Path, folder: Path) -> float:
+    """One side's `ppl` observation on its own: the load, the windows forwarded, the logits saved."""
+    (task,) = build_tasks(["ppl"], CONTEXT)
+    side = open_side("ckpt", str(path), BackendOptions().check())
+    ref_side = open_side("ref", str(ref), BackendOptions().check())
+    inputs = task.prepare(ref_side, side)
+    observer = task.needs()[0].observer
+    folder.mkdir(parents=True)
+    t0 = time.perf_counter()
+    backend = load_backend(side.checkpoint, side.options)
+    try:
+        observer.observe(backend, inputs, folder, lambda what, total: lambda: None)
+    finally:
+        backend.close()
+    return time.perf_counter() - t0
+
+
+def cli(*args: str | Path) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "evalsuite.cli", *map(str, args), "--quiet"], check=True,
+                   capture_output=True)  # fmt: skip
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
+    parser.add_argument("--pair", choices=("smollm2", "tiny"), default="smollm2")
+    args = parser.parse_args()
+    source, quantized = (SMOLLM2_BF16, SMOLLM2_W4A8) if args.pair == "smollm2" else (TINY_BF16, TINY_W4A8)
+    pair = build_fixtures(args.fixtures, [source, quantized])
+    ref = pair[source]
+    with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp:
+        root = Path(tmp)
+        candidates = [pair[quantized]]
+        candidates += [scaled_copy(candidates[0], root / f"w4a8-x{f}", f) for f in SCALES]
+        # (a) in this process: the observations alone, then compare (imports are warm for both)
+        observe = observation_seconds(ref, ref, root / "obs" / "ref")
+        for i, c in enumerate(candidates):
+            observe += observation_seconds(c, ref, root / "obs" / f"c{i}")
+        timings = {}
+        for floor in (False, True):
+            request = CompareRequest(
+                ref=str(ref), ckpts=list(map(str, candidates)), tasks=["ppl"], out=root / f"cmp-{floor}",
+                context=CONTEXT, noise_floor=floor,
+            )  # fmt: skip
+            t0 = time.perf_counter()
+            compare(request)
+            timings[floor] = time.perf_counter() - t0
+        # (b) as commands, as a user runs them
+        common = ("--tasks", "ppl", "--corpus", "python-docs")
+        separate = sum(
+            cli("run", "--ckpt", c, "--ref", ref, *common, "--out", root / f"run-{i}")
+            for i, c in enumerate(candidates)
+        )
+        ckpts = [a for c in candidates for a in ("--ckpt", c)]
+        command = cli("compare", "--ref", ref, *ckpts, *common, "--no-noise-floor", "--out", root / "cmd")
+    n = len(candidates)
+    print(f"{ref.name} pair, {n} candidates, task ppl; timings taken in one run (a shared, busy machine)")
+    print(f"observations alone (1 reference + {n} candidates): {observe:.1f} s")
+    print(f"compare in process: {timings[False]:.1f} s; with the noise floor: {timings[True]:.1f} s")
+    print(f"(a) compare / observations = {timings[False] / observe:.3f}   (goal <= 1.05)")
+    print(f"evalsuite compare: {command:.1f} s; {n} separate evalsuite run: {separate:.1f} s")
+    print(f"(b) compare / separate runs = {command / separate:.3f}   (goal <= 0.6)")
+    print(f"noise floor: compare with it / without = {timings[True] / timings[False]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

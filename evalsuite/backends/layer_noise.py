@@ -1,0 +1,78 @@
+"""Seeded multiplicative noise on each decoder layer's output: the forward a noise floor is measured with.
+
+The reference run again with every decoder layer's output multiplied by (1 + ε·z), z standard normal and ε
+one BF16 unit roundoff (2⁻⁹, the scale exllamav3's `eval/qbench/measure.py` names `BF16_ROUNDING_EPS`), is
+a model that differs from the reference by rounding alone: its KL divergence from the reference is the
+smallest a comparison on this text can resolve. The draws are seeded by the window's own tokens and the
+layer's index, so a window gets the same noise whenever and in whichever order it is forwarded (a resumed
+observation included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from evalsuite.backends.streamed import decoder_layers
+from evalsuite.errors import InputError
+
+BF16_ROUNDING = 2.0**-9
+
+
+def _seed(seed: int, window: torch.Tensor, layer: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{layer}:".encode())
+    digest.update(np.ascontiguousarray(window.cpu().numpy(), dtype="<i8").tobytes())
+    return int.from_bytes(digest.digest()[:8], "little") >> 1
+
+
+class NoisyLayers:
+    """Forward hooks on a Transformers model's decoder layers that multiply each layer's output (the hidden
+    states, the first element of a tuple output) by 1 + scale·z in float32, cast back to its dtype."""
+
+    def __init__(self, model: Any, checkpoint: Any, scale: float, seed: int) -> None:
+        self.layers, _ = decoder_layers(model, checkpoint)
+        self.scale, self.seed = scale, seed
+        self.window: torch.Tensor | None = None
+
+    def _perturb(self, index: int, output: Any) -> Any:
+        hidden = output[0] if isinstance(output, tuple) else output
+        generator = torch.Generator(device=hidden.device).manual_seed(_seed(self.seed, self.window, index))
+        z = torch.randn(hidden.shape, generator=generator, device=hidden.device, dtype=torch.float32)
+        noisy = (hidden.float() * (1.0 + self.scale * z)).to(hidden.dtype)
+        return (noisy, *output[1:]) if isinstance(output, tuple) else noisy
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[NoisyLayers]:
+        """The hooks, on for the duration of the block."""
+        handles = [
+            layer.register_forward_hook(lambda _m, _a, out, i=i: self._perturb(i, out))
+            for i, layer in enumerate(self.layers)
+        ]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def noisy_window_logits(
+    backend: Any, windows: torch.Tensor, positions: torch.Tensor, scale: float, seed: int
+) -> Iterator[torch.Tensor]:
+    """`backend.window_logits` of each window with seeded noise on every decoder layer's output. Needs a
+    backend that runs a whole Transformers model (`model` and `checkpoint`)."""
+    model = getattr(backend, "model", None)
+    if model is None:
+        raise InputError(
+            f"the noise floor runs the reference through Transformers with hooks on its decoder layers; "
+            f"backend {backend.describe().get('backend')} exposes no such model (streamed or exllamav3)"
+        )
+    noisy = NoisyLayers(model, backend.checkpoint, scale, seed)
+    with noisy.attached():
+        for window in windows:
+            noisy.window = window
+            yield from backend.window_logits(window[None], positions)

@@ -1,0 +1,238 @@
+"""The comparison of many candidates against one reference: `compare.json`, `compare.md` and the plots.
+
+A row per candidate (bits per weight and bytes, the `ppl` figures, downstream Δ where `lmeval` ran), sorted
+by bits per weight, the Pareto front of (bits per weight, KLD) marked; for each adjacent pair on the front,
+the per-token differences of their KLDs and NLLs, paired by token, with window-clustered standard errors;
+and the noise floor. Read from the candidates' results.json documents and per-token arrays alone: the same
+runs give the same bytes, whichever executor made them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from evalsuite import metrics, plots
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.model_card import render_alternatives
+from evalsuite.observation import Observation
+from evalsuite.report import format_number
+from evalsuite.run_folder import RunFolder, write_atomic
+from evalsuite.tasks.kld_detail import read_tokens
+from evalsuite.tasks.lmeval import OBSERVER_NAME as LMEVAL_OBSERVER
+from evalsuite.tasks.lmeval import compare_task
+
+SCHEMA = "evalsuite.compare/1"
+PPL_COLUMNS = (
+    "ppl_ratio",
+    "kld_mean",
+    "kld_median",
+    "kld_p99",
+    "same_top_p",
+    "top5_agreement",
+    "delta_p_mean",
+    "rms_delta_p",
+    "kld_floor_ratio",
+    "within_noise_floor",
+)
+STDERR = {"ppl_ratio": None, "kld_mean": "kld_mean_stderr_window", "same_top_p": "same_top_p_stderr_window"}
+
+
+def _bits(doc: dict[str, Any], ref: Checkpoint | None) -> tuple[float | None, int | None, str]:
+    """Bits per weight and stored bytes: the `tensors` task's, else 8 × the candidate's bytes over the
+    reference's parameters (the same definition, from the files)."""
+    measured = doc["tasks"].get("tensors", {}).get("metrics", {})
+    if measured.get("avg_bits_per_weight_all") is not None:
+        return measured["avg_bits_per_weight_all"], measured.get("payload_bytes"), "tensors"
+    path = doc["ckpt"].get("path")
+    if ref is None or path is None:
+        return None, None, "not measured"
+    candidate = Checkpoint.open(path)
+    params = sum(info.numel for info in ref.tensors.values())
+    return 8 * candidate.total_bytes / params, candidate.total_bytes, "files"
+
+
+def candidate_row(name: str, doc: dict[str, Any], ref: Checkpoint | None) -> dict[str, Any]:
+    """One candidate's row of compare.json."""
+    bpw, size, source = _bits(doc, ref)
+    row: dict[str, Any] = {
+        "name": name,
+        "path": doc["ckpt"].get("path"),
+        "format": doc["ckpt"].get("format"),
+        "verdict": doc["verdict"],
+        "bits_per_weight": bpw,
+        "bits_per_weight_from": source,
+        "bytes": size,
+    }
+    ppl = doc["tasks"].get("ppl", {}).get("metrics", {})
+    for column in PPL_COLUMNS:
+        row[column] = ppl.get(column)
+    ln_se = ppl.get("ln_ppl_ratio_stderr_window")
+    row["ppl_ratio_stderr"] = ppl["ppl_ratio"] * ln_se if ln_se is not None and "ppl_ratio" in ppl else None
+    row["kld_mean_stderr"] = ppl.get("kld_mean_stderr_window")
+    lm = doc["tasks"].get("lmeval", {}).get("metrics", {})
+    row["downstream"] = {k: v for k, v in sorted(lm.items()) if k.endswith((".delta", ".delta_stderr"))}
+    return row
+
+
+def _sentence(a: str, b: str, what: str, est: metrics.Estimate, se: float) -> str:
+    """What a mean difference B − A (lower is better) says, within 1.96 window-clustered errors."""
+    if not metrics.distinguishable(est, se):
+        return f"{a} and {b} are indistinguishable on this text ({what} {est.value:+.3g} ± {se:.2g})"
+    better, worse = (a, b) if est.value > 0 else (b, a)
+    return f"{better} is better than {worse} by {abs(est.value):.3g} ± {se:.2g} ({what}, window-clustered)"
+
+
+def paired_rows(out: Path, names: list[str], docs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per adjacent pair (A, B) on the front: mean per-token KLD_B − KLD_A and NLL_B − NLL_A with their
+    window-clustered standard errors, and what they say."""
+    rows = []
+    for a, b in itertools.pairwise(names):
+        ta, tb = (_tokens(out, n, docs[n]) for n in (a, b))
+        if ta is None or tb is None:
+            continue
+        pair: dict[str, Any] = {"a": a, "b": b, "n_tokens": int(ta["kld"].size)}
+        for what, key in (("kld", "kld"), ("nll", "nll_ckpt")):
+            est = metrics.paired_difference(ta[key], tb[key])
+            se = metrics.clustered_stderr(tb[key] - ta[key], ta["window"])
+            pair[f"{what}_diff"], pair[f"{what}_diff_stderr"] = est.value, se
+            pair[f"{what}_verdict"] = _sentence(a, b, f"{what.upper()} B − A", est, se)
+        pair.update(downstream_pair(out, a, b))
+        rows.append(pair)
+    return rows
+
+
+def _lmeval_observation(out: Path, name: str) -> Observation | None:
+    """A candidate's lm-eval samples from its run folder (a copy of the reference has the reference's)."""
+    folder = RunFolder(out / name).observations
+    for role in ("ckpt", "ref"):
+        found = sorted(folder.glob(f"{role}-{LMEVAL_OBSERVER}-*")) if folder.is_dir() else []
+        if found and Observation.is_complete(found[0]):
+            return Observation.load(found[0])
+    return None
+
+
+def downstream_pair(out: Path, a: str, b: str) -> dict[str, Any]:
+    """Where `lmeval` ran on both: B's paired accuracy change over A per document, and the documents that
+    flipped between them (`lmeval`'s own paired statistics, with A in the reference's place)."""
+    first, second = _lmeval_observation(out, a), _lmeval_observation(out, b)
+    if first is None or second is None:
+        return {}
+    values: dict[str, Any] = {}
+    for task in second.meta["lm_eval_tasks"]:
+        if task in first.meta["lm_eval_tasks"]:
+            stats, _ = compare_task(task, first, second)
+            keep = (".delta", ".delta_stderr", ".flips_c2w", ".flips_w2c", ".mcnemar_p")
+            values.update({f"lmeval.{k}": v for k, v in stats.items() if k.endswith(keep)})
+    return values
+
+
+def _tokens(out: Path, name: str, doc: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    relative = doc["tasks"].get("ppl", {}).get("artifacts", {}).get("tokens")
+    return read_tokens(out / name, relative) if relative else None
+
+
+def build_comparison(
+    out: Path, ref: str, names: list[str], docs: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The compare.json document."""
+    reference = Checkpoint.open(ref) if Path(ref, "config.json").is_file() else None
+    rows = [candidate_row(name, docs[name], reference) for name in names]
+    rows.sort(key=lambda r: (r["bits_per_weight"] is None, r["bits_per_weight"] or 0.0, r["kld_mean"] or 0.0))
+    measured = [r for r in rows if r["bits_per_weight"] is not None and r["kld_mean"] is not None]
+    front = metrics.pareto_front([r["bits_per_weight"] for r in measured], [r["kld_mean"] for r in measured])
+    on_front = {r["name"] for r, f in zip(measured, front, strict=True) if f}
+    for r in rows:
+        r["pareto"] = r["name"] in on_front
+    floor = next(
+        (d["tasks"]["ppl"]["metrics"].get("kld_floor") for d in docs.values() if "ppl" in d["tasks"]), None
+    )
+    return {
+        "schema": SCHEMA,
+        "ref": ref,
+        "kld_floor": floor,
+        "candidates": rows,
+        "pairs": paired_rows(out, [r["name"] for r in rows if r["pareto"]], docs),
+        "artifacts": {"kld_vs_bpw": "kld_vs_bpw.png", "ppl_ratio_vs_bpw": "ppl_ratio_vs_bpw.png"},
+    }
+
+
+def render_compare_md(doc: dict[str, Any]) -> str:
+    """compare.md: the table, the pairs on the front, the floor and the plots."""
+    lines = [f"# Comparison against {doc['ref']}", ""]
+    if doc["kld_floor"] is not None:
+        lines += [
+            f"Noise floor (the reference with BF16-sized noise): KLD {format_number(doc['kld_floor'])}.",
+            "",
+        ]
+    head = ["candidate", "front", "bpw", "bytes", "ppl ratio", "KLD mean", "KLD median", "KLD p99"]
+    head += ["same top", "top-5", "Δp mean", "KLD / floor", "within floor", "verdict"]
+    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in doc["candidates"]:
+        kld = format_number(r["kld_mean"])
+        if r["kld_mean_stderr"] is not None:
+            kld += f" ± {format_number(r['kld_mean_stderr'])}"
+        cells = [r["name"], "★" if r["pareto"] else "", format_number(r["bits_per_weight"])]
+        cells += [format_number(r["bytes"]), format_number(r["ppl_ratio"]), kld]
+        cells += [format_number(r[c]) for c in ("kld_median", "kld_p99", "same_top_p", "top5_agreement")]
+        cells += [format_number(r["delta_p_mean"]), format_number(r["kld_floor_ratio"])]
+        cells += [{True: "yes", False: "no"}.get(r["within_noise_floor"], ""), r["verdict"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    if doc["pairs"]:
+        lines += ["", "## Adjacent candidates on the front (paired by token)", ""]
+        for p in doc["pairs"]:
+            lines += [f"- {p['kld_verdict']}", f"- {p['nll_verdict']}"]
+            flips = {k: v for k, v in p.items() if k.startswith("lmeval.")}
+            if flips:
+                shown = ", ".join(f"{k.removeprefix('lmeval.')} {format_number(v)}" for k, v in flips.items())
+                lines.append(f"- downstream, {p['b']} − {p['a']}: {shown}")
+    downstream = [r for r in doc["candidates"] if r["downstream"]]
+    if downstream:
+        lines += ["", "## Downstream (lmeval, candidate − reference)", ""]
+        for r in downstream:
+            shown = ", ".join(f"{k} {format_number(v)}" for k, v in r["downstream"].items())
+            lines.append(f"- {r['name']}: {shown}")
+    lines += ["", "![KLD vs bits per weight](kld_vs_bpw.png)", "", "![PPL ratio](ppl_ratio_vs_bpw.png)", ""]
+    return "\n".join(lines)
+
+
+def write_comparison(
+    out: Path, ref: str, names: list[str], docs: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """compare.json, compare.md and the two plots, atomically; returns compare.json's document."""
+    doc = build_comparison(out, ref, names, docs)
+    points = [r for r in doc["candidates"] if r["bits_per_weight"] is not None]
+    for key, column, floor, label in (
+        ("kld_vs_bpw", "kld_mean", doc["kld_floor"], "mean KLD (nats)"),
+        ("ppl_ratio_vs_bpw", "ppl_ratio", None, "PPL ratio"),
+    ):
+        usable = [r for r in points if r[column] is not None]
+        plots.metric_vs_bpw(
+            [r["name"] for r in usable],
+            [r["bits_per_weight"] for r in usable],
+            [r[column] for r in usable],
+            [r[f"{column}_stderr"] or 0.0 for r in usable],
+            [r["pareto"] for r in usable],
+            out / doc["artifacts"][key],
+            label,
+            floor,
+        )
+    write_atomic(out / "compare.json", json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n")
+    write_atomic(out / "compare.md", render_compare_md(doc))
+    write_atomic(out / "model-card-alternatives.md", render_alternatives(doc))
+    return doc
+
+
+def _finite(value: Any) -> Any:
+    """Strict JSON: a non-finite number (no error estimate from one window, say) becomes null."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value

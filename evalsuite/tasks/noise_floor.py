@@ -1,0 +1,57 @@
+"""The `ppl` noise floor's observer: the reference's window logits with BF16-sized noise on every decoder
+layer's output (`evalsuite.backends.layer_noise`), stored like any other window logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from evalsuite.backends.layer_noise import BF16_ROUNDING, noisy_window_logits
+from evalsuite.observation import Observation
+from evalsuite.spec import StrictModel
+from evalsuite.task import Inputs, Progress
+from evalsuite.tasks.window_logits import WindowLogits
+
+if TYPE_CHECKING:
+    from evalsuite.backends import Backend
+
+OBSERVER_NAME = "window-logits-noise"
+
+
+class NoiseFloorOptions(StrictModel):
+    """`[noise_floor]` of the ppl spec: off in `run`, on in `compare` (the reference run again with noise)."""
+
+    enabled: bool = False
+    scale: float = BF16_ROUNDING
+    seed: int = 0
+
+
+class NoisyBackend:
+    """A backend whose `window_logits` carry the noise; everything else is the backend's own."""
+
+    def __init__(self, backend: Backend, options: NoiseFloorOptions) -> None:
+        self.backend, self.options = backend, options
+        self.vocab_size = backend.vocab_size
+
+    def describe(self) -> dict[str, Any]:
+        noise = f"decoder-layer outputs × (1 + {self.options.scale:g}·z), seed {self.options.seed}"
+        return {**self.backend.describe(), "noise": noise}
+
+    def window_logits(self, windows: Any, positions: Any) -> Any:
+        return noisy_window_logits(self.backend, windows, positions, self.options.scale, self.options.seed)
+
+
+class NoisyWindowLogits(WindowLogits):
+    """Observer: `WindowLogits` of the reference forwarded with seeded noise on its decoder layers."""
+
+    name = OBSERVER_NAME
+
+    def __init__(self, *args: Any, noise: NoiseFloorOptions, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.noise = noise
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "noise": {"scale": self.noise.scale, "seed": self.noise.seed}}
+
+    def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
+        return super().observe(NoisyBackend(backend, self.noise), inputs, folder, progress)

@@ -1,0 +1,188 @@
+"""`evalsuite compare` on the tiny MiniCPM-V 4.7 pair and copies of its source, in process (the models'
+loads and forwarded windows are counted): the reference is forwarded once, each candidate's results equal a
+single `run`'s, an identical copy is at KLD 0 and within the noise floor while the W4A8 copy is not, and the
+Ray executor (a local cluster of 2 CPUs) writes the same compare.json, byte for byte."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import Models, assert_refused, cli_in_process, copy_checkpoint
+
+from evalsuite.fixtures import TINY_BF16, TINY_W4A8
+
+
+@dataclass
+class Comparison:
+    code: int
+    lines: list[str]
+    out: Path
+    models: Models
+    args: tuple
+
+    @property
+    def doc(self) -> dict:
+        return json.loads((self.out / "compare.json").read_text(encoding="utf-8"))
+
+    def row(self, name: str) -> dict:
+        return next(r for r in self.doc["candidates"] if r["name"] == name)
+
+    def results(self, name: str) -> dict:
+        return json.loads((self.out / name / "results.json").read_text(encoding="utf-8"))
+
+
+def compare_args(ref: Path, ckpts: list[Path], out: Path, *extra: str) -> tuple:
+    args = ["compare", "--ref", ref, "--tasks", "ppl,tensors", "--corpus", "python-docs", "--out", out]
+    for ckpt in ckpts:
+        args += ["--ckpt", ckpt]
+    return (*args, "--quiet", *extra)
+
+
+def counted(args: tuple) -> tuple[int, list[str], Models]:
+    with pytest.MonkeyPatch.context() as mp:
+        models = Models().watch(mp)
+        code, lines, _ = cli_in_process(*args)
+    return code, lines, models
+
+
+@pytest.fixture(scope="module")
+def candidates(tiny_pair, tmp_path_factory) -> list[Path]:
+    """The W4A8 copy and two byte-identical copies of the source."""
+    root = tmp_path_factory.mktemp("candidates")
+    copies = [copy_checkpoint(tiny_pair[TINY_BF16], root / name) for name in ("same-a", "same-b")]
+    return [tiny_pair[TINY_W4A8], *copies]
+
+
+@pytest.fixture(scope="module")
+def comparison(tiny_pair, candidates, tmp_path_factory) -> Comparison:
+    out = tmp_path_factory.mktemp("compare") / "cmp"
+    args = compare_args(tiny_pair[TINY_BF16], candidates, out)
+    code, lines, models = counted(args)
+    return Comparison(code, lines, out, models, args)
+
+
+def test_the_reference_is_forwarded_once_for_all_candidates(tiny_pair, comparison):
+    assert comparison.code == 0, comparison.lines
+    ref, w4a8 = tiny_pair[TINY_BF16].name, tiny_pair[TINY_W4A8].name
+    loads = comparison.models.loads
+    assert loads.count((ref, "hf")) == 1 and loads.count((w4a8, "hf")) == 1, loads
+    # Byte-identical copies have the reference's key: they are served by its observation, never loaded.
+    assert {name for name, _ in loads} == {ref, w4a8}
+    n_windows = comparison.results(w4a8)["tasks"]["ppl"]["metrics"]["n_windows"]
+    # each window once clean and once with the noise floor's noise, in the same load; the candidate once
+    assert comparison.models.windows[ref, "hf"] == 2 * n_windows
+    assert comparison.models.windows[w4a8, "hf"] == n_windows
+
+
+def test_each_candidate_gets_the_results_of_a_single_run(tiny_pair, comparison, tmp_path):
+    code, lines, _ = cli_in_process(
+        "run", "--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16], "--tasks", "ppl,tensors",
+        "--corpus", "python-docs", "--out", tmp_path / "single", "--quiet",
+    )  # fmt: skip
+    assert code == 0, lines
+    single = json.loads((tmp_path / "single" / "results.json").read_text(encoding="utf-8"))
+    compared = comparison.results(tiny_pair[TINY_W4A8].name)
+    assert compared["verdict"] == single["verdict"]
+    for task in ("ppl", "tensors"):
+        ours, theirs = compared["tasks"][task]["metrics"], single["tasks"][task]["metrics"]
+        # the comparison adds the noise floor's metrics; every metric of the single run is there, equal
+        assert {k: ours[k] for k in theirs} == theirs
+    assert set(compared["tasks"]["ppl"]["metrics"]) - set(single["tasks"]["ppl"]["metrics"]) >= {
+        "kld_floor", "kld_floor_ratio", "within_noise_floor",
+    }  # fmt: skip
+
+
+def test_an_identical_candidate_is_at_kld_zero_and_within_the_floor(comparison, tiny_pair):
+    same, w4a8 = comparison.row("same-a"), comparison.row(tiny_pair[TINY_W4A8].name)
+    assert same["kld_mean"] == 0.0 and same["ppl_ratio"] == 1.0 and same["same_top_p"] == 1.0
+    assert same["within_noise_floor"] is True
+    floor = comparison.doc["kld_floor"]
+    assert floor > 0
+    # built to fail it: the W4A8 copy is far above the floor
+    assert w4a8["within_noise_floor"] is False and w4a8["kld_floor_ratio"] > 10
+    assert w4a8["kld_mean"] == pytest.approx(w4a8["kld_floor_ratio"] * floor)
+
+
+def test_rows_are_sorted_by_bits_with_the_front_and_the_pairs_on_it(comparison, tiny_pair):
+    doc = comparison.doc
+    rows = doc["candidates"]
+    assert [r["bits_per_weight"] for r in rows] == sorted(r["bits_per_weight"] for r in rows)
+    assert rows[0]["name"] == tiny_pair[TINY_W4A8].name and rows[0]["bits_per_weight"] < 16
+    assert all(r["pareto"] for r in rows)  # fewer bits and more KLD, or more bits and none: all on the front
+    first, second = doc["pairs"]
+    assert first["kld_diff"] < 0 and "same-a is better than" in first["kld_verdict"]
+    # two copies of the source: the same tokens, the same KLD, nothing to tell them apart
+    assert second["kld_diff"] == 0 and "indistinguishable" in second["kld_verdict"]
+    assert "indistinguishable" in second["nll_verdict"]
+    md = (comparison.out / "compare.md").read_text(encoding="utf-8")
+    assert "same-a is better than" in md and "![KLD vs bits per weight](kld_vs_bpw.png)" in md
+    for name in ("kld_vs_bpw.png", "ppl_ratio_vs_bpw.png"):
+        assert (comparison.out / name).read_bytes()[:4] == b"\x89PNG"
+    card = (comparison.out / "model-card-alternatives.md").read_text(encoding="utf-8")
+    assert "### Alternatives measured" in card and f"| {rows[0]['name']} ★ |" in card
+
+
+def test_a_second_compare_resumes_without_a_model_and_writes_the_same_bytes(comparison, tmp_path):
+    again = tmp_path / "again"
+    shutil.copytree(comparison.out, again)
+    args = tuple(again if a == comparison.out else a for a in comparison.args)
+    code, lines, models = counted(args)
+    assert code == 0, lines
+    assert models.loads == []
+    assert (again / "compare.json").read_bytes() == (comparison.out / "compare.json").read_bytes()
+
+
+def test_executor_ray_without_ray_is_one_line_exit_2(tiny_pair, candidates, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` meets where Ray is not installed
+    args = compare_args(tiny_pair[TINY_BF16], candidates[:1], tmp_path / "cmp", "--executor", "ray")
+    code, lines, _ = cli_in_process(*args)
+    assert_refused(code, lines, "--executor ray needs Ray", "pip install 'evalsuite[ray]'")
+    assert not (tmp_path / "cmp" / "reference").exists()  # refused before the reference was observed
+
+
+# The slow tier: a Ray cluster's start-up and its workers' imports of torch and Transformers take about a
+# minute of wall time on 2 cores, and Ray is an optional extra that the `[test]` extra does not pull in.
+@pytest.mark.slow
+def test_the_ray_executor_writes_the_same_comparison(
+    ray_cluster, tiny_pair, candidates, comparison, tmp_path
+):
+    out = tmp_path / "ray"
+    code, lines, _ = cli_in_process(*compare_args(tiny_pair[TINY_BF16], candidates, out, "--executor", "ray"))
+    assert code == 0, lines
+    assert (out / "compare.json").read_bytes() == (comparison.out / "compare.json").read_bytes()
+    for name in ("same-a", tiny_pair[TINY_W4A8].name):
+        ray_doc, local_doc = (
+            json.loads((o / name / "results.json").read_text()) for o in (out, comparison.out)
+        )
+        assert ray_doc["tasks"] == local_doc["tasks"]
+
+
+@pytest.mark.slow
+def test_compare_of_the_smollm2_pair_the_exl3_pack_and_a_copy(
+    smollm2_pair, smollm2_exl3_pair, smollm2_run, tmp_path
+):
+    from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_EXL3, SMOLLM2_W4A8
+
+    ref = smollm2_pair[SMOLLM2_BF16]
+    same = copy_checkpoint(ref, tmp_path / "bf16-copy")
+    ckpts = [smollm2_pair[SMOLLM2_W4A8], smollm2_exl3_pair[SMOLLM2_EXL3], same]
+    out = tmp_path / "cmp"
+    args = ("compare", "--ref", ref, "--tasks", "ppl", "--corpus", "python-docs", "--out", out, "--quiet")
+    code, lines, models = counted((*args, *[a for c in ckpts for a in ("--ckpt", c)]))
+    assert code in (0, 1), lines
+    assert [name for name, _ in models.loads].count(ref.name) == 1, models.loads
+    doc = json.loads((out / "compare.json").read_text(encoding="utf-8"))
+    rows = {r["name"]: r for r in doc["candidates"]}
+    assert rows["bf16-copy"]["kld_mean"] == 0.0 and rows["bf16-copy"]["within_noise_floor"] is True
+    for name in (SMOLLM2_W4A8, SMOLLM2_EXL3):
+        assert rows[name]["within_noise_floor"] is False and rows[name]["kld_floor_ratio"] > 1
+    # the W4A8 candidate's ppl figures are those of the session's single run of the same pair
+    compared = json.loads((out / SMOLLM2_W4A8 / "results.json").read_text())["tasks"]["ppl"]["metrics"]
+    single = smollm2_run.metrics("ppl")
+    assert {k: compared[k] for k in single} == single
+    assert rows[SMOLLM2_EXL3]["bits_per_weight"] < rows["bf16-copy"]["bits_per_weight"]
