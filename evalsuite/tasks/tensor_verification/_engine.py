@@ -12,7 +12,7 @@ from typing import Any, Literal, Protocol
 
 from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.formats import QuantizedFormat, ShardReader, one_torch_thread
-from evalsuite.formats.compressed_tensors import CompressedTensors
+from evalsuite.formats.compressed_tensors import INTEGER_FORMATS, CompressedTensors
 from evalsuite.formats.exl3 import Exl3
 from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTensorsVerifier
 from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
@@ -20,8 +20,6 @@ from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_
 from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow, UnexpectedRow
 from evalsuite.tasks.tensor_verification._same import compare_same
 
-# Integer weight formats, counted by their bits (quantized_int4, quantized_int8); anything else is "other".
-INTEGER_FORMATS = frozenset({"pack-quantized", "int-quantized", "naive-quantized"})
 
 
 class FormatVerifier(Protocol):
