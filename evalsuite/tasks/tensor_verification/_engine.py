@@ -147,6 +147,8 @@ class Verification:
         measured = [r for r in quantized if r.rel_err is not None]
         worst = max(measured, key=lambda r: r.rel_err, default=None)
         worst_channel = max(measured, key=lambda r: r.worst_channel_rel_err, default=None)
+        channel_err = [r for r in measured if r.worst_channel_err is not None]
+        worst_err = max(channel_err, key=lambda r: r.worst_channel_err, default=None)
         backbone = [r for r in quantized if r.part == "text" and r.bits_per_weight is not None]
         backbone_numel = sum(r.numel for r in backbone)
         avg_bits = sum(r.numel * r.bits_per_weight for r in backbone) / backbone_numel if backbone else None
@@ -173,6 +175,10 @@ class Verification:
                 f"{worst_channel.name} (output channel {worst_channel.worst_channel})"
                 if worst_channel
                 else None
+            ),
+            "worst_channel_err": worst_err.worst_channel_err if worst_err else None,
+            "worst_channel_err_tensor": (
+                f"{worst_err.name} (output channel {worst_err.worst_channel_err_channel})" if worst_err else None
             ),
         }
         if "bits" in self.claims:

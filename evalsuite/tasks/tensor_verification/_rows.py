@@ -71,6 +71,8 @@ class TensorRow:
     max_abs_err: float | None = None
     worst_channel: int | None = None
     worst_channel_rel_err: float | None = None
+    worst_channel_err: float | None = None
+    worst_channel_err_channel: int | None = None
     note: str | None = None
     problems: list[str] = field(default_factory=list)
     stored: StoredQuantization | None = None
@@ -110,15 +112,21 @@ class UnexpectedRow:
 class ErrorAccumulator:
     """Error statistics of a decoded tensor against its source, added up block by block of rows.
 
-    It adds up the sums of `metrics.error_sums` (computed here per row, in reused buffers), and keeps the
-    worst output channel (row): the largest ‖x_r − w_r‖ / ‖w_r‖. A channel above 1 decodes further from its
-    source than zeros would.
+    It adds up the sums of `metrics.error_sums` (computed here per row, in reused buffers), and keeps two
+    worst output channels (rows): the largest ‖x_r − w_r‖ / ‖w_r‖ (relative to the channel itself: above 1 a
+    channel decodes further from its source than zeros would) and the largest ‖x_r − w_r‖ over the tensor's
+    RMS channel norm √(Σ‖w_r‖² / rows). The second bounds what one channel adds to the layer's output error
+    on inputs of any direction, so it holds for error-compensating quantizers (GPTQ moves the weights of a
+    near-zero channel far, relative to that channel, on purpose) while one wrong scale still shows.
     """
 
     def __init__(self) -> None:
         self.sums = metrics.ErrorSums(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        self.rows = 0
         self.worst_channel = -1
         self.worst_channel_rel_err = 0.0
+        self.worst_err_channel = -1
+        self.worst_err_sq = 0.0
 
     def add(self, r0: int, ref: np.ndarray, cand: np.ndarray, work: np.ndarray | None = None) -> None:
         """Add rows r0.. of the source (`ref`) and of the decoded tensor (`cand`), float32 (rows, cols);
@@ -138,8 +146,12 @@ class ErrorAccumulator:
             max_abs=float(max(d.max(), -d.min())) if d.size else 0.0,
         )
         self.sums = self.sums + block
+        self.rows += err.size
         if not err.size:
             return
+        j = int(np.argmax(err))
+        if err[j] > self.worst_err_sq:
+            self.worst_err_channel, self.worst_err_sq = r0 + j, float(err[j])
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(err == 0, 0.0, np.sqrt(err / norm))
         i = int(np.argmax(rel))
@@ -155,3 +167,9 @@ class ErrorAccumulator:
         row.max_abs_err = s.max_abs
         row.worst_channel = self.worst_channel if self.worst_channel >= 0 else None
         row.worst_channel_rel_err = self.worst_channel_rel_err
+        typical = np.sqrt(s.ref_sq / self.rows) if self.rows else 0.0
+        if typical > 0:
+            row.worst_channel_err = float(np.sqrt(self.worst_err_sq) / typical)
+        elif self.rows:
+            row.worst_channel_err = 0.0 if self.worst_err_sq == 0 else float("inf")
+        row.worst_channel_err_channel = self.worst_err_channel if self.worst_err_channel >= 0 else None
