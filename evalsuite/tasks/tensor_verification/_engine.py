@@ -4,6 +4,7 @@ it, classified and measured, and the candidate's config checked against the rows
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -145,10 +146,11 @@ class Verification:
         integer = [r for r in quantized if r.format in INTEGER_FORMATS]
         decoded = [r.decode_exact for r in quantized if r.decode_exact is not None]
         measured = [r for r in quantized if r.rel_err is not None]
-        worst = max(measured, key=lambda r: r.rel_err, default=None)
-        worst_channel = max(measured, key=lambda r: r.worst_channel_rel_err, default=None)
+        # A NaN error (a NaN code or scale decoded) is the worst of all, never passed over by max().
+        worst = max(measured, key=lambda r: _nan_first(r.rel_err), default=None)
+        worst_channel = max(measured, key=lambda r: _nan_first(r.worst_channel_rel_err), default=None)
         channel_err = [r for r in measured if r.worst_channel_err is not None]
-        worst_err = max(channel_err, key=lambda r: r.worst_channel_err, default=None)
+        worst_err = max(channel_err, key=lambda r: _nan_first(r.worst_channel_err), default=None)
         backbone = [r for r in quantized if r.part == "text" and r.bits_per_weight is not None]
         backbone_numel = sum(r.numel for r in backbone)
         avg_bits = sum(r.numel * r.bits_per_weight for r in backbone) / backbone_numel if backbone else None
@@ -186,6 +188,10 @@ class Verification:
             values["claimed_bits"] = claimed
             values["bpw_claim_error"] = abs(avg_bits - claimed) if avg_bits is not None else None
         return values
+
+
+def _nan_first(value: float | None) -> float:
+    return math.inf if value is None or math.isnan(value) else value
 
 
 def _first_row(pair: Pair, info: TensorInfo, rules: ModuleRules) -> TensorRow:

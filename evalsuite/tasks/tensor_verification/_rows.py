@@ -149,13 +149,14 @@ class ErrorAccumulator:
         self.rows += err.size
         if not err.size:
             return
+        # argmax takes a NaN first, and a NaN channel (a NaN code or scale) is the worst there is.
         j = int(np.argmax(err))
-        if err[j] > self.worst_err_sq:
+        if np.isnan(err[j]) or err[j] > self.worst_err_sq:
             self.worst_err_channel, self.worst_err_sq = r0 + j, float(err[j])
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(err == 0, 0.0, np.sqrt(err / norm))
         i = int(np.argmax(rel))
-        if rel[i] > self.worst_channel_rel_err:
+        if np.isnan(rel[i]) or rel[i] > self.worst_channel_rel_err:
             self.worst_channel, self.worst_channel_rel_err = r0 + i, float(rel[i])
 
     def fill(self, row: TensorRow) -> None:
