@@ -118,6 +118,7 @@ def run_task(ckpt: Path, ref: Path, out: Path, tasks: str) -> tuple[int, dict]:
     return code, json.loads((out / "results.json").read_text())["tasks"]
 
 
+@pytest.mark.slow  # about 25 s of CPU per integer scheme (three executions of the tiny Llama)
 @pytest.mark.parametrize("scheme", ["w4a8-g64", "w8a16", "fp8-dynamic"])
 def test_intref_runs_integer_schemes_and_skips_float_ones_with_the_reason(llmc_tiny, scheme, tmp_path):
     code, tasks = run_task(pack(llmc_tiny, scheme), llmc_tiny[SOURCE], tmp_path, "intref")
