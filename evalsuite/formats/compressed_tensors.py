@@ -107,27 +107,34 @@ class SchemeLookup:
                 self.target_to_group[target] = group
         self.ignore = list(self.config.ignore or [])
 
-    def covering(self, module: str, kind: ModuleKind) -> Coverage:
-        """The config's word on `module` (see the class docstring)."""
+    def covering(self, module: str, kind: ModuleKind, instance: Any = None) -> Coverage:
+        """The config's word on `module` (see the class docstring). `instance` is the module as the model
+        skeleton Transformers builds holds it (its class is what a class-name target such as `Linear`
+        matches: an MoE router is no `Linear` there); without one, a stand-in of the module's kind."""
         from compressed_tensors.utils.match import is_match, match_targets
 
-        stand_in = _stand_in(kind)
+        stand_in = instance if instance is not None else _stand_in(kind)
         ignored = bool(self.ignore) and is_match(module, stand_in, self.ignore)
         matched = match_targets(module, stand_in, list(self.target_to_group))
-        if ignored or not matched or kind not in QUANTIZABLE_KINDS:
+        if ignored or not matched or (instance is None and kind not in QUANTIZABLE_KINDS):
             return Coverage(None, None, None, ignored)
         group = self.target_to_group[matched[0]]
         scheme = self.config.config_groups[group]
         fmt = scheme.format or (self.config.format if self.config.format != "mixed-precision" else None)
         return Coverage(group, scheme, fmt, ignored)
 
-    def unmatched_targets(self, modules: dict[str, ModuleKind]) -> list[tuple[str, str]]:
-        """(group, target) for every target that matches no module of the source at all."""
+    def unmatched_targets(
+        self, modules: dict[str, ModuleKind], instances: dict[str, Any] | None = None
+    ) -> list[tuple[str, str]]:
+        """(group, target) for every target that matches no module of the source at all (`instances`: the
+        skeleton's modules by name, as `covering` takes them)."""
         from compressed_tensors.utils.match import is_match
 
         left = dict(self.target_to_group)
+        instances = instances or {}
         for module, kind in modules.items():
-            for target in [t for t in left if is_match(module, _stand_in(kind), t)]:
+            stand_in = instances.get(module) or _stand_in(kind)
+            for target in [t for t in left if is_match(module, stand_in, t)]:
                 del left[target]
             if not left:
                 break

@@ -31,15 +31,19 @@ UNCOVERED_LINEAR = "a Linear left unquantized: no config group targets it and no
 class CompressedTensorsVerifier:
     """How a compressed-tensors candidate is verified (see `FormatVerifier`)."""
 
-    def __init__(self, format: CompressedTensors) -> None:
+    def __init__(self, format: CompressedTensors, skeleton: dict[str, Any] | None = None) -> None:
         self.format = format
         self.lookup = format.lookup
+        # The candidate's modules as Transformers builds them (meta device), by name: targets are matched on
+        # them, as compressed-tensors matches them at load; names the skeleton lacks (experts Transformers
+        # fuses) fall back to stand-ins.
+        self.skeleton = skeleton or {}
 
     def measure(
         self, source: TensorInfo, tensors: dict[str, TensorInfo], reader: ShardReader, row: TensorRow
     ) -> list[Problem]:
         """Read the module's scheme, decode it both ways block by block, and measure it against the source."""
-        coverage = self.lookup.covering(row.module, row.kind)
+        coverage = self.lookup.covering(row.module, row.kind, self.skeleton.get(row.module))
         row.group = coverage.group
         hint = coverage.scheme.weights if coverage.scheme is not None else None
         stored, problems = stored_quantization(source, tensors, hint, reader, coverage.format)
@@ -166,7 +170,7 @@ class CompressedTensorsVerifier:
             modules[row.module] = row.kind
             if row.tensor_class == "missing" or row.format == "unreadable":
                 continue  # already a problem of its own
-            coverage = self.lookup.covering(row.module, row.kind)
+            coverage = self.lookup.covering(row.module, row.kind, self.skeleton.get(row.module))
             quantized = row.tensor_class == "quantized"
             stored = f"stored as {row.format}" if quantized else "stored unquantized"
             if coverage.scheme is not None and row.stored is None:
@@ -185,7 +189,7 @@ class CompressedTensorsVerifier:
                 problems.append(Problem("config", row.name, f"{stored}, but {why}"))
             elif row.kind == "linear" and not coverage.ignored and row.tensor_class == "protected":
                 problems.append(Problem("config", row.name, UNCOVERED_LINEAR))
-        for group, target in self.lookup.unmatched_targets(modules):
+        for group, target in self.lookup.unmatched_targets(modules, self.skeleton):
             problems.append(
                 Problem("config", f"config_groups.{group}", f"target {target!r} matches no source module")
             )

@@ -17,7 +17,7 @@ from evalsuite.formats.compressed_tensors import INTEGER_FORMATS, CompressedTens
 from evalsuite.formats.exl3 import Exl3
 from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTensorsVerifier
 from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
-from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection
+from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection, skeleton_modules
 from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow, UnexpectedRow
 from evalsuite.tasks.tensor_verification._same import compare_same
 
@@ -48,7 +48,7 @@ class FormatVerifier(Protocol):
 def format_verifier(candidate: Checkpoint) -> FormatVerifier | None:
     """How a candidate's quantized format is verified; None for a dense (unquantized) candidate."""
     if candidate.format == "compressed-tensors":
-        return CompressedTensorsVerifier(CompressedTensors(candidate))
+        return CompressedTensorsVerifier(CompressedTensors(candidate), skeleton_modules(candidate))
     if candidate.format == "exl3":
         return Exl3Verifier(Exl3(candidate))
     return None
