@@ -187,7 +187,9 @@ class IntLinear(nn.Module):
             )
         else:
             self.register_buffer("weight", torch.empty((out_features, in_features), dtype=torch.int8, **meta))
-        self.register_buffer("weight_scale", torch.empty((out_features, groups), dtype=torch.bfloat16, **meta))
+        self.register_buffer(
+            "weight_scale", torch.empty((out_features, groups), dtype=torch.bfloat16, **meta)
+        )
         if zero_point:
             if self.storage == "packed":
                 zp_shape, zp_dtype = (-(-out_features * bits // 32), groups), torch.int32

@@ -139,7 +139,9 @@ def integer_modules(checkpoint: Checkpoint) -> dict[str, QuantizedModule]:
         group_size = int(weights.group_size) if str(weights.strategy) == "group" else None
         groups = 1 if group_size is None else math.ceil(in_features / group_size)
         if scale.shape != (out_features, groups):
-            what = "one scale per output channel" if group_size is None else f"one scale per {group_size} inputs"
+            what = (
+                "one scale per output channel" if group_size is None else f"one scale per {group_size} inputs"
+            )
             raise InputError(f"{module}: weight_scale of shape {scale.shape} is not {what}", checkpoint.path)
         zero_point = f"{module}.weight_zero_point" in tensors
         if zero_point == bool(weights.symmetric):

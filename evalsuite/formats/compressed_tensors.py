@@ -227,8 +227,8 @@ def stored_quantization(
         else:
             fmt = "nvfp4-pack-quantized" if "weight_global_scale" in tensors else "mxfp4-pack-quantized"
         if rows_and_cols(packed.shape) != (rows, math.ceil(cols / 2)):
-            held = f"weight_packed {list(packed.shape)} cannot hold the source weight {list(source.shape)} as FP4"
-            return None, [held]
+            held = f"weight_packed {list(packed.shape)} cannot hold the source weight {list(source.shape)}"
+            return None, [f"{held} as FP4"]
         kind, bits = "float", 4
     elif "weight_packed" in tensors:
         packed = tensors["weight_packed"]
@@ -293,10 +293,10 @@ def _strategy(
     if srows != rows:
         return None, None, None
     hinted = getattr(hint, "group_size", None)
-    if str(getattr(hint, "strategy", "")) in ("group", "tensor_group") and hinted:
-        # One group per row (group_size >= cols) stores a scale of one column, as a channel scale does.
-        if scols == math.ceil(cols / hinted):
-            return "group", hinted, None
+    grouped = str(getattr(hint, "strategy", "")) in ("group", "tensor_group") and hinted
+    # One group per row (group_size >= cols) stores a scale of one column, as a channel scale does.
+    if grouped and scols == math.ceil(cols / hinted):
+        return "group", hinted, None
     if scols == 1:
         return "channel", None, None
     if cols % scols == 0:

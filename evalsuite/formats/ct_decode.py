@@ -22,7 +22,9 @@ from evalsuite.formats import FP8_E4M3_VALUES, NUMPY_DTYPES
 from evalsuite.formats.compressed_tensors import FP4_GROUP_SIZES, StoredQuantization
 
 # FP4 E2M1 code → value, from the definition: sign bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
-FP4_E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+FP4_E2M1_VALUES = np.array(
+    [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32
+)
 
 # Where a decode takes its working arrays, by slot name: `ShardReader.scratch` reuses them from block to block
 # (a fresh multi-megabyte array costs more in page faults than the decode done in it); by default, new ones.

@@ -114,7 +114,9 @@ def test_a_loading_only_tokenizer_key_is_no_asset_change_but_a_padding_side_is(l
 def run_task(ckpt: Path, ref: Path, out: Path, tasks: str) -> tuple[int, dict]:
     from tests.conftest import cli_in_process
 
-    code, _, _ = cli_in_process("run", "--ckpt", ckpt, "--ref", ref, "--tasks", tasks, "--out", out, "--quiet")
+    code, _, _ = cli_in_process(
+        "run", "--ckpt", ckpt, "--ref", ref, "--tasks", tasks, "--out", out, "--quiet"
+    )
     return code, json.loads((out / "results.json").read_text())["tasks"]
 
 
@@ -133,4 +135,6 @@ def test_intref_runs_integer_schemes_and_skips_float_ones_with_the_reason(llmc_t
     assert m["kld_int_vs_hf"] < 1e-3
     expected = "added by intref" if scheme == "w8a16" else "the scheme's"
     assert expected in m["int_convention"]
-    assert "group 64" in m["int_convention"] if scheme == "w4a8-g64" else "W8 group 128" in m["int_convention"]
+    assert (
+        "group 64" in m["int_convention"] if scheme == "w4a8-g64" else "W8 group 128" in m["int_convention"]
+    )

@@ -274,7 +274,12 @@ def test_a_plain_linear_target_on_an_moe_model_never_takes_its_routers(tiny_pair
         "int8": {**int8, "targets": [r"re:.*mlp\.shared_expert\.(gate|up|down)_proj$", "lm_head"]},
         "int4": {**int4, "targets": ["Linear"]},
     }
-    qc["ignore"] = [r"re:.*vision_tower.*", r"re:.*merger.*", r"re:.*shared_expert_gate$", r"re:.*in_proj_(a|b)$"]
+    qc["ignore"] = [
+        r"re:.*vision_tower.*",
+        r"re:.*merger.*",
+        r"re:.*shared_expert_gate$",
+        r"re:.*in_proj_(a|b)$",
+    ]
     (candidate / "config.json").write_text(json.dumps(config))
     code, entry, err = run_tensors(candidate, tiny_pair[TINY_BF16], tmp_path / "run")
     assert code == 0, (err, entry.get("details"))

@@ -219,7 +219,9 @@ def test_experts_reduce_in_fp32_in_expert_order_whatever_the_batch(tiny_intref):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def file_integers(checkpoint: Checkpoint, module: str, layer: IntLinear) -> tuple[np.ndarray, np.ndarray | None]:
+def file_integers(
+    checkpoint: Checkpoint, module: str, layer: IntLinear
+) -> tuple[np.ndarray, np.ndarray | None]:
     """A layer's integer weights and zero points decoded from the files by compressed-tensors' own unpacking
     (zero points are packed along the rows), not by evalsuite."""
     shape = torch.Size((layer.out_features, layer.in_features))
@@ -236,13 +238,19 @@ def file_integers(checkpoint: Checkpoint, module: str, layer: IntLinear) -> tupl
     return w, zp.numpy()
 
 
-def emulate_groups(x: torch.Tensor, w: np.ndarray, zp, w_scale: np.ndarray, group_size: int, act: ActivationQuant):
+def emulate_groups(
+    x: torch.Tensor, w: np.ndarray, zp, w_scale: np.ndarray, group_size: int, act: ActivationQuant
+):
     """(per-group accumulators int64 (G, M, N), FP32-rounded output float64, exact output float64, the sum of
     the terms' magnitudes) of the group convention, in numpy: integers exact in float64, each FP32 rounding
     of the convention explicit (numpy float32 arithmetic is IEEE's)."""
     xd = x.float().numpy().astype(np.float64)
     scale = (np.abs(xd).max(axis=1) / act.divisor).astype(np.float32)
-    r = (xd / np.where(scale > 0, scale, 1.0)[:, None].astype(np.float64)).astype(np.float32).astype(np.float64)
+    r = (
+        (xd / np.where(scale > 0, scale, 1.0)[:, None].astype(np.float64))
+        .astype(np.float32)
+        .astype(np.float64)
+    )
     q = np.clip(np.round(r), -128, 127)
     groups = w_scale.shape[1]
     accs, y32 = [], np.zeros((x.shape[0], w.shape[0]), dtype=np.float32)

@@ -152,7 +152,9 @@ class CompressedTensorsVerifier:
             errors.add(r0, ref, decoded, reader.scratch("difference", shape, np.float32))
         row.decode_exact = mismatch is None if independent else None
         if not independent:
-            row.note = f"{stored.format}: decoded by compressed-tensors only (evalsuite has no decode of its own)"
+            row.note = (
+                f"{stored.format}: decoded by compressed-tensors only (evalsuite has no decode of its own)"
+            )
         errors.fill(row)
         if mismatch and g_idx is not None:
             mismatch += " (the weight stores weight_g_idx, which the decompressor does not apply)"

@@ -22,7 +22,6 @@ from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow, Unexpe
 from evalsuite.tasks.tensor_verification._same import compare_same
 
 
-
 class FormatVerifier(Protocol):
     """How the candidate's quantized format is verified: what a quantized module's stored tensors say against
     its source weight, and what the config claims against every row."""
@@ -180,7 +179,9 @@ class Verification:
             ),
             "worst_channel_err": worst_err.worst_channel_err if worst_err else None,
             "worst_channel_err_tensor": (
-                f"{worst_err.name} (output channel {worst_err.worst_channel_err_channel})" if worst_err else None
+                f"{worst_err.name} (output channel {worst_err.worst_channel_err_channel})"
+                if worst_err
+                else None
             ),
         }
         if "bits" in self.claims:
