@@ -3,9 +3,11 @@ module, what a module's stored tensors say about its quantization, and the libra
 
 The library decode is compressed-tensors' decompressor (what Transformers and vLLM run); `ct_decode` holds the
 independent one it is checked against. Matching uses compressed-tensors' own helpers (`is_match`,
-`match_targets`) on stand-in modules, since no model is built: a module whose source weight is a 2-D
-Linear-like weight stands in as `torch.nn.Linear`, an embedding as `torch.nn.Embedding`, anything else as a
-plain `torch.nn.Module` (see the tensors task's `ModuleRules`).
+`match_targets`) on the modules of the model Transformers builds on the meta device when the caller has them
+(class-name targets such as `Linear` then match what compressed-tensors matches at load: an MoE router is no
+`Linear`), else on stand-ins: a module whose source weight is a 2-D Linear-like weight stands in as
+`torch.nn.Linear`, an embedding as `torch.nn.Embedding`, anything else as a plain `torch.nn.Module` (see the
+tensors task's `ModuleRules`).
 """
 
 from __future__ import annotations
