@@ -111,8 +111,8 @@ class Tensors:
         "avg_bits_per_weight_all": "8 × stored bytes / source parameters (embeddings and scales included)",
         "worst_rel_err": "relative Frobenius error of the worst decoded tensor against its source",
         "worst_channel_rel_err": "the same for the worst single output channel (above 1: further than zeros)",
-        "worst_channel_err": "the worst output channel's error norm over its tensor's RMS channel norm: what "
-        "one channel adds to the layer's output error (bounded; holds for GPTQ-style packs too)",
+        "worst_channel_err": "the worst output channel's error norm over the larger of its own norm and its "
+        "tensor's RMS channel norm (bounded; holds for GPTQ-style packs and outlier channels)",
         "payload_bytes": "bytes of every tensor the candidate stores",
     }
 

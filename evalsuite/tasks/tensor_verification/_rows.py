@@ -114,10 +114,11 @@ class ErrorAccumulator:
 
     It adds up the sums of `metrics.error_sums` (computed here per row, in reused buffers), and keeps two
     worst output channels (rows): the largest ‖x_r − w_r‖ / ‖w_r‖ (relative to the channel itself: above 1 a
-    channel decodes further from its source than zeros would) and the largest ‖x_r − w_r‖ over the tensor's
-    RMS channel norm √(Σ‖w_r‖² / rows). The second bounds what one channel adds to the layer's output error
-    on inputs of any direction, so it holds for error-compensating quantizers (GPTQ moves the weights of a
-    near-zero channel far, relative to that channel, on purpose) while one wrong scale still shows.
+    channel decodes further from its source than zeros would) and the largest ‖x_r − w_r‖ / max(‖w_r‖, RMS)
+    with RMS the tensor's RMS channel norm √(Σ‖w_r‖² / rows). The second holds for error-compensating
+    quantizers (GPTQ moves the weights of a near-zero channel far, relative to that channel, on purpose: the
+    RMS is the yardstick there) and for real weights' outlier channels (their own norm is), while one wrong
+    scale still shows.
     """
 
     def __init__(self) -> None:
@@ -125,8 +126,8 @@ class ErrorAccumulator:
         self.rows = 0
         self.worst_channel = -1
         self.worst_channel_rel_err = 0.0
-        self.worst_err_channel = -1
-        self.worst_err_sq = 0.0
+        self.row_err: list[np.ndarray] = []
+        self.row_norm: list[np.ndarray] = []
 
     def add(self, r0: int, ref: np.ndarray, cand: np.ndarray, work: np.ndarray | None = None) -> None:
         """Add rows r0.. of the source (`ref`) and of the decoded tensor (`cand`), float32 (rows, cols);
@@ -149,10 +150,8 @@ class ErrorAccumulator:
         self.rows += err.size
         if not err.size:
             return
-        # argmax takes a NaN first, and a NaN channel (a NaN code or scale) is the worst there is.
-        j = int(np.argmax(err))
-        if np.isnan(err[j]) or err[j] > self.worst_err_sq:
-            self.worst_err_channel, self.worst_err_sq = r0 + j, float(err[j])
+        self.row_err.append(err)
+        self.row_norm.append(norm)
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(err == 0, 0.0, np.sqrt(err / norm))
         i = int(np.argmax(rel))
@@ -168,9 +167,10 @@ class ErrorAccumulator:
         row.max_abs_err = s.max_abs
         row.worst_channel = self.worst_channel if self.worst_channel >= 0 else None
         row.worst_channel_rel_err = self.worst_channel_rel_err
-        typical = np.sqrt(s.ref_sq / self.rows) if self.rows else 0.0
-        if typical > 0:
-            row.worst_channel_err = float(np.sqrt(self.worst_err_sq) / typical)
-        elif self.rows:
-            row.worst_channel_err = 0.0 if self.worst_err_sq == 0 else float("inf")
-        row.worst_channel_err_channel = self.worst_err_channel if self.worst_err_channel >= 0 else None
+        if self.row_err:
+            err, norm = np.concatenate(self.row_err), np.concatenate(self.row_norm)
+            yardstick = np.maximum(norm, s.ref_sq / self.rows)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(err == 0, 0.0, np.sqrt(err / yardstick))
+            j = int(np.argmax(ratio))  # argmax takes a NaN first: a NaN channel is the worst there is
+            row.worst_channel_err, row.worst_channel_err_channel = float(ratio[j]), j
