@@ -300,3 +300,25 @@ def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+def _llmc_fixtures(names: list[str]) -> dict[str, Path]:
+    """llm-compressor's packs (its virtual environment built on first use), or a skip saying why not."""
+    from evalsuite.errors import DependencyError
+
+    try:
+        return build_fixtures(FIXTURES, names)
+    except DependencyError as exc:
+        pytest.skip(f"llm-compressor packs cannot be built here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def llmc_tiny() -> dict[str, Path]:
+    """A tiny random Llama (BF16) and llm-compressor's packs of it, one folder per scheme (read-only)."""
+    return _llmc_fixtures(["tiny-llama-bf16", "tiny-llama-llmc"])
+
+
+@pytest.fixture(scope="session")
+def llmc_smollm2() -> dict[str, Path]:
+    """SmolLM2-135M-Instruct (BF16) and llm-compressor's packs of it, one folder per scheme (read-only)."""
+    return _llmc_fixtures([SMOLLM2_BF16, "smollm2-135m-llmc"])

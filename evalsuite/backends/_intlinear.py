@@ -6,12 +6,16 @@ The arithmetic, written once here and emulated independently in float64 by the e
   `s = fp32(max|x| / divisor)`, `q = clamp(round(fp32(x / s)), -128, 127)` as int8. The divisor (127.5 for
   compressed-tensors' symmetric INT8, whose scale is max / ((127 - (-128)) / 2); 127 elsewhere) and the
   rounding (half to even, or half away from zero) are parameters. A row of zeros has s = 0 and q = 0.
-- weights: int8 in [-8, 7] (INT4, unpacked from compressed-tensors' `pack-quantized` int32 words) or in
-  [-128, 127] (INT8 `int-quantized`), with one scale per output channel as stored (bf16).
-- `acc = q @ w.T` accumulated in INT32 (`torch._int_mm`, or an exact float64 product where `_int_mm` does not
-  take the shapes). No overflow is possible: |acc| <= K * 128 * 128, and K is checked against that at load.
-- `y = (fp32(acc) * s_x) * s_w` in FP32 (two roundings to FP32, in this order), plus the bias in FP32 if there
-  is one, then cast to the model's compute dtype.
+- weights: int8 in [-8, 7] (INT4) or in [-128, 127] (INT8), unpacked from compressed-tensors' `pack-quantized`
+  int32 words or stored as int8 (`int-quantized`, INT4 values too), with one scale per output channel or per
+  group of input columns as stored (bf16), and for asymmetric schemes one integer zero point z per scale.
+- per channel: `acc = q @ w.T` accumulated in INT32 (`torch._int_mm`, or an exact float64 product where
+  `_int_mm` does not take the shapes). No overflow is possible: |acc| <= K * 128 * 128, and K is checked
+  against that at load. `y = (fp32(acc) * s_x) * s_w` in FP32 (two roundings to FP32, in this order).
+- per group g of G columns: `acc_g = q_g @ w_g.T − (Σ q_g) z_g`, exact integers (the zero point handled in
+  integers, never as a float offset), each scaled as above by its group's scale, `y = Σ_g (fp32(acc_g) * s_x)
+  * s_w,g` summed in FP32 in group order; per channel with a zero point, the same with one group.
+- plus the bias in FP32 if there is one, then cast to the model's compute dtype.
 
 Routed experts (`IntExperts`) run each expert's gate, up and down projections this way, in a fixed expert
 order (0, 1, …), multiply the FP32 output of the down projection by the routing weight and reduce into an FP32
@@ -79,6 +83,42 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     return nibbles[:, :in_features].view(torch.int8) - 8
 
 
+def unpack_words(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """compressed-tensors `pack-quantized` int32 words (rows, ceil(count·b/32)) → int8 values (rows, count),
+    offset binary (q + 2^(b−1)), least significant bits first: INT4 by `unpack_int4`, INT8 one byte each."""
+    if bits == 4:
+        return unpack_int4(packed, count)
+    if bits != 8:
+        raise ValueError(f"packed integer weights are 4 or 8 bits, not {bits}")
+    raw = packed.contiguous().view(torch.uint8).reshape(packed.shape[0], -1)[:, :count]
+    return (raw.to(torch.int16) - 128).to(torch.int8)
+
+
+def int_group_accumulators(
+    q: torch.Tensor, w: torch.Tensor, group_size: int, zero_point: torch.Tensor | None
+) -> torch.Tensor:
+    """Exact per-group accumulators (groups, M, N) of int8 q (M, K) and int8 w (N, K), zero points (N, groups)
+    subtracted in integers: `q_g @ w_g.T − (Σ q_g) z_g`.
+
+    A float64 batched product: every partial sum is an integer below 2^53 (K * 128 * 256 < 2^31), so it is
+    exact whatever order the kernel sums in.
+    """
+    m, k = q.shape
+    n = w.shape[0]
+    groups = -(-k // group_size)
+    pad = groups * group_size - k
+    qd, wd = q.double(), w.double()
+    if pad:
+        qd = torch.nn.functional.pad(qd, (0, pad))
+        wd = torch.nn.functional.pad(wd, (0, pad))
+    qg = qd.reshape(m, groups, group_size).transpose(0, 1)  # (G, M, gs)
+    wg = wd.reshape(n, groups, group_size).permute(1, 2, 0)  # (G, gs, N)
+    acc = torch.bmm(qg, wg)
+    if zero_point is not None:
+        acc -= qg.sum(dim=-1, keepdim=True) * zero_point.double().t()[:, None, :]
+    return acc
+
+
 def int_matmul(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Exact INT32 `q @ w.T` of int8 q (M, K) and int8 w (N, K).
 
@@ -106,9 +146,11 @@ def int_linear_fp32(
 class IntLinear(nn.Module):
     """A compressed-tensors quantized Linear executed in integer arithmetic, weights as stored in the file.
 
-    Buffers carry the checkpoint's own names, so the module's state dict is the checkpoint's tensors:
-    INT4 `weight_packed` (int32 words) or INT8 `weight` (int8), and `weight_scale` (out, 1), stored dtype.
-    `calls` counts forwards, so a run can show which layers went through the integer path.
+    Buffers carry the checkpoint's own names, so the module's state dict is the checkpoint's tensors: packed
+    `weight_packed` (int32 words) or int8 `weight` (`storage`), `weight_scale` (out, groups) in its stored
+    dtype and, for an asymmetric scheme, `weight_zero_point` (packed along the rows for packed storage).
+    `group_size` None is one scale per output channel. `calls` counts forwards, so a run can show which layers
+    went through the integer path.
     """
 
     def __init__(
@@ -119,6 +161,9 @@ class IntLinear(nn.Module):
         act: ActivationQuant,
         out_dtype: torch.dtype,
         bias: bool = False,
+        group_size: int | None = None,
+        zero_point: bool = False,
+        storage: Literal["packed", "int8"] | None = None,
     ) -> None:
         super().__init__()
         if bits not in (4, 8):
@@ -127,17 +172,30 @@ class IntLinear(nn.Module):
             raise ValueError(f"{in_features} input features could overflow the INT32 accumulator")
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.act, self.out_dtype = act, out_dtype
+        # The seed's layout by default: INT4 packed, INT8 as int8.
+        self.storage = storage or ("packed" if bits == 4 else "int8")
+        self.group_size = group_size
+        self.has_zero_point = zero_point
+        groups = 1 if group_size is None else -(-in_features // group_size)
         # Placeholders on the meta device: the loader replaces each with the tensor read from the file, and
         # one still on meta afterwards is a tensor the file did not provide.
         meta = {"device": "meta"}
-        if bits == 4:
-            words = (in_features + 7) // 8
+        if self.storage == "packed":
+            words = -(-in_features * bits // 32)
             self.register_buffer(
                 "weight_packed", torch.empty((out_features, words), dtype=torch.int32, **meta)
             )
         else:
             self.register_buffer("weight", torch.empty((out_features, in_features), dtype=torch.int8, **meta))
-        self.register_buffer("weight_scale", torch.empty((out_features, 1), dtype=torch.bfloat16, **meta))
+        self.register_buffer(
+            "weight_scale", torch.empty((out_features, groups), dtype=torch.bfloat16, **meta)
+        )
+        if zero_point:
+            if self.storage == "packed":
+                zp_shape, zp_dtype = (-(-out_features * bits // 32), groups), torch.int32
+            else:
+                zp_shape, zp_dtype = (out_features, groups), torch.int8
+            self.register_buffer("weight_zero_point", torch.empty(zp_shape, dtype=zp_dtype, **meta))
         self.bias = nn.Parameter(torch.empty(out_features, **meta), requires_grad=False) if bias else None
         self.calls = 0
 
@@ -149,15 +207,34 @@ class IntLinear(nn.Module):
         return super().__getattr__(name)
 
     def int8_weight(self) -> torch.Tensor:
-        """The weights as int8 (out, in): unpacked now for INT4 (transient), the stored tensor for INT8."""
-        if self.bits == 4:
-            return unpack_int4(self._buffers["weight_packed"], self.in_features)
+        """The weights as int8 (out, in): unpacked now for packed storage (transient), else as stored."""
+        if self.storage == "packed":
+            return unpack_words(self._buffers["weight_packed"], self.bits, self.in_features)
         return self._buffers["weight"]
 
+    def zero_points(self) -> torch.Tensor | None:
+        """The integer zero points (out, groups), unpacked from along the rows for packed storage."""
+        if not self.has_zero_point:
+            return None
+        zp = self._buffers["weight_zero_point"]
+        if self.storage == "packed":
+            return unpack_words(zp.t().contiguous(), self.bits, self.out_features).t()
+        return zp
+
     def accumulate(self, q: torch.Tensor, x_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(INT32 accumulator, FP32 output), both (M, out), of activations already quantized to int8."""
+        """(accumulator: INT32 (M, out), or per group INT64 (groups, M, out), exact; FP32 output (M, out))
+        of activations already quantized to int8."""
         self.calls += 1
-        acc, y = int_linear_fp32(q, x_scale, self.int8_weight(), self.weight_scale)
+        if self.group_size is None and not self.has_zero_point:
+            acc, y = int_linear_fp32(q, x_scale, self.int8_weight(), self.weight_scale)
+        else:
+            group_size = self.group_size or self.in_features
+            acc = int_group_accumulators(q, self.int8_weight(), group_size, self.zero_points())
+            scales = self.weight_scale.float()
+            y = torch.zeros((q.shape[0], self.out_features), dtype=torch.float32, device=q.device)
+            for g in range(acc.shape[0]):  # fixed order: the FP32 sum is deterministic
+                y += acc[g].float().mul_(x_scale[:, None]).mul_(scales[:, g].reshape(1, -1))
+            acc = acc.to(torch.int64)  # exact: a zero point can take a long group past INT32
         if self.bias is not None:
             y += self.bias.float()
         return acc, y
@@ -171,9 +248,16 @@ class IntLinear(nn.Module):
         _, y = self.run(x.reshape(-1, self.in_features))
         return y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def convention(self) -> str:
+        """The weight side of the integer arithmetic, e.g. `W4 group 64 asymmetric`."""
+        parts = [f"W{self.bits}", "channel" if self.group_size is None else f"group {self.group_size}"]
+        if self.has_zero_point:
+            parts.append("asymmetric")
+        return " ".join(parts)
+
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, W{self.bits}A8, "
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.convention()}A8, "
             f"divisor={self.act.divisor}, rounding={self.act.rounding}"
         )
 

@@ -148,7 +148,20 @@ class IntegerSkeleton:
                 f"model's config a {shape} layer",
                 self.checkpoint.path,
             )
-        return IntLinear(shape[1], shape[0], quantized.bits, self.activations, dtype, bias=bias)
+        layer = IntLinear(
+            shape[1],
+            shape[0],
+            quantized.bits,
+            self.activations,
+            dtype,
+            bias=bias,
+            group_size=quantized.group_size,
+            zero_point=quantized.zero_point,
+            storage="packed" if quantized.storage == "packed" else "int8",
+        )
+        # A weight-only scheme's activations are quantized by the integer path, not by the scheme.
+        layer.weight_only = quantized.weight_only
+        return layer
 
     def load(self, device: str) -> nn.Module:
         """Every tensor of the files into the skeleton, the generation config, then the device."""
@@ -191,7 +204,8 @@ class IntegerSkeleton:
                     self.checkpoint.path,
                 )
             if isinstance(owner, IntLinear) and leaf != "bias":
-                if leaf != "weight_scale" and tensor.dtype != placeholder.dtype:
+                zero_point = leaf == "weight_zero_point" and not tensor.is_floating_point()
+                if leaf != "weight_scale" and not zero_point and tensor.dtype != placeholder.dtype:
                     raise InputError(
                         f"tensor {name} is {tensor.dtype}, not {placeholder.dtype}", self.checkpoint.path
                     )
@@ -274,9 +288,13 @@ def integer_execution(
     routed experts it holds and has run so far (`describe()` of the loaded and streamed backends)."""
     linears, experts = _integer_modules(model)
     ran = {name for name, n in integer_counters(model).items() if n > 0}
+    layers = [m for m in model.modules() if isinstance(m, IntLinear)]
+    added = any(getattr(m, "weight_only", False) for m in layers)
     return {
         "backend": "intref",
-        "execution": "evalsuite integer W4A8 reference (INT8 per-token activations, INT32 accumulation)",
+        "execution": "evalsuite integer reference (INT8 per-token activations, exact integer accumulation)",
+        # Which integer arithmetic ran: the weight schemes, and whose activation quantization it was.
+        "convention": integer_convention(layers, activations, added),
         "format": checkpoint.format,
         "activations": {"divisor": activations.divisor, "rounding": activations.rounding},
         # Experts are counted as `<experts module>.<e>`; Linear layers by their own names.
@@ -285,6 +303,14 @@ def integer_execution(
         "int_layers_total": len(linears),
         "int_experts_total": sum(m.num_experts for m in experts.values()),
     }
+
+
+def integer_convention(layers: list[IntLinear], activations: ActivationQuant, added: bool) -> str:
+    """The integer arithmetic in words, e.g. `W4 group 64 asymmetric × A8 per token (divisor 127.5,
+    half_even; added by intref: the scheme keeps 16-bit activations)`."""
+    weights = " + ".join(sorted({m.convention() for m in layers})) or "no integer layers"
+    source = "added by intref: the scheme keeps 16-bit activations" if added else "the scheme's"
+    return f"{weights} × A8 per token (divisor {activations.divisor:g}, {activations.rounding}; {source})"
 
 
 def integer_counters(model: nn.Module) -> dict[str, int]:

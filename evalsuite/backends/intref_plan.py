@@ -1,9 +1,12 @@
-"""Can the integer W4A8 / W8A8 path execute this checkpoint? Decided from config.json and the safetensors
-headers alone, before any model is built (see `evalsuite.backends.intref` for the execution itself).
+"""Can the integer path execute this checkpoint? Decided from config.json and the safetensors headers alone,
+before any model is built (see `evalsuite.backends.intref` for the execution itself).
 
-The checkpoint must be compressed-tensors with every config group symmetric per-channel INT4
-(`pack-quantized`) or INT8 (`int-quantized`) weights and dynamic symmetric per-token INT8 activations; the
-files and the config must agree on every quantized module, as compressed-tensors resolves it.
+The checkpoint must be compressed-tensors with every config group's weights integers: INT4 or INT8, per
+output channel or per group of input columns, symmetric or asymmetric (integer zero points), stored packed
+(`pack-quantized`) or as int8 (`int-quantized`, INT4 values too), not in activation order; activations
+dynamic symmetric per-token INT8, or none (a weight-only W4A16 / W8A16 scheme, whose activations the integer
+path then quantizes per token itself, and says so). The files and the config must agree on every quantized
+module, as compressed-tensors resolves it. FP8 and FP4 weights have no integer path.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from evalsuite.formats.compressed_tensors import SchemeLookup
 from evalsuite.spec import StrictModel
 
 # Tensors of a quantized module in a compressed-tensors file; anything else under such a module is refused.
-_INT_SUFFIXES = ("weight_packed", "weight_shape", "weight_scale", "weight")
+_INT_SUFFIXES = ("weight_packed", "weight_shape", "weight_scale", "weight", "weight_zero_point")
 
 
 class ActivationConvention(StrictModel):
@@ -46,12 +49,18 @@ class ActivationConvention(StrictModel):
 
 @dataclass(frozen=True)
 class QuantizedModule:
-    """A module the file stores quantized: its name, weight bits (4 packed or 8 as int8) and logical shape."""
+    """A module the file stores quantized: its name, weight bits and logical shape, and how it is stored:
+    packed int32 words or int8, the group size (None: per channel), whether it has zero points, and whether
+    its scheme leaves activations unquantized (the integer path then quantizes them itself)."""
 
     name: str
     bits: int
     out_features: int
     in_features: int
+    storage: str = "packed"
+    group_size: int | None = None
+    zero_point: bool = False
+    weight_only: bool = False
 
 
 def integer_modules(checkpoint: Checkpoint) -> dict[str, QuantizedModule]:
@@ -84,64 +93,83 @@ def integer_modules(checkpoint: Checkpoint) -> dict[str, QuantizedModule]:
             f"{m}.weight_shape" for m in quantized if "weight_shape" in leaves[m]
         )
     }
+    lookup = SchemeLookup(qc, checkpoint.path / "config.json")
     modules: dict[str, QuantizedModule] = {}
     for module in quantized:
         extra = sorted(leaves[module] - {*_INT_SUFFIXES, "bias"})
         if extra:
             raise InputError(
-                f"{module} has {', '.join(extra)}: only symmetric weights with dynamic activations "
-                "(no zero points, no static activation scales) execute on the integer path",
+                f"{module} has {', '.join(extra)}: only weights with dynamic activations (no static "
+                "activation scales, not in activation order) execute on the integer path",
                 checkpoint.path,
             )
+        # The files and the config must agree on every quantized module, as compressed-tensors resolves it.
+        coverage = lookup.covering(module, "linear")
+        if coverage.group is None:
+            raise InputError(f"{module} is stored quantized but no config group targets it", checkpoint.path)
+        weights = coverage.scheme.weights
+        bits = int(weights.num_bits)
         scale = tensors[f"{module}.weight_scale"]
         if (packed := tensors.get(f"{module}.weight_packed")) is not None:
+            stored, storage = "pack-quantized", "packed"
             shape = shapes.get(module)
             if packed.dtype != "I32" or shape is None or len(shape) != 2:
                 raise InputError(
                     f"{module}: pack-quantized weights need int32 words and a weight_shape", checkpoint.path
                 )
             out_features, in_features = shape
-            if packed.shape != (out_features, math.ceil(in_features / 8)):
+            if packed.shape != (out_features, math.ceil(in_features * bits / 32)):
                 raise InputError(
-                    f"{module}: {packed.shape} int32 words do not hold INT4 weights of shape "
+                    f"{module}: {packed.shape} int32 words do not hold INT{bits} weights of shape "
                     f"({out_features}, {in_features})",
                     checkpoint.path,
                 )
-            bits = 4
         elif (weight := tensors.get(f"{module}.weight")) is not None and weight.dtype == "I8":
+            stored, storage = "int-quantized", "int8"
             if len(weight.shape) != 2:
                 raise InputError(f"{module}: int8 weight of shape {weight.shape}", checkpoint.path)
             out_features, in_features = weight.shape
-            bits = 8
         else:
             raise InputError(f"{module} has a weight_scale but no INT4 or INT8 weight", checkpoint.path)
-        if scale.shape != (out_features, 1):
+        if coverage.format not in (None, stored):
             raise InputError(
-                f"{module}: weight_scale of shape {scale.shape} is not one scale per output channel",
+                f"{module} is stored {stored} but its config group {coverage.group!r} says {coverage.format}",
+                checkpoint.path,
+            )
+        group_size = int(weights.group_size) if str(weights.strategy) == "group" else None
+        groups = 1 if group_size is None else math.ceil(in_features / group_size)
+        if scale.shape != (out_features, groups):
+            what = (
+                "one scale per output channel" if group_size is None else f"one scale per {group_size} inputs"
+            )
+            raise InputError(f"{module}: weight_scale of shape {scale.shape} is not {what}", checkpoint.path)
+        zero_point = f"{module}.weight_zero_point" in tensors
+        if zero_point == bool(weights.symmetric):
+            raise InputError(
+                f"{module}: zero points {'stored' if zero_point else 'missing'} for a "
+                f"{'symmetric' if weights.symmetric else 'asymmetric'} scheme",
                 checkpoint.path,
             )
         if in_features > MAX_IN_FEATURES:
             raise InputError(
                 f"{module}: {in_features} inputs could overflow INT32 accumulation", checkpoint.path
             )
-        modules[module] = QuantizedModule(module, bits, out_features, in_features)
-    lookup = SchemeLookup(qc, checkpoint.path / "config.json")
-    for module, quantized in modules.items():
-        # The files and the config must agree on every quantized module, as compressed-tensors resolves it.
-        coverage = lookup.covering(module, "linear")
-        stored = "pack-quantized" if quantized.bits == 4 else "int-quantized"
-        if coverage.group is None:
-            raise InputError(f"{module} is stored quantized but no config group targets it", checkpoint.path)
-        if coverage.format not in (None, stored):
-            raise InputError(
-                f"{module} is stored {stored} but its config group {coverage.group!r} says {coverage.format}",
-                checkpoint.path,
-            )
+        modules[module] = QuantizedModule(
+            module,
+            bits,
+            out_features,
+            in_features,
+            storage=storage,
+            group_size=group_size,
+            zero_point=zero_point,
+            weight_only=coverage.scheme.input_activations is None,
+        )
     return modules
 
 
 def _check_quantization_config(qc: dict[str, Any], path: Path) -> None:
-    """Every config group must be W4A8/W8A8: symmetric per-channel weights, dynamic per-token INT8 inputs."""
+    """Every config group's weights must be INT4/INT8 per channel or group, its inputs dynamic per-token INT8
+    or unquantized."""
     if qc.get("quantization_status") != "compressed":
         raise InputError(
             f"quantization_status is {qc.get('quantization_status')!r}: only compressed weights are integers",
@@ -157,23 +185,24 @@ def _check_quantization_config(qc: dict[str, Any], path: Path) -> None:
         weights, inputs = group.get("weights") or {}, group.get("input_activations")
         fmt = group.get("format") or qc.get("format")
         where = f"config group {name!r}"
-        if inputs is None:
-            raise InputError(f"{where} quantizes weights only: there is no integer activation path", path)
         w_ok = (
             weights.get("type") == "int"
-            and weights.get("symmetric") is True
-            and weights.get("strategy") == "channel"
+            and weights.get("strategy") in ("channel", "group")
             and not weights.get("dynamic")
-            and (weights.get("num_bits"), fmt)
-            in ((4, "pack-quantized"), (4, "int-quantized"), (8, "int-quantized"))
+            and not weights.get("actorder")
+            and weights.get("num_bits") in (4, 8)
+            and fmt in (None, "pack-quantized", "int-quantized")
         )
         if not w_ok:
             raise InputError(
                 f"{where}: weights {weights.get('num_bits')}-bit {weights.get('type')} "
-                f"{weights.get('strategy')} symmetric={weights.get('symmetric')} as {fmt}; the integer path "
-                "executes symmetric per-channel INT4 pack-quantized or INT8 int-quantized weights",
+                f"{weights.get('strategy')} actorder={weights.get('actorder')} as {fmt}; the integer path "
+                "executes INT4 / INT8 weights per channel or per group (pack-quantized or int-quantized), "
+                "not FP8 or FP4 and not in activation order",
                 path,
             )
+        if inputs is None:
+            continue  # weight-only: the integer path quantizes activations itself (and reports so)
         a_ok = (
             inputs.get("num_bits") == 8
             and inputs.get("type") == "int"

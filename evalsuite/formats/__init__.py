@@ -46,7 +46,26 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
     "U64": np.dtype("<u8"),
     "I64": np.dtype("<i8"),
     "F64": np.dtype("<f8"),
+    # FP8 has no numpy dtype either: its raw byte is kept and widened through `FP8_E4M3_VALUES`.
+    "F8_E4M3": np.dtype(np.uint8),
 }
+
+
+def _fp8_e4m3_values() -> np.ndarray:
+    """Every FP8 E4M3 (the OCP "fn" variant) byte as float32, from the definition: 1 sign bit, 4 exponent
+    bits of bias 7, 3 mantissa bits, subnormals at exponent 0, no infinities, S.1111.111 NaN."""
+    codes = np.arange(256)
+    exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
+    magnitude = np.where(
+        exponent == 0, mantissa / 8.0 * 2.0**-6, (1 + mantissa / 8.0) * 2.0 ** (exponent - 7.0)
+    )
+    values = np.where(codes & 0x80, -magnitude, magnitude).astype(np.float32)
+    values[(codes & 0x7F) == 0x7F] = np.nan
+    return values
+
+
+# FP8 E4M3 byte → its value (float32 holds each exactly).
+FP8_E4M3_VALUES = _fp8_e4m3_values()
 
 
 class QuantizedFormat(Protocol):
@@ -148,11 +167,13 @@ def row_blocks(rows: int, cols: int, align: int = 1) -> Iterator[tuple[int, int]
 
 def as_float32(values: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
     """Stored floating-point values as float32 (into `out` when given); bf16, kept as its raw uint16 bits,
-    is widened exactly by a shift."""
+    is widened exactly by a shift, FP8 (its raw byte) by a table."""
     if out is None:
         out = np.empty(values.shape, dtype=np.float32)
     if dtype == "BF16":
         np.left_shift(values, 16, out=out.view(np.uint32), dtype=np.uint32)
+    elif dtype == "F8_E4M3":
+        np.take(FP8_E4M3_VALUES, values, out=out)
     else:
         out[...] = values
     return out

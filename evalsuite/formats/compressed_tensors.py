@@ -3,9 +3,11 @@ module, what a module's stored tensors say about its quantization, and the libra
 
 The library decode is compressed-tensors' decompressor (what Transformers and vLLM run); `ct_decode` holds the
 independent one it is checked against. Matching uses compressed-tensors' own helpers (`is_match`,
-`match_targets`) on stand-in modules, since no model is built: a module whose source weight is a 2-D
-Linear-like weight stands in as `torch.nn.Linear`, an embedding as `torch.nn.Embedding`, anything else as a
-plain `torch.nn.Module` (see the tensors task's `ModuleRules`).
+`match_targets`) on the modules of the model Transformers builds on the meta device when the caller has them
+(class-name targets such as `Linear` then match what compressed-tensors matches at load: an MoE router is no
+`Linear`), else on stand-ins: a module whose source weight is a 2-D Linear-like weight stands in as
+`torch.nn.Linear`, an embedding as `torch.nn.Embedding`, anything else as a plain `torch.nn.Module` (see the
+tensors task's `ModuleRules`).
 """
 
 from __future__ import annotations
@@ -40,9 +42,24 @@ PARAMS = frozenset(
     }
 )
 MARKS = frozenset({"weight_packed", "weight_scale"})
-# Formats both decodes read (`library_decode` here, `ct_decode.reference_decode`); any other (FP8, NVFP4, …)
-# is classified and checked against the config, not decoded.
-DECODED_FORMATS = frozenset({"pack-quantized", "int-quantized", "naive-quantized"})
+# Formats compressed-tensors' decompressor decodes here (`library_decode`): every weight format of 0.20 that
+# llm-compressor writes for Linear layers. `ct_decode.reference_decode` decodes them a second time
+# (`INDEPENDENT_DECODE_FORMATS`) but MXFP4, whose E8M0 scales only the library's decode reads.
+DECODED_FORMATS = frozenset(
+    {
+        "pack-quantized",
+        "int-quantized",
+        "naive-quantized",
+        "float-quantized",
+        "nvfp4-pack-quantized",
+        "mxfp4-pack-quantized",
+    }
+)
+INDEPENDENT_DECODE_FORMATS = DECODED_FORMATS - {"mxfp4-pack-quantized"}
+# FP4 (E2M1) formats: two codes per uint8, low nibble first, with groups of this many weights per scale.
+FP4_GROUP_SIZES = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32}
+# Integer weight formats: what `intref` executes and counts by its bits (quantized_int4, quantized_int8).
+INTEGER_FORMATS = frozenset({"pack-quantized", "int-quantized", "naive-quantized"})
 # Kinds of module compressed-tensors gives a scheme to: Linear layers (routers and state projections are
 # Linear layers too) and embeddings.
 QUANTIZABLE_KINDS = frozenset({"linear", "router", "state", "embedding"})
@@ -92,27 +109,34 @@ class SchemeLookup:
                 self.target_to_group[target] = group
         self.ignore = list(self.config.ignore or [])
 
-    def covering(self, module: str, kind: ModuleKind) -> Coverage:
-        """The config's word on `module` (see the class docstring)."""
+    def covering(self, module: str, kind: ModuleKind, instance: Any = None) -> Coverage:
+        """The config's word on `module` (see the class docstring). `instance` is the module as the model
+        skeleton Transformers builds holds it (its class is what a class-name target such as `Linear`
+        matches: an MoE router is no `Linear` there); without one, a stand-in of the module's kind."""
         from compressed_tensors.utils.match import is_match, match_targets
 
-        stand_in = _stand_in(kind)
+        stand_in = instance if instance is not None else _stand_in(kind)
         ignored = bool(self.ignore) and is_match(module, stand_in, self.ignore)
         matched = match_targets(module, stand_in, list(self.target_to_group))
-        if ignored or not matched or kind not in QUANTIZABLE_KINDS:
+        if ignored or not matched or (instance is None and kind not in QUANTIZABLE_KINDS):
             return Coverage(None, None, None, ignored)
         group = self.target_to_group[matched[0]]
         scheme = self.config.config_groups[group]
         fmt = scheme.format or (self.config.format if self.config.format != "mixed-precision" else None)
         return Coverage(group, scheme, fmt, ignored)
 
-    def unmatched_targets(self, modules: dict[str, ModuleKind]) -> list[tuple[str, str]]:
-        """(group, target) for every target that matches no module of the source at all."""
+    def unmatched_targets(
+        self, modules: dict[str, ModuleKind], instances: dict[str, Any] | None = None
+    ) -> list[tuple[str, str]]:
+        """(group, target) for every target that matches no module of the source at all (`instances`: the
+        skeleton's modules by name, as `covering` takes them)."""
         from compressed_tensors.utils.match import is_match
 
         left = dict(self.target_to_group)
+        instances = instances or {}
         for module, kind in modules.items():
-            for target in [t for t in left if is_match(module, _stand_in(kind), t)]:
+            stand_in = instances.get(module) or _stand_in(kind)
+            for target in [t for t in left if is_match(module, stand_in, t)]:
                 del left[target]
             if not left:
                 break
@@ -173,20 +197,45 @@ def describe_scheme(scheme: Any, fmt: str | None) -> str:
     return " ".join(parts)
 
 
+def _int_bits(hint: Any, default: int) -> int:
+    """The bits of an integer scheme whose values sit in wider storage (int4 in int8 tensors): the config's,
+    when it says an integer of at most the storage's bits."""
+    bits = getattr(hint, "num_bits", None)
+    if str(getattr(hint, "type", "int")) == "int" and isinstance(bits, int) and 1 < bits <= default:
+        return bits
+    return default
+
+
 def stored_quantization(
-    source: TensorInfo, tensors: dict[str, TensorInfo], hint: Any, reader: ShardReader
+    source: TensorInfo,
+    tensors: dict[str, TensorInfo],
+    hint: Any,
+    reader: ShardReader,
+    format_hint: str | None = None,
 ) -> tuple[StoredQuantization | None, list[str]]:
-    """Read a quantized module's scheme from its tensors (`hint`: the config's weight args, to choose among
-    readings the shapes allow); the problems say where the tensors disagree with the source weight."""
+    """Read a quantized module's scheme from its tensors and the config together, as compressed-tensors does:
+    the storage from the tensors' dtypes and shapes, the bits from the scheme where storage is wider than the
+    values (`hint`: the config's weight args; `format_hint`: the group's format). The problems say where the
+    tensors disagree with the source weight; values outside the scheme's range are checked at decode."""
     rows, cols = rows_and_cols(source.shape)
     scale = tensors.get("weight_scale")
     if scale is None:
         return None, ["stores weight_packed but no weight_scale"]
     problems: list[str] = []
-    if "weight_packed" in tensors:
+    if "weight_packed" in tensors and tensors["weight_packed"].dtype == "U8":
+        packed = tensors["weight_packed"]
+        if format_hint in FP4_GROUP_SIZES:
+            fmt = format_hint
+        else:
+            fmt = "nvfp4-pack-quantized" if "weight_global_scale" in tensors else "mxfp4-pack-quantized"
+        if rows_and_cols(packed.shape) != (rows, math.ceil(cols / 2)):
+            held = f"weight_packed {list(packed.shape)} cannot hold the source weight {list(source.shape)}"
+            return None, [f"{held} as FP4"]
+        kind, bits = "float", 4
+    elif "weight_packed" in tensors:
         packed = tensors["weight_packed"]
         if packed.dtype != "I32":
-            return None, [f"weight_packed is {packed.dtype}, not I32: not an integer pack-quantized weight"]
+            return None, [f"weight_packed is {packed.dtype}, neither I32 (integers) nor U8 (FP4)"]
         fmt, kind = "pack-quantized", "int"
         width = packed.shape[-1] if packed.shape else 0
         fits = [b for b in range(1, 9) if math.ceil(cols * b / 32) == width]
@@ -208,7 +257,8 @@ def stored_quantization(
             got = "nothing" if weight is None else f"{weight.dtype} {list(weight.shape)}"
             return None, [f"stores {got} for a source weight {list(source.shape)} beside its weight_scale"]
         if weight.dtype == "I8":
-            fmt, kind, bits = "int-quantized", "int", 8
+            # llm-compressor stores W4A8's int4 values in int8 tensors, `int-quantized` at 4 bits.
+            fmt, kind, bits = "int-quantized", "int", _int_bits(hint, 8)
         elif weight.dtype.startswith("F8"):
             fmt, kind, bits = "float-quantized", "float", 8
         else:
@@ -216,6 +266,8 @@ def stored_quantization(
     strategy, group_size, block = _strategy(scale.shape, rows, cols, hint)
     if strategy is None:
         return None, [f"weight_scale {list(scale.shape)} fits no strategy for a weight {list(source.shape)}"]
+    if strategy == "group" and "weight_global_scale" in tensors:
+        strategy = "tensor_group"  # NVFP4: FP8 group scales under one FP32 global scale
     stored = StoredQuantization(
         format=fmt,
         type=kind,
@@ -242,6 +294,11 @@ def _strategy(
             return "block", None, (bh, bw)
     if srows != rows:
         return None, None, None
+    hinted = getattr(hint, "group_size", None)
+    grouped = str(getattr(hint, "strategy", "")) in ("group", "tensor_group") and hinted
+    # One group per row (group_size >= cols) stores a scale of one column, as a channel scale does.
+    if grouped and scols == math.ceil(cols / hinted):
+        return "group", hinted, None
     if scols == 1:
         return "channel", None, None
     if cols % scols == 0:
@@ -259,7 +316,7 @@ def scheme_mismatches(stored: StoredQuantization, coverage: Coverage) -> list[st
         or w.num_bits != stored.num_bits
         or str(w.type) != stored.type
         or str(w.strategy) != stored.strategy
-        or (stored.strategy == "group" and w.group_size != stored.group_size)
+        or (stored.strategy in ("group", "tensor_group") and w.group_size != stored.group_size)
         or bool(w.symmetric) != stored.symmetric
     )
     if not differs:
@@ -294,11 +351,13 @@ def _decompressor(stored: StoredQuantization) -> tuple[Any, Any]:
 
 
 def _torch_view(array: np.ndarray, dtype: str) -> Any:
-    """A torch tensor sharing the memory of a stored array (bf16 from its raw bits)."""
+    """A torch tensor sharing the memory of a stored array (bf16 and FP8 from their raw bits)."""
     import torch
 
     if dtype == "BF16":
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    if dtype == "F8_E4M3":
+        return torch.from_numpy(array.view(np.uint8)).view(torch.float8_e4m3fn)
     return torch.from_numpy(array)
 
 
@@ -317,6 +376,12 @@ def _float32_of_bits(bits: np.ndarray, dtype: str, out: np.ndarray | None = None
     return as_float32(bits.view(np.float16 if dtype == "F16" else np.float32), dtype, out)
 
 
+def decoded_dtype(stored: StoredQuantization, scale_dtype: str) -> str:
+    """The dtype compressed-tensors decodes a weight to: its scale's, but bf16 for FP4 (the unpacked codes'
+    dtype, `unpack_fp4_from_uint8`, which its dequantize casts to)."""
+    return "BF16" if stored.format in FP4_GROUP_SIZES else scale_dtype
+
+
 def library_decode(
     stored: StoredQuantization,
     weight: np.ndarray,
@@ -325,13 +390,15 @@ def library_decode(
     cols: int,
     zero_point: np.ndarray | None = None,
     out: np.ndarray | None = None,
+    global_scale: np.ndarray | None = None,
 ) -> np.ndarray:
     """Rows of a weight decoded by compressed-tensors' own decompressor, as float32 (into `out` when given)
-    holding values of the scale's dtype exactly, to be compared with `ct_decode.reference_decode`.
+    holding values of `decoded_dtype` exactly, to be compared with `ct_decode.reference_decode`.
 
-    Every array is as stored, for the same rows: `weight` the int32 words (pack-quantized) or int8 values,
-    `scale` the scale rows (bf16 as its raw bits), `zero_point` the zero points (pack-quantized packs them
-    along the rows, 32 / b rows per word). The decompressor does not apply `weight_g_idx`.
+    Every array is as stored, for the same rows: `weight` the int32 words (pack-quantized), uint8 FP4 pairs
+    (nvfp4 / mxfp4), int8 values or FP8 bytes, `scale` the scale rows (bf16 and FP8 as their raw bits),
+    `zero_point` the zero points (pack-quantized packs them along the rows, 32 / b rows per word),
+    `global_scale` NVFP4's one float32. The decompressor does not apply `weight_g_idx`.
     """
     import torch
 
@@ -340,10 +407,17 @@ def library_decode(
     state = {"weight_scale": _torch_view(scale, scale_dtype)}
     if zero_point is not None:
         state["weight_zero_point"] = torch.from_numpy(np.ascontiguousarray(zero_point))
+    if global_scale is not None:
+        state["weight_global_scale"] = torch.from_numpy(np.ascontiguousarray(global_scale))
     if stored.format == "pack-quantized":
         state["weight_packed"] = torch.from_numpy(weight)
         state["weight_shape"] = torch.tensor([rows, cols])
+    elif stored.format in FP4_GROUP_SIZES:
+        state["weight_packed"] = torch.from_numpy(np.ascontiguousarray(weight))
+    elif stored.format == "float-quantized":
+        state["weight"] = _torch_view(weight, "F8_E4M3")
     else:
         state["weight"] = torch.from_numpy(weight)
-    bits = _bits_view(compressor.decompress(state, scheme)["weight"].reshape(rows, cols))
-    return _float32_of_bits(bits, scale_dtype, out)
+    decoded = compressor.decompress(state, scheme)["weight"].reshape(rows, -1)[:, :cols]
+    dtype = {torch.bfloat16: "BF16", torch.float16: "F16"}.get(decoded.dtype, "F32")
+    return _float32_of_bits(_bits_view(decoded.to(torch.float32) if dtype == "F32" else decoded), dtype, out)

@@ -1,11 +1,13 @@
-"""The independent decoder of compressed-tensors integer weights, written here from the format's definition.
+"""The independent decoder of compressed-tensors weights, written here from the format's definition.
 
 The `tensors` task's claim that a candidate decodes bit-exactly rests on this module: it decodes every
-`pack-quantized` / `int-quantized` weight a second time, without compressed-tensors' code, and the two
-decodes must agree bit for bit. So it follows the format's definition, never the library: `pack-quantized`
-stores q + 2^(b−1) ("offset binary") densely in int32 words, least significant bits first; `int-quantized`
-stores q as int8; either way the weight is (q − zero_point) × scale, rounded once (to nearest even) to the
-scale's dtype. What the stored tensors hold (strategy, group size, bits) comes from
+`pack-quantized` / `int-quantized` / `float-quantized` / `nvfp4-pack-quantized` weight a second time, without
+compressed-tensors' code, and the two decodes must agree bit for bit. So it follows the format's definition,
+never the library: `pack-quantized` stores q + 2^(b−1) ("offset binary") densely in int32 words, least
+significant bits first; `int-quantized` stores q as int8 (int4 values too); `float-quantized` FP8 E4M3 bytes;
+NVFP4 two E2M1 codes per byte, low nibble first, with FP8 group scales divided by a float32 global scale.
+Either way the weight is (q − zero_point) × scale, rounded once (to nearest even) to the dtype the library
+decodes to. What the stored tensors hold (strategy, group size, bits) comes from
 `compressed_tensors.StoredQuantization`, read from their shapes.
 """
 
@@ -16,8 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from evalsuite.formats import NUMPY_DTYPES
-from evalsuite.formats.compressed_tensors import StoredQuantization
+from evalsuite.formats import FP8_E4M3_VALUES, NUMPY_DTYPES
+from evalsuite.formats.compressed_tensors import FP4_GROUP_SIZES, StoredQuantization
+
+# FP4 E2M1 code → value, from the definition: sign bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+FP4_E2M1_VALUES = np.array(
+    [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32
+)
 
 # Where a decode takes its working arrays, by slot name: `ShardReader.scratch` reuses them from block to block
 # (a fresh multi-megabyte array costs more in page faults than the decode done in it); by default, new ones.
@@ -101,9 +108,9 @@ def _expand(values: np.ndarray, stored: StoredQuantization, rows: int, cols: int
         return s.reshape(1, 1)
     if stored.strategy == "channel":
         return s
-    if stored.strategy == "group":
+    if stored.strategy in ("group", "tensor_group"):
         if g_idx is None:
-            return np.repeat(s, stored.group_size, axis=1)
+            return np.repeat(s, stored.group_size, axis=1)[:, :cols]
         return s[:, g_idx]
     bh, bw = stored.block
     return np.repeat(np.repeat(s, bh, axis=0), bw, axis=1)[:rows, :cols]
@@ -118,30 +125,41 @@ def reference_decode(
     zero_point: np.ndarray | None = None,
     g_idx: np.ndarray | None = None,
     scratch: Scratch = _fresh,
+    global_scale: float | None = None,
 ) -> np.ndarray:
     """Rows of a weight decoded by evalsuite: (q − zero_point) × scale in float32, exact for integer q and a
-    16-bit scale, then rounded once to the scale's dtype; returns those values as float32 (exact).
+    16-bit scale, then rounded once to `scale_dtype` (the dtype the library decodes to: the scale's, bf16 for
+    FP4); returns those values as float32 (exact).
 
-    `weight` holds the stored rows (int32 words for pack-quantized, int8 otherwise), `scale` the matching
-    scale rows as float32, `zero_point` the zero points (q units) in the scale's layout, `g_idx` the group of
-    each input column when the weight was quantized in activation order.
+    `weight` holds the stored rows (int32 words for pack-quantized, uint8 code pairs for FP4, FP8 bytes for
+    float-quantized, int8 otherwise), `scale` the matching scale rows as float32, `zero_point` the zero points
+    (q units) in the scale's layout, `g_idx` the group of each input column when the weight was quantized in
+    activation order, `global_scale` NVFP4's: its group scales are divided by it in float32 first.
     """
     rows = weight.shape[0]
     q = scratch("q", (rows, cols), np.float32)
     if stored.format == "pack-quantized":
         codes = unpack_codes(weight, stored.num_bits, cols, scratch)
         np.subtract(codes, np.float32(1 << (stored.num_bits - 1)), out=q)
+    elif stored.format in FP4_GROUP_SIZES:
+        nibbles = np.stack((weight & 0x0F, weight >> 4), axis=-1).reshape(rows, -1)[:, :cols]
+        np.take(FP4_E2M1_VALUES, nibbles, out=q)
+    elif stored.format == "float-quantized":
+        np.take(FP8_E4M3_VALUES, weight, out=q)
     else:
         q[...] = weight
+    if global_scale is not None:
+        scale = scale / np.float32(global_scale)
     if zero_point is not None:
         q -= _expand(zero_point.astype(np.float32), stored, rows, cols, g_idx)
-    if stored.strategy == "group" and g_idx is None:
+    if stored.strategy == "group" and g_idx is None and cols % stored.group_size == 0:
         groups = q.reshape(rows, -1, stored.group_size)  # in place: no per-element scale array
         np.multiply(groups, scale.reshape(rows, -1, 1), out=groups)
     else:
         np.multiply(q, _expand(scale, stored, rows, cols, g_idx), out=q)
-    # Integer q times a finite scale is finite: only a non-finite scale can make a NaN.
+    # Integer (or FP4) q times a finite scale is finite: only a non-finite scale or FP8 code makes a NaN.
     finite = np.isfinite(scale).all() and (zero_point is None or np.isfinite(zero_point).all())
+    finite = finite and (stored.format != "float-quantized" or bool(np.isfinite(q).all()))
     return rounded_to(q, scale_dtype, may_hold_nan=not finite, scratch=scratch)
 
 

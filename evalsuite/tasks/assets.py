@@ -27,6 +27,29 @@ from evalsuite.spec import StrictModel
 # Past this many differences in one file the rest are counted, not listed (a replaced tokenizer differs in
 # every one of its 248 k entries).
 SHOWN_PER_FILE = 20
+# Top-level keys of a JSON asset that only steer how it was loaded, never what it does: where the files came
+# from and how they were fetched. Transformers writes back what it was loaded with (llm-compressor's save of a
+# tokenizer loaded from a local folder adds `local_files_only` and `is_local`), so they are no differences. A
+# changed truncation or padding default, special token, chat template or vocabulary still is.
+LOADING_KEYS = frozenset(
+    {
+        "local_files_only",
+        "is_local",
+        "_commit_hash",
+        "name_or_path",
+        "_name_or_path",
+        "cache_dir",
+        "revision",
+        "force_download",
+        "resume_download",
+        "proxies",
+        "subfolder",
+        "token",
+        "use_auth_token",
+        "_from_auto",
+        "_from_pipeline",
+    }
+)
 
 
 class AssetRules(StrictModel):
@@ -120,7 +143,7 @@ def _compare_file(ours: Path, theirs: Path, ignored: list[str]) -> list[tuple[st
         other = _json(theirs)
         if other is None:
             return [("", "not valid JSON in the candidate")]
-        return list(_data_differences(mine, other, "", ignored))
+        return list(_data_differences(as_loaded(mine), as_loaded(other), "", ignored))
     if filecmp.cmp(ours, theirs, shallow=False):
         return []
     try:
@@ -136,6 +159,23 @@ def _compare_file(ours: Path, theirs: Path, ignored: list[str]) -> list[tuple[st
             return [(f"line {i}", f"source {_short(x)} → candidate {_short(y)}")]
     n = min(len(lines_a), len(lines_b)) + 1
     return [(f"line {n}", f"{len(lines_a)} lines in the source, {len(lines_b)} in the candidate")]
+
+
+def as_loaded(data: Any) -> Any:
+    """A JSON asset as Transformers acts on it: loading-only keys (`LOADING_KEYS`) left out, and a tokenizer's
+    `model_specific_special_tokens` folded into the top-level `*_token` keys it is read together with
+    (`PreTrainedTokenizerBase.from_pretrained` merges the two), so writing a token in either place is the same
+    tokenizer."""
+    if not isinstance(data, dict):
+        return data
+    loaded = {k: v for k, v in data.items() if k not in LOADING_KEYS}
+    specific = loaded.pop("model_specific_special_tokens", None)
+    if isinstance(specific, dict):
+        for key, token in specific.items():
+            loaded.setdefault(key, token)
+    elif specific is not None:
+        loaded["model_specific_special_tokens"] = specific
+    return loaded
 
 
 def _json(path: Path) -> Any:

@@ -53,6 +53,8 @@ class IntegerReference:
     metric_names: ClassVar[tuple[str, ...]] = (
         "n_windows",
         "n_scored_tokens",
+        "int_convention",
+        "hf_convention",
         "ppl_ref",
         "ppl_int",
         "ppl_int_ratio",
@@ -69,6 +71,9 @@ class IntegerReference:
     )
 
     metric_descriptions: ClassVar[dict[str, str]] = {
+        "int_convention": "the integer execution's arithmetic: weight schemes × activation quantization, and "
+        "whether the activations' quantization is the scheme's or added by intref (weight-only schemes)",
+        "hf_convention": "how Transformers executed the same candidate",
         "ppl_int": "perplexity of the candidate executed in integers (INT8 activations × INT4/INT8 weights)",
         "ppl_int_ratio": "ppl_int / ppl_ref: the W4A8 model's own PPL increase over the reference",
         "ppl_hf": "perplexity of the same candidate as Transformers runs it (dequantized weights)",
@@ -128,6 +133,8 @@ class IntegerReference:
             "n_windows": n_windows,
             "n_scored_tokens": len(nll_ref),
             "tokens_sha256": ref.meta["tokens_sha256"],
+            "int_convention": execution.get("convention", "W4/W8 channel × A8 per token"),
+            "hf_convention": str(hf.meta.get("execution", {}).get("execution", "Transformers")),
             "activation_divisor": execution["activations"]["divisor"],
             "activation_rounding": execution["activations"]["rounding"],
             **ppl_summary("ref", nll_ref, n_windows),

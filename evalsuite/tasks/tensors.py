@@ -85,6 +85,7 @@ class Tensors:
         "avg_bits_per_weight_all",
         "worst_rel_err",
         "worst_channel_rel_err",
+        "worst_channel_err",
         "bpw_claim_error",
         "tile_outliers",
         "worst_tile_ratio",
@@ -117,6 +118,8 @@ class Tensors:
         "avg_bits_per_weight_all": "8 × stored bytes / source parameters (embeddings and scales included)",
         "worst_rel_err": "relative Frobenius error of the worst decoded tensor against its source",
         "worst_channel_rel_err": "the same for the worst single output channel (above 1: further than zeros)",
+        "worst_channel_err": "the worst output channel's error norm over the larger of its own norm and its "
+        "tensor's RMS channel norm (bounded; holds for GPTQ-style packs and outlier channels)",
         "payload_bytes": "bytes of every tensor the candidate stores",
         "tile_outliers": "EXL3 16×16 tiles whose error in the rotated basis is an outlier against the median "
         "tile of their own tensor (a damaged trellis tile)",

@@ -143,13 +143,26 @@ def test_a_layer_the_config_quantizes_but_the_files_store_dense_is_refused(tiny_
         IntrefBackend(checkpoint, BackendOptions(backend="intref"))
 
 
-def test_weight_only_quantization_has_no_integer_path(tiny_pair, tmp_path):
+def test_weight_only_quantization_runs_with_intrefs_own_activations(tiny_pair, tmp_path):
+    """A W4A16 scheme has integer weights: intref runs it, quantizing activations itself, and says so."""
+    from evalsuite.backends.intref_plan import integer_modules
+
     def weights_only(qc):
         for group in qc["config_groups"].values():
             group["input_activations"] = None
 
     checkpoint = edited_config(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "w4a16", weights_only)
-    assert "quantizes weights only" in unsupported_reason(checkpoint)
+    assert unsupported_reason(checkpoint) is None
+    assert all(m.weight_only for m in integer_modules(checkpoint).values())
+
+
+def test_float_weights_have_no_integer_path(tiny_pair, tmp_path):
+    def fp8(qc):
+        for group in qc["config_groups"].values():
+            group["weights"]["type"] = "float"
+
+    checkpoint = edited_config(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "fp8", fp8)
+    assert "not FP8 or FP4" in unsupported_reason(checkpoint)
 
 
 @pytest.mark.slow

@@ -135,12 +135,14 @@ def test_one_changed_scale_fails_naming_the_tensor(tiny_pair, candidate, tmp_pat
     edit_tensors(candidate, scale_one_channel)
     code, entry, _ = run_tensors(candidate, tiny_pair[TINY_BF16], tmp_path / "run")
     assert code == 1
-    assert "worst_channel_rel_err" in failed_checks(entry)
+    assert "worst_channel_err" in failed_checks(entry)
     m = entry["metrics"]
     assert m["worst_channel_rel_err_tensor"] == f"{module}.weight (output channel 5)"
     assert m["worst_channel_rel_err"] == pytest.approx(3.0, rel=0.2)  # ×4 scale: error 3× the channel
+    assert m["worst_channel_err_tensor"] == f"{module}.weight (output channel 5)"
+    assert m["worst_channel_err"] > 1.5  # 3× a channel of about the tensor's RMS norm
     assert m["decode_exact"] is True  # both decoders read the same (wrong) scale
-    assert list(named(entry, "worst_channel_rel_err")) == [f"{module}.weight (output channel 5)"]
+    assert list(named(entry, "worst_channel_err")) == [f"{module}.weight (output channel 5)"]
 
 
 def test_one_dropped_tensor_fails_naming_it(tiny_pair, candidate, tmp_path):
@@ -254,3 +256,36 @@ def test_a_recorded_reference_is_skipped_with_its_reason(tiny_pair):
     ckpt = Side("ckpt", BackendOptions(), checkpoint=Checkpoint.open(tiny_pair[TINY_W4A8]))
     with pytest.raises(TaskSkipped, match="recording, which holds no tensors"):
         task.prepare(recorded, ckpt)
+
+
+def test_a_plain_linear_target_on_an_moe_model_never_takes_its_routers(tiny_pair, candidate, tmp_path):
+    """llm-compressor's layout for an MoE model: one `targets: ["Linear"]` group (and a more specific one), an
+    ignore list without the routers. Targets are matched on the model Transformers builds, where the router is
+    no Linear, so no router is said to be targeted; a stand-in Linear would have said so for each of them."""
+    from evalsuite.formats.compressed_tensors import SchemeLookup
+    from evalsuite.tasks.tensor_verification._modules import skeleton_modules
+
+    config = json.loads((candidate / "config.json").read_text())
+    qc = config["quantization_config"]
+    groups = qc["config_groups"]
+    int8 = groups["int8_shared_experts_lm_head"]
+    int4 = groups["int4_attention"]
+    qc["config_groups"] = {
+        "int8": {**int8, "targets": [r"re:.*mlp\.shared_expert\.(gate|up|down)_proj$", "lm_head"]},
+        "int4": {**int4, "targets": ["Linear"]},
+    }
+    qc["ignore"] = [
+        r"re:.*vision_tower.*",
+        r"re:.*merger.*",
+        r"re:.*shared_expert_gate$",
+        r"re:.*in_proj_(a|b)$",
+    ]
+    (candidate / "config.json").write_text(json.dumps(config))
+    code, entry, err = run_tensors(candidate, tiny_pair[TINY_BF16], tmp_path / "run")
+    assert code == 0, (err, entry.get("details"))
+    assert entry["metrics"]["config_mismatches"] == 0
+    router = "model.language_model.layers.0.mlp.gate"
+    lookup = SchemeLookup(qc)
+    assert lookup.covering(router, "router").group == "int4"  # what a stand-in Linear would claim
+    skeleton = skeleton_modules(Checkpoint.open(candidate))
+    assert lookup.covering(router, "router", skeleton[router]).group is None

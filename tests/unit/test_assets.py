@@ -159,3 +159,19 @@ def test_shipped_rules_skip_tensor_maps_docs_manifests_and_weights(tmp_path):
     ):
         (folder / name).write_text("{}")
     assert asset_files(folder, SHIPPED) == ["processor_config.json", "tokenizer.json"]
+
+
+def test_loading_only_keys_are_no_difference_but_behaviour_is():
+    from evalsuite.tasks.assets import as_loaded
+
+    source = {"padding_side": "right", "image_token": "<img>", "model_max_length": 512}
+    saved = {
+        **source,
+        "local_files_only": True,
+        "is_local": True,
+        "_commit_hash": "abc",
+        "model_specific_special_tokens": {"image_token": "<img>"},
+    }
+    assert as_loaded(saved) == as_loaded(source)
+    assert as_loaded({**saved, "padding_side": "left"}) != as_loaded(source)
+    assert as_loaded({**saved, "model_specific_special_tokens": {"video_token": "<v>"}}) != as_loaded(source)

@@ -399,3 +399,23 @@ def test_exl3_codebook_marker_must_hold_its_multiplier(tmp_path):
     src, ckpt = _exl3_pair(tmp_path, marker=torch.tensor(7, dtype=torch.int32))
     details = [p.detail for p in verify_tensors(src, ckpt, RULES).problems]
     assert details == ["mcg marker holds 0x00000007, not 0xcbac1fed"]
+
+
+def test_fp8_and_fp4_tables_match_torch_and_compressed_tensors():
+    """evalsuite's FP8 E4M3 and FP4 E2M1 tables, written from the definitions, against the libraries'."""
+    import numpy as np
+    import torch
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
+    from evalsuite.formats import FP8_E4M3_VALUES
+    from evalsuite.formats.ct_decode import FP4_E2M1_VALUES
+
+    theirs = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(np.isnan(theirs), np.isnan(FP8_E4M3_VALUES))
+    assert np.array_equal(np.nan_to_num(theirs), np.nan_to_num(FP8_E4M3_VALUES))
+    codes = torch.tensor([[lo | (hi << 4) for hi in range(16) for lo in range(16)]], dtype=torch.uint8)
+    unpacked = unpack_fp4_from_uint8(codes, 1, 512, dtype=torch.float32).numpy().reshape(-1)
+    ours = np.stack([FP4_E2M1_VALUES[codes.numpy() & 0xF], FP4_E2M1_VALUES[codes.numpy() >> 4]], -1).reshape(
+        -1
+    )
+    assert np.array_equal(unpacked, ours)

@@ -212,3 +212,98 @@ def test_experts_reduce_in_fp32_in_expert_order_whatever_the_batch(tiny_intref):
             _, y = expert.down_proj.run(experts.act_fn(gate) * up)
             total += y * weights[t, slot].float()
         assert torch.equal(batched[t : t + 1], total.to(torch.bfloat16)), t
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Packs written by llm-compressor: per-group scales, zero points, INT4 values in int8 storage, packed INT8
+# ----------------------------------------------------------------------------------------------------------
+
+
+def file_integers(
+    checkpoint: Checkpoint, module: str, layer: IntLinear
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """A layer's integer weights and zero points decoded from the files by compressed-tensors' own unpacking
+    (zero points are packed along the rows), not by evalsuite."""
+    shape = torch.Size((layer.out_features, layer.in_features))
+    if layer.storage == "packed":
+        w = unpack_from_int32(checkpoint.read_tensor(f"{module}.weight_packed"), layer.bits, shape).numpy()
+    else:
+        w = checkpoint.read_tensor(f"{module}.weight").numpy()
+    if not layer.has_zero_point:
+        return w, None
+    zp = checkpoint.read_tensor(f"{module}.weight_zero_point")
+    if layer.storage == "packed":
+        groups = checkpoint.tensors[f"{module}.weight_scale"].shape[1]
+        zp = unpack_from_int32(zp, layer.bits, torch.Size((layer.out_features, groups)), packed_dim=0)
+    return w, zp.numpy()
+
+
+def emulate_groups(
+    x: torch.Tensor, w: np.ndarray, zp, w_scale: np.ndarray, group_size: int, act: ActivationQuant
+):
+    """(per-group accumulators int64 (G, M, N), FP32-rounded output float64, exact output float64, the sum of
+    the terms' magnitudes) of the group convention, in numpy: integers exact in float64, each FP32 rounding
+    of the convention explicit (numpy float32 arithmetic is IEEE's)."""
+    xd = x.float().numpy().astype(np.float64)
+    scale = (np.abs(xd).max(axis=1) / act.divisor).astype(np.float32)
+    r = (
+        (xd / np.where(scale > 0, scale, 1.0)[:, None].astype(np.float64))
+        .astype(np.float32)
+        .astype(np.float64)
+    )
+    q = np.clip(np.round(r), -128, 127)
+    groups = w_scale.shape[1]
+    accs, y32 = [], np.zeros((x.shape[0], w.shape[0]), dtype=np.float32)
+    exact, magnitude = np.zeros_like(y32, dtype=np.float64), np.zeros_like(y32, dtype=np.float64)
+    for g in range(groups):
+        cols = slice(g * group_size, (g + 1) * group_size)
+        wg = w[:, cols].astype(np.float64)
+        if zp is not None:
+            wg = wg - zp[:, g : g + 1].astype(np.float64)
+        acc = q[:, cols] @ wg.T
+        accs.append(acc.astype(np.int64))
+        y32 += (acc.astype(np.float32) * scale[:, None]) * w_scale[:, g].astype(np.float32)[None, :]
+        term = acc * scale[:, None].astype(np.float64) * w_scale[:, g][None, :]
+        exact += term
+        magnitude += np.abs(term)
+    return np.stack(accs), y32.astype(np.float64), exact, magnitude
+
+
+@pytest.mark.parametrize("scheme", ["w4a8-g64", "w4a16-asym-g64", "w4a8-gptq", "w8a16"])
+def test_llmcompressor_integer_layers_are_exact(llmc_tiny, scheme):
+    """Every integer layer of the pack: accumulators equal the float64 integers, the FP32 output equals the
+    emulation of its roundings bit for bit and lies within 1e-6 of the exact sum (relative to its terms)."""
+    checkpoint = Checkpoint.open(llmc_tiny["tiny-llama-llmc"] / scheme)
+    backend = IntrefBackend(checkpoint, BackendOptions().with_backend("intref", {"divisor": 127.5}))
+    try:
+        layers = integer_layers(backend)
+        assert len(layers) == 14
+        for i, (name, layer) in enumerate(layers.items()):
+            x = activations(layer.in_features, seed=i)
+            acc, y = layer.run(x)
+            w, zp = file_integers(checkpoint, name, layer)
+            w_scale = checkpoint.read_tensor(f"{name}.weight_scale").double().numpy()
+            group_size = layer.group_size or layer.in_features
+            acc_ref, y32, exact, magnitude = emulate_groups(x, w, zp, w_scale, group_size, CARD)
+            acc = acc.numpy().reshape(acc_ref.shape) if acc.dim() == 3 else acc.numpy()[None]
+            assert np.array_equal(acc.astype(np.int64), acc_ref), f"{name}: accumulators differ"
+            assert np.array_equal(y.double().numpy(), y32), f"{name}: FP32 output differs from the emulation"
+            assert (np.abs(y32 - exact) <= 1e-6 * magnitude + 1e-30).all(), name
+    finally:
+        backend.close()
+
+
+def test_a_wrong_zero_point_changes_the_asymmetric_accumulators(llmc_tiny):
+    """The test above can fail: the emulation with the zero points off by one disagrees."""
+    checkpoint = Checkpoint.open(llmc_tiny["tiny-llama-llmc"] / "w4a16-asym-g64")
+    backend = IntrefBackend(checkpoint, BackendOptions().with_backend("intref", {"divisor": 127.5}))
+    try:
+        name, layer = next(iter(integer_layers(backend).items()))
+        x = activations(layer.in_features, seed=0)
+        acc, _ = layer.run(x)
+        w, zp = file_integers(checkpoint, name, layer)
+        w_scale = checkpoint.read_tensor(f"{name}.weight_scale").double().numpy()
+        acc_ref, *_ = emulate_groups(x, w, zp + 1, w_scale, layer.group_size, CARD)
+        assert not np.array_equal(acc.numpy().astype(np.int64), acc_ref)
+    finally:
+        backend.close()

@@ -8,10 +8,11 @@ every source tensor in exactly one class and to measure each pair, with memory b
 (`evalsuite.formats.ShardReader`).
 
 The formats (`evalsuite.formats`) say what a quantized module stores and how it decodes; what is checked of
-them is here: `_compressed_tensors` decodes every integer weight twice (compressed-tensors' decompressor and
-`evalsuite.formats.ct_decode`) and checks the config's groups against the stored schemes, `_exl3` checks
-trellis layouts and `tensor_storage`. `_same` compares a tensor kept under its name, `_modules` tells modules
-apart by name and shape, `_rows` holds the typed rows of tensors.json, `_engine` pairs and streams.
+them is here: `_compressed_tensors` decodes every weight twice (compressed-tensors' decompressor and
+`evalsuite.formats.ct_decode`, where it has a decode of the format) and checks the config's groups against
+the stored schemes, `_exl3` checks trellis layouts and `tensor_storage`. `_same` compares a tensor kept
+under its name, `_modules` tells modules apart by name and shape (and builds the model skeleton targets are
+matched on), `_rows` holds the typed rows of tensors.json, `_engine` pairs and streams.
 """
 
 from evalsuite.tasks.tensor_verification._engine import (

@@ -4,6 +4,7 @@ it, classified and measured, and the candidate's config checked against the rows
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -12,17 +13,14 @@ from typing import Any, Literal, Protocol
 
 from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.formats import QuantizedFormat, ShardReader, one_torch_thread
-from evalsuite.formats.compressed_tensors import CompressedTensors
+from evalsuite.formats.compressed_tensors import INTEGER_FORMATS, CompressedTensors
 from evalsuite.formats.exl3 import Exl3
 from evalsuite.formats.exl3_decode import padded
 from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTensorsVerifier
 from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
-from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection
+from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection, skeleton_modules
 from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow, UnexpectedRow
 from evalsuite.tasks.tensor_verification._same import compare_same
-
-# Integer weight formats, counted by their bits (quantized_int4, quantized_int8); anything else is "other".
-INTEGER_FORMATS = frozenset({"pack-quantized", "int-quantized", "naive-quantized"})
 
 
 class FormatVerifier(Protocol):
@@ -50,7 +48,7 @@ class FormatVerifier(Protocol):
 def format_verifier(candidate: Checkpoint) -> FormatVerifier | None:
     """How a candidate's quantized format is verified; None for a dense (unquantized) candidate."""
     if candidate.format == "compressed-tensors":
-        return CompressedTensorsVerifier(CompressedTensors(candidate))
+        return CompressedTensorsVerifier(CompressedTensors(candidate), skeleton_modules(candidate))
     if candidate.format == "exl3":
         return Exl3Verifier(Exl3(candidate))
     return None
@@ -148,8 +146,11 @@ class Verification:
         integer = [r for r in quantized if r.format in INTEGER_FORMATS]
         decoded = [r.decode_exact for r in quantized if r.decode_exact is not None]
         measured = [r for r in quantized if r.rel_err is not None]
-        worst = max(measured, key=lambda r: r.rel_err, default=None)
-        worst_channel = max(measured, key=lambda r: r.worst_channel_rel_err, default=None)
+        # A NaN error (a NaN code or scale decoded) is the worst of all, never passed over by max().
+        worst = max(measured, key=lambda r: _nan_first(r.rel_err), default=None)
+        worst_channel = max(measured, key=lambda r: _nan_first(r.worst_channel_rel_err), default=None)
+        channel_err = [r for r in measured if r.worst_channel_err is not None]
+        worst_err = max(channel_err, key=lambda r: _nan_first(r.worst_channel_err), default=None)
         backbone = [r for r in quantized if r.part == "text" and r.bits_per_weight is not None]
         backbone_numel = sum(_claimed_numel(r) for r in backbone)
         avg_bits = (
@@ -181,6 +182,12 @@ class Verification:
                 if worst_channel
                 else None
             ),
+            "worst_channel_err": worst_err.worst_channel_err if worst_err else None,
+            "worst_channel_err_tensor": (
+                f"{worst_err.name} (output channel {worst_err.worst_channel_err_channel})"
+                if worst_err
+                else None
+            ),
         }
         tiled = [r for r in quantized if r.worst_tile_ratio is not None]
         if tiled:
@@ -202,6 +209,10 @@ def _claimed_numel(row: TensorRow) -> int:
     if row.format == "exl3" and len(row.shape) == 2:
         return padded(row.shape[0]) * padded(row.shape[1])
     return row.numel
+
+
+def _nan_first(value: float | None) -> float:
+    return math.inf if value is None or math.isnan(value) else value
 
 
 def _first_row(pair: Pair, info: TensorInfo, rules: ModuleRules) -> TensorRow:

@@ -4,7 +4,9 @@ names and shapes alone, since no model is ever built."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
+from evalsuite.checkpoint import Checkpoint
 from evalsuite.formats import ModuleKind, Part
 from evalsuite.spec import StrictModel
 
@@ -68,3 +70,21 @@ def layer_and_projection(module: str, part: Part) -> tuple[int | None, str]:
         return None, module
     projection = _EXPERT.sub(".experts.*.", f".{module[match.end() - 1 :]}.").strip(".")
     return int(match.group(1)), projection if part == "text" else f"{part}:{projection}"
+
+
+def skeleton_modules(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The modules of the model Transformers builds from the checkpoint's config, on the meta device, by
+    name: what compressed-tensors matches class-name targets against. Empty when Transformers cannot build it
+    (an architecture it does not know): matching then falls back to stand-ins of each module's kind."""
+    from evalsuite.backends.hf import meta_model, transformers_config
+    from evalsuite.backends.options import BackendOptions
+    from evalsuite.errors import EvalsuiteError
+
+    try:
+        import torch
+
+        config, _ = transformers_config(checkpoint, BackendOptions())
+        model = meta_model(config, torch.bfloat16, checkpoint)
+    except (EvalsuiteError, ImportError, ValueError, KeyError, TypeError, RuntimeError):
+        return {}
+    return dict(model.named_modules())

@@ -71,6 +71,8 @@ class TensorRow:
     max_abs_err: float | None = None
     worst_channel: int | None = None
     worst_channel_rel_err: float | None = None
+    worst_channel_err: float | None = None
+    worst_channel_err_channel: int | None = None
     note: str | None = None
     problems: list[str] = field(default_factory=list)
     stored: StoredQuantization | None = None
@@ -120,15 +122,22 @@ class UnexpectedRow:
 class ErrorAccumulator:
     """Error statistics of a decoded tensor against its source, added up block by block of rows.
 
-    It adds up the sums of `metrics.error_sums` (computed here per row, in reused buffers), and keeps the
-    worst output channel (row): the largest ‖x_r − w_r‖ / ‖w_r‖. A channel above 1 decodes further from its
-    source than zeros would.
+    It adds up the sums of `metrics.error_sums` (computed here per row, in reused buffers), and keeps two
+    worst output channels (rows): the largest ‖x_r − w_r‖ / ‖w_r‖ (relative to the channel itself: above 1 a
+    channel decodes further from its source than zeros would) and the largest ‖x_r − w_r‖ / max(‖w_r‖, RMS)
+    with RMS the tensor's RMS channel norm √(Σ‖w_r‖² / rows). The second holds for error-compensating
+    quantizers (GPTQ moves the weights of a near-zero channel far, relative to that channel, on purpose: the
+    RMS is the yardstick there) and for real weights' outlier channels (their own norm is), while one wrong
+    scale still shows.
     """
 
     def __init__(self) -> None:
         self.sums = metrics.ErrorSums(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        self.rows = 0
         self.worst_channel = -1
         self.worst_channel_rel_err = 0.0
+        self.row_err: list[np.ndarray] = []
+        self.row_norm: list[np.ndarray] = []
 
     def add(self, r0: int, ref: np.ndarray, cand: np.ndarray, work: np.ndarray | None = None) -> None:
         """Add rows r0.. of the source (`ref`) and of the decoded tensor (`cand`), float32 (rows, cols);
@@ -148,12 +157,15 @@ class ErrorAccumulator:
             max_abs=float(max(d.max(), -d.min())) if d.size else 0.0,
         )
         self.sums = self.sums + block
+        self.rows += err.size
         if not err.size:
             return
+        self.row_err.append(err)
+        self.row_norm.append(norm)
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(err == 0, 0.0, np.sqrt(err / norm))
         i = int(np.argmax(rel))
-        if rel[i] > self.worst_channel_rel_err:
+        if np.isnan(rel[i]) or rel[i] > self.worst_channel_rel_err:
             self.worst_channel, self.worst_channel_rel_err = r0 + i, float(rel[i])
 
     def fill(self, row: TensorRow) -> None:
@@ -165,3 +177,10 @@ class ErrorAccumulator:
         row.max_abs_err = s.max_abs
         row.worst_channel = self.worst_channel if self.worst_channel >= 0 else None
         row.worst_channel_rel_err = self.worst_channel_rel_err
+        if self.row_err:
+            err, norm = np.concatenate(self.row_err), np.concatenate(self.row_norm)
+            yardstick = np.maximum(norm, s.ref_sq / self.rows)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(err == 0, 0.0, np.sqrt(err / yardstick))
+            j = int(np.argmax(ratio))  # argmax takes a NaN first: a NaN channel is the worst there is
+            row.worst_channel_err, row.worst_channel_err_channel = float(ratio[j]), j
