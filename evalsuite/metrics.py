@@ -409,14 +409,15 @@ def topk_overlap(ref_index: ArrayLike, ckpt_index: ArrayLike) -> NDArray[np.floa
 def mass_on_chosen(
     ckpt_weights: ArrayLike, ckpt_index: ArrayLike, ref_index: ArrayLike
 ) -> NDArray[np.float64]:
-    """Per row, the candidate's routing weight on the experts the reference chose: Σ_j w_j [i_j ∈ A], the
-    share of the candidate's routed output that comes from the reference's experts (1 for the same set
-    when the weights are normalised)."""
+    """Per row, the share of the candidate's routing weight on the experts the reference chose:
+    Σ_j w_j [i_j ∈ A] / Σ_j w_j, the part of its routed output that comes from the reference's experts (1 for
+    the same set, whatever the rounding of the weights)."""
     w, b, a = np.asarray(ckpt_weights, dtype=np.float64), np.asarray(ckpt_index), np.asarray(ref_index)
     if w.shape != b.shape or a.shape[0] != b.shape[0]:
         raise ValueError(f"weights {w.shape}, indices {b.shape} and reference indices {a.shape} differ")
     chosen = (b[:, :, None] == a[:, None, :]).any(axis=2)
-    return (w * chosen).sum(axis=1)
+    total = w.sum(axis=1)
+    return np.divide((w * chosen).sum(axis=1), total, out=np.zeros_like(total), where=total != 0)
 
 
 def grouped_error_sums(
