@@ -4,8 +4,8 @@
 
 The pair is `bench/stream.py`'s: the tiny MiniCPM-V 4.7 architecture scaled to 3.1 GB in BF16 (28 hybrid
 MoE layers, hidden 1,024, 32 routed experts, top 2, a shared expert) and its W4A8 copy
-(`minicpmv47-3gb-{bf16,w4a8}`, 6 GB of disk, built once). Each run is `evalsuite run --stream` (the default `ppl` protocol: 8 windows of 512
-tokens), a child process of its own, in one sitting:
+(`minicpmv47-3gb-{bf16,w4a8}`, 6 GB of disk, built once). Each run is `evalsuite run --stream` (the default
+`ppl` protocol: 8 windows of 512 tokens), a child process of its own, in one sitting:
 
 1. the RSS of a process that has imported what `evalsuite run` imports before its first model loads;
 2. `--tasks layers`: its time and peak RSS;
@@ -71,8 +71,8 @@ def main() -> int:
                 return 2
             runs[task] = (seconds, peak, cpu)
             print(
-                f"{task}: {seconds:.1f} s ({cpu:.1f} s of CPU), peak RSS {peak / 1e6:.0f} MB; (peak RSS − RSS "
-                f"after imports) / model bytes = {(peak - baseline) / model_bytes:.3f}"
+                f"{task}: {seconds:.1f} s ({cpu:.1f} s of CPU), peak RSS {peak / 1e6:.0f} MB; (peak RSS − "
+                f"RSS after imports) / model bytes = {(peak - baseline) / model_bytes:.3f}"
             )
         moe = json.loads(Path(f"{tmp}/moe/results.json").read_text())["tasks"]["moe"]
     shown = ("mean_topk_overlap", "worst_layer", "worst_expert", "worst_expert_rel_err", "hot_hurt_experts")
