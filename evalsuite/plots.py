@@ -177,6 +177,7 @@ def expert_heatmap(rel_err: np.ndarray, layers: Sequence[int], path: Path) -> No
         )
     step = max(1, len(layers) // 40)
     ax.set_yticks(range(0, len(layers), step), [str(layer) for layer in layers[::step]])
+    ax.set_xticks(range(0, values.shape[1], max(1, values.shape[1] // 32)))
     ax.set_xlabel("routed expert")
     ax.set_ylabel("decoder layer")
     ax.set_title(f"Routed-expert output error ({len(layers)} MoE layers × {values.shape[1]} experts)")
