@@ -519,3 +519,53 @@ def pareto_front(costs: ArrayLike, losses: ArrayLike) -> list[bool]:
         dominated = np.any((c <= c[i]) & (loss <= loss[i]) & ((c < c[i]) | (loss < loss[i])))
         front.append(not bool(dominated))
     return front
+
+
+def topk_overlap(ref_index: ArrayLike, ckpt_index: ArrayLike) -> NDArray[np.float64]:
+    """Per row (a token), |A ∩ B| / k of two sets of k chosen ids (a router's top-k experts): 1 when the
+    candidate chose the reference's experts, in any order."""
+    a, b = np.asarray(ref_index), np.asarray(ckpt_index)
+    if a.shape != b.shape or a.ndim != 2:
+        raise ValueError(f"top-k indices differ in shape or are not (rows, k): {a.shape} vs {b.shape}")
+    hits = (a[:, :, None] == b[:, None, :]).any(axis=2).sum(axis=1)
+    return hits / a.shape[1]
+
+
+def mass_on_chosen(
+    ckpt_weights: ArrayLike, ckpt_index: ArrayLike, ref_index: ArrayLike
+) -> NDArray[np.float64]:
+    """Per row, the share of the candidate's routing weight on the experts the reference chose:
+    Σ_j w_j [i_j ∈ A] / Σ_j w_j, the part of its routed output that comes from the reference's experts (1 for
+    the same set, whatever the rounding of the weights)."""
+    w, b, a = np.asarray(ckpt_weights, dtype=np.float64), np.asarray(ckpt_index), np.asarray(ref_index)
+    if w.shape != b.shape or a.shape[0] != b.shape[0]:
+        raise ValueError(f"weights {w.shape}, indices {b.shape} and reference indices {a.shape} differ")
+    chosen = (b[:, :, None] == a[:, None, :]).any(axis=2)
+    total = w.sum(axis=1)
+    return np.divide((w * chosen).sum(axis=1), total, out=np.zeros_like(total), where=total != 0)
+
+
+def grouped_error_sums(
+    ref: ArrayLike, cand: ArrayLike, weights: ArrayLike, groups: ArrayLike, n_groups: int
+) -> NDArray[np.float64]:
+    """Weighted error sums of rows grouped by an id (an expert's outputs, weighted by their routing weights):
+    for each group g, (rows, Σ w, Σ w‖r‖², Σ w‖x − r‖², Σ w‖x‖², Σ w r·x) over the rows of group g, shape
+    (n_groups, 6). A group's weighted relative error is sqrt(col 3 / col 2), its cosine col 5 /
+    sqrt(col 2 · col 4)."""
+    r, x = np.asarray(ref, dtype=np.float64), np.asarray(cand, dtype=np.float64)
+    w, g = np.asarray(weights, dtype=np.float64), np.asarray(groups, dtype=np.int64)
+    if r.shape != x.shape or r.ndim != 2 or w.shape != (len(r),) or g.shape != (len(r),):
+        raise ValueError(f"rows {r.shape} / {x.shape}, weights {w.shape} and groups {g.shape} differ")
+    d = x - r
+    columns = (
+        np.ones(len(r)),
+        w,
+        w * np.einsum("ij,ij->i", r, r),
+        w * np.einsum("ij,ij->i", d, d),
+        w * np.einsum("ij,ij->i", x, x),
+        w * np.einsum("ij,ij->i", r, x),
+    )
+    out = np.zeros((n_groups, 6))
+    for c, column in enumerate(columns):
+        np.add.at(out[:, c], g, column)
+    return out

@@ -209,4 +209,35 @@ def metric_vs_bpw(
     ax.set_ylabel(ylabel)
     if on.any() or floor is not None:
         ax.legend(fontsize=8)
+
+
+def expert_heatmap(rel_err: np.ndarray, layers: Sequence[int], path: Path) -> None:
+    """Relative output error of every routed expert, MoE layer × expert, on a log colour scale; experts the
+    reference never routes to (NaN) are blank, exact zeros shown at the scale's floor."""
+    from matplotlib.colors import LogNorm
+
+    values = np.asarray(rel_err, dtype=np.float64)
+    positive = values[np.isfinite(values) & (values > 0)]
+    fig = _figure(
+        width=min(16.0, max(6.4, 2.0 + 0.06 * values.shape[1])), height=min(12.0, 2.0 + 0.3 * len(layers))
+    )
+    ax = fig.add_subplot()
+    if positive.size:
+        floor = float(positive.min())
+        shown = np.where(np.isfinite(values), np.maximum(values, floor), np.nan)
+        image = ax.imshow(
+            shown, aspect="auto", interpolation="nearest", norm=LogNorm(floor, float(positive.max()) * 1.0001)
+        )
+        fig.colorbar(image, ax=ax, label="‖y_ckpt − y_ref‖ / ‖y_ref‖")
+    else:
+        ax.imshow(np.where(np.isfinite(values), 0.0, np.nan), aspect="auto", interpolation="nearest")
+        ax.text(
+            0.5, 0.5, "every used expert matches exactly", ha="center", va="center", transform=ax.transAxes
+        )
+    step = max(1, len(layers) // 40)
+    ax.set_yticks(range(0, len(layers), step), [str(layer) for layer in layers[::step]])
+    ax.set_xticks(range(0, values.shape[1], max(1, values.shape[1] // 32)))
+    ax.set_xlabel("routed expert")
+    ax.set_ylabel("decoder layer")
+    ax.set_title(f"Routed-expert output error ({len(layers)} MoE layers × {values.shape[1]} experts)")
     _save(fig, path)

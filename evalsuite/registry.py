@@ -25,12 +25,23 @@ def _builtin_tasks() -> list[type]:
     from evalsuite.tasks.intref import IntegerReference
     from evalsuite.tasks.layers import Layers
     from evalsuite.tasks.lmeval import LmEval
+    from evalsuite.tasks.moe import MixtureOfExperts
     from evalsuite.tasks.ppl import Perplexity
     from evalsuite.tasks.smoke import Smoke
     from evalsuite.tasks.tensors import Tensors
     from evalsuite.tasks.vision import Vision
 
-    return [Perplexity, Smoke, Vision, Tensors, IntegerReference, Layers, Attribution, LmEval]
+    return [
+        Perplexity,
+        Smoke,
+        Vision,
+        Tensors,
+        IntegerReference,
+        Layers,
+        Attribution,
+        LmEval,
+        MixtureOfExperts,
+    ]
 
 
 def registered_tasks() -> dict[str, type]:
