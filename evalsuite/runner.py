@@ -36,6 +36,7 @@ from evalsuite.backends.memory import streamed_if_needed
 from evalsuite.backends.options import BackendOptions
 from evalsuite.digest import DigestCache
 from evalsuite.errors import EvalsuiteError, InputError
+from evalsuite.machine import describe_machine, execution_differences, measured_drift, replay_caveat
 from evalsuite.observation import Observation
 from evalsuite.recording import RecordedObservation, write_recording
 from evalsuite.registry import get_task, spec_source
@@ -128,6 +129,7 @@ def environment(options: BackendOptions) -> dict[str, Any]:
         else platform.processor() or "cpu",
         "dtype": options.dtype,
         "torch_threads": torch.get_num_threads(),
+        "machine": describe_machine(options.device),
     }
 
 
@@ -578,7 +580,25 @@ def run(
     }
     if request.baseline is not None:
         doc["baseline"] = str(request.baseline)
+    if plan.ref.recording is not None:
+        replay = replay_environment(doc["ref"].get("environment"), doc["environment"])
+        if replay is not None:
+            doc["replay"] = replay
     return RunResult(results=doc, folder=folder)
+
+
+def replay_environment(recorded: dict[str, Any] | None, here: dict[str, Any]) -> dict[str, Any] | None:
+    """results.json's `replay` block when the reference is a recording made under another execution
+    environment: what differs, the drift `bench/drift.py` measured, and the caveat that says it; else None."""
+    differences = execution_differences(recorded, here)
+    if not differences:
+        return None
+    drift = measured_drift()
+    return {
+        "environment_differences": differences,
+        "measured_drift": drift,
+        "caveat": replay_caveat(differences, drift),
+    }
 
 
 def load_results(path: Path) -> dict[str, Any]:
