@@ -186,7 +186,9 @@ def replay_caveat(differences: dict[str, list[Any]], drift: dict[str, Any] | Non
     if "machine" in differences:
         changed = "its machine was not recorded"
     else:
-        changed = "; ".join(f"{key}: recorded {_short(a)}, here {_short(b)}" for key, (a, b) in differences.items())
+        changed = "; ".join(
+            f"{key}: recorded {_short(then)}, here {_short(now)}" for key, (then, now) in differences.items()
+        )
     sentence = (
         f"the reference is a recording made under another execution environment ({changed}): its logits "
         "carry that environment's kernels, and the comparison counts their drift as the candidate's"
