@@ -14,7 +14,14 @@ from typing import Any
 
 import yaml
 
-from evalsuite.report import failed_prompts, format_number, replay_caveats, threshold_caveats, with_stderr
+from evalsuite.report import (
+    failed_prompts,
+    format_number,
+    machine_lines,
+    replay_caveats,
+    threshold_caveats,
+    with_stderr,
+)
 
 WIKITEXT = "wikitext-2-raw-v1"
 FULL_VOCABULARY = "full-vocabulary"
@@ -412,6 +419,7 @@ def _environment(results: dict[str, Any]) -> list[str]:
         device += f" ({env['device_name']})"
     lines = ["### Environment", "", f"- packages: {packages or 'not recorded'}", f"- device: {device}"]
     lines.append(f"- dtype: {env.get('dtype', 'not recorded')}")
+    lines += machine_lines(env)
     if env.get("python"):
         platform = f" on `{env['platform']}`" if env.get("platform") else ""
         lines.append(f"- Python `{env['python']}`{platform}")
