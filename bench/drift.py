@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,7 +43,9 @@ def evalsuite(*args: str, env: dict[str, str] | None = None) -> None:
     """One CLI call in a child process (its own kernels, chosen at import from its environment)."""
     command = [sys.executable, "-m", "evalsuite.cli", *args, "--quiet"]
     proc = subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True)
-    if proc.returncode not in (0, 1):  # 1: a threshold failed, which a drift measurement does not mind
+    out = Path(args[args.index("--out") + 1])
+    # 1: a threshold failed, which a drift measurement does not mind, as long as it wrote its results.
+    if proc.returncode not in (0, 1) or (args[0] == "run" and not (out / "results.json").is_file()):
         raise SystemExit(f"{' '.join(command)} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
 
 
@@ -55,13 +58,18 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="evalsuite-drift-") as tmp:
         recording = Path(tmp) / "recording"
+        # The candidate is a copy with one extra file: the same weights under another content digest, so that
+        # the run computes it rather than taking the recording's own observation for it.
+        candidate = Path(tmp) / "candidate"
+        shutil.copytree(reference, candidate)
+        (candidate / "drift-copy.json").write_text(json.dumps({"copy_of": str(reference)}) + "\n")
         evalsuite(
             "record", "--ckpt", str(reference), "--tasks", "ppl", "--corpus", CORPUS, "--out", str(recording)
         )  # fmt: skip
         for name, env in VARIANTS.items():
             out = Path(tmp) / name.replace("=", "-")
             evalsuite(
-                "run", "--ckpt", str(reference), "--ref", str(recording), "--tasks", "ppl",
+                "run", "--ckpt", str(candidate), "--ref", str(recording), "--tasks", "ppl",
                 "--corpus", CORPUS, "--out", str(out), env=env,
             )  # fmt: skip
             doc = json.loads((out / "results.json").read_text(encoding="utf-8"))

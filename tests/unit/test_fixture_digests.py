@@ -36,7 +36,7 @@ PINNED: dict[str, str | None] = {
     TINY_EXL3: "1283620e8304e8c8df212476d2ef49f4567b24846d273dd26bdd341782ab00e5",
     SMOLLM2_BF16: "76e7595d1e0f8abe015b7c1fd890b5bf260c61cb365b007ff85d42f0c0a71d92",
     SMOLLM2_W4A8: "feb3cca1febe3831d4bd6c745b97514622363d18632c30514bdc4677cc269366",
-    SMOLLM2_EXL3: None,  # not pinned yet: pin it from a build of the current code
+    SMOLLM2_EXL3: "dfb585466896f546e32ecd67d9745c512a7a2823cb83725fe4c8d63378f441de",
 }
 PINNED_LIBRARIES = {
     "compressed-tensors": "0.20.1",
