@@ -14,7 +14,14 @@ from typing import Any
 
 import yaml
 
-from evalsuite.report import failed_prompts, format_number, threshold_caveats, with_stderr
+from evalsuite.report import (
+    failed_prompts,
+    format_number,
+    machine_lines,
+    replay_caveats,
+    threshold_caveats,
+    with_stderr,
+)
 
 WIKITEXT = "wikitext-2-raw-v1"
 FULL_VOCABULARY = "full-vocabulary"
@@ -357,7 +364,7 @@ def _checks(results: dict[str, Any]) -> list[str]:
 def caveats(results: dict[str, Any]) -> list[str]:
     """What the numbers do not show, derived from what was and was not run; one sentence per caveat."""
     tasks = results["tasks"]
-    notes = threshold_caveats(results) + failed_prompts(results)
+    notes = threshold_caveats(results) + failed_prompts(results) + replay_caveats(results)
     execution = EXECUTION_BY_FORMAT.get(results["ckpt"].get("format", ""), DEFAULT_EXECUTION)
     for task, missing in MISSING_WHEN_NOT_RUN.items():
         entry = tasks.get(task)
@@ -412,6 +419,7 @@ def _environment(results: dict[str, Any]) -> list[str]:
         device += f" ({env['device_name']})"
     lines = ["### Environment", "", f"- packages: {packages or 'not recorded'}", f"- device: {device}"]
     lines.append(f"- dtype: {env.get('dtype', 'not recorded')}")
+    lines += machine_lines(env)
     if env.get("python"):
         platform = f" on `{env['platform']}`" if env.get("platform") else ""
         lines.append(f"- Python `{env['python']}`{platform}")

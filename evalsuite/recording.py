@@ -157,6 +157,8 @@ class Recording:
             "fingerprint": self.fingerprint,
             "content_sha256": self.content_sha256,
             "recorded_from": {"path": ckpt.get("path"), "format": ckpt.get("format")},
+            # Where it was recorded: a replay elsewhere mixes that machine's kernels into the comparison.
+            "environment": self.manifest.get("environment"),
         }
 
 

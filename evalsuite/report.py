@@ -177,11 +177,17 @@ def failed_prompts(results: dict[str, Any]) -> list[str]:
     ]
 
 
+def replay_caveats(results: dict[str, Any]) -> list[str]:
+    """The caveat of a reference recorded under another execution environment (results.json's `replay`)."""
+    replay = results.get("replay")
+    return [replay["caveat"]] if isinstance(replay, dict) and replay.get("caveat") else []
+
+
 def caveats(results: dict[str, Any]) -> list[str]:
     """What the verdict does not say, from results.json alone: default thresholds, failed prompts, the
     text scored, the KLD estimator, what did not run. One sentence per caveat, without the final stop."""
     tasks = results["tasks"]
-    notes = threshold_caveats(results) + failed_prompts(results)
+    notes = threshold_caveats(results) + failed_prompts(results) + replay_caveats(results)
     for task, entry in tasks.items():
         if entry["status"] in ("skipped", "error"):
             what = "was skipped" if entry["status"] == "skipped" else "failed to run"
@@ -281,10 +287,31 @@ def render_markdown(results: dict[str, Any]) -> str:
         "## Environment",
         "",
         f"- device: {env['device']} ({env['device_name']}), dtype {env['dtype']}",
+        *machine_lines(env),
         "- packages: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items() if v),
         "",
     ]
     return "\n".join(lines)
+
+
+def machine_lines(env: dict[str, Any]) -> list[str]:
+    """The report's line on the machine's kernels (CPU model, the ISA torch's and oneDNN's kernels use, any
+    override in the environment, the GPU), empty for a results.json written before it was recorded."""
+    machine = env.get("machine")
+    if not isinstance(machine, dict):
+        return []
+    cpu = (
+        f"- CPU: {machine.get('cpu_model') or 'unknown'}, torch kernels "
+        f"{machine.get('torch_cpu_capability')}, oneDNN {machine.get('onednn_isa') or 'unknown'}"
+    )
+    overrides = machine.get("kernel_overrides") or {}
+    if overrides:
+        cpu += " (" + ", ".join(f"{k}={v}" for k, v in overrides.items()) + ")"
+    gpu = machine.get("gpu")
+    if isinstance(gpu, dict):
+        cublas = gpu.get("cublas") or "unknown"
+        return [cpu, f"- GPU: {gpu.get('name')}, CUDA {gpu.get('cuda')}, cuBLAS {cublas}"]
+    return [cpu]
 
 
 def write_reports(results: dict[str, Any], folder: RunFolder) -> None:

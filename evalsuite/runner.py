@@ -32,6 +32,7 @@ from evalsuite.backends import check_load_plan
 from evalsuite.backends.options import BackendOptions
 from evalsuite.digest import DigestCache
 from evalsuite.errors import EvalsuiteError, InputError
+from evalsuite.machine import describe_machine, execution_differences, measured_drift, replay_caveat
 from evalsuite.observe import OnLoad, observe_all
 from evalsuite.plan import (
     SCHEMA,
@@ -146,6 +147,7 @@ def environment(options: BackendOptions) -> dict[str, Any]:
         else platform.processor() or "cpu",
         "dtype": options.dtype,
         "torch_threads": torch.get_num_threads(),
+        "machine": describe_machine(options.device),
     }
 
 
@@ -206,7 +208,25 @@ def run(
     }
     if request.baseline is not None:
         doc["baseline"] = str(request.baseline)
+    if plan.ref.recording is not None:
+        replay = replay_environment(doc["ref"].get("environment"), doc["environment"])
+        if replay is not None:
+            doc["replay"] = replay
     return RunResult(results=doc, folder=folder)
+
+
+def replay_environment(recorded: dict[str, Any] | None, here: dict[str, Any]) -> dict[str, Any] | None:
+    """results.json's `replay` block when the reference is a recording made under another execution
+    environment: what differs, the drift `bench/drift.py` measured, and the caveat that says it; else None."""
+    differences = execution_differences(recorded, here)
+    if not differences:
+        return None
+    drift = measured_drift()
+    return {
+        "environment_differences": differences,
+        "measured_drift": drift,
+        "caveat": replay_caveat(differences, drift),
+    }
 
 
 def with_regression_checks(task: Task, result: TaskResult, baseline: dict[str, Any]) -> TaskResult:

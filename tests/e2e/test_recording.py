@@ -22,7 +22,8 @@ def test_replay_gives_the_live_figures(tiny_run, tiny_replay):
     live, replay = tiny_run.metrics("ppl"), tiny_replay.metrics("ppl")
     for name in EXACT:
         assert replay[name] == pytest.approx(live[name], rel=1e-6, abs=1e-12), name
-    assert replay["kld_mean"] == pytest.approx(live["kld_mean"], rel=0.01)
+    # A sampled estimate of the tail: its error depends on the fixture's random weights (2% holds with room).
+    assert replay["kld_mean"] == pytest.approx(live["kld_mean"], rel=0.02)
     assert live["kld_estimator"] == "full-vocabulary"
     assert "sampled tail" in replay["kld_estimator"]
     assert tiny_replay.results["ref"]["format"] == "recording"
@@ -168,3 +169,36 @@ def test_report_re_renders_a_run_from_results_json_alone(tiny_run, tmp_path):
         assert res.returncode == 0, res.stderr
         assert (run_dir / name).is_file()
     assert (run_dir / "report.md").read_text() == before
+
+
+def test_a_replay_on_the_recording_s_own_machine_has_no_environment_caveat(tiny_replay):
+    assert "replay" not in tiny_replay.results
+    assert "another execution environment" not in (tiny_replay.out / "report.md").read_text()
+
+
+def test_a_replay_of_a_recording_made_on_another_machine_says_so_with_the_measured_drift(
+    tiny_pair, tiny_run, tiny_recording, tmp_path
+):
+    import shutil
+
+    from evalsuite.machine import measured_drift
+
+    rec = tmp_path / "rec"
+    shutil.copytree(tiny_recording, rec)
+    manifest = json.loads((rec / "manifest.json").read_text())
+    # As if recorded on a machine whose torch kernels use AVX-512.
+    manifest["environment"]["machine"]["torch_cpu_capability"] = "AVX512"
+    (rec / "manifest.json").write_text(json.dumps(manifest))
+    args = ("run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], "--ref", rec, "--tasks", "ppl")
+    replay = rerun(tiny_run, tmp_path / "run", *args, "--corpus", "python-docs")
+    assert replay.cli.returncode in (0, 1), replay.cli.stderr
+    block = replay.results["replay"]
+    here = replay.results["environment"]["machine"]["torch_cpu_capability"]
+    assert block["environment_differences"] == {"machine.torch_cpu_capability": ["AVX512", here]}
+    drift = measured_drift()
+    assert drift is not None and block["measured_drift"] == drift
+    kld = drift["variants"]["ONEDNN_MAX_CPU_ISA=AVX2"]["kld_mean"]
+    assert f"kld_mean {kld:.2g}" in block["caveat"]
+    report = (replay.out / "report.md").read_text()
+    assert "recording made under another execution environment" in report
+    assert "torch_cpu_capability: recorded AVX512, here" in report
