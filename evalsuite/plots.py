@@ -179,6 +179,7 @@ def kld_by_position(
     ax.set_xlabel("position in the window of the logits (they predict the next token)")
     ax.set_ylabel(f"mean KLD per token (nats, {estimator})")
     ax.set_title(f"KL(ref ‖ ckpt) by position ({values.size} tokens)")
+    _save(fig, path)
 
 
 def metric_vs_bpw(
@@ -209,6 +210,7 @@ def metric_vs_bpw(
     ax.set_ylabel(ylabel)
     if on.any() or floor is not None:
         ax.legend(fontsize=8)
+    _save(fig, path)
 
 
 def expert_heatmap(rel_err: np.ndarray, layers: Sequence[int], path: Path) -> None:

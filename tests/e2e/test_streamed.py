@@ -30,7 +30,7 @@ INTREF_SPEC = (
     + "[thresholds]\nppl_int_ratio = { max = 1.70 }\n"
 )
 # Strings that describe how a side ran (they say "streamed"), not what it measured.
-EXECUTION = {"ref_execution", "ckpt_execution"}
+EXECUTION = {"ref_execution", "ckpt_execution", "hf_convention", "int_convention"}
 
 
 def specs(folder: Path) -> list[str]:
