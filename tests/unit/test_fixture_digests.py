@@ -23,6 +23,8 @@ from evalsuite.fixtures import (
     SMOLLM2_W4A8,
     TINY_BF16,
     TINY_EXL3,
+    TINY_MTP_BF16,
+    TINY_MTP_EXL3,
     TINY_W4A8,
 )
 from evalsuite.fixtures.cache import library_versions
@@ -30,13 +32,15 @@ from evalsuite.fixtures.cache import library_versions
 # `Checkpoint.content_sha256()` of each fixture built by FIXTURE_CODE_VERSION "evalsuite.fixtures/2", the
 # same under the default kernels, ATEN_CPU_CAPABILITY=default, ONEDNN_MAX_CPU_ISA=SSE41, one thread and
 # HF_HUB_OFFLINE=1 (README, "Fixtures are the same bytes on every machine").
-PINNED: dict[str, str | None] = {
+PINNED: dict[str, str] = {
     TINY_BF16: "d2e615150f59ce52d8691ea1401d684e7f2b12bf7be37ec73b9f87907a4ad3e2",
     TINY_W4A8: "53ba854262e478916da46372f0150b524ebb50fe8e3a9c510a47aa7645892166",
-    TINY_EXL3: "1283620e8304e8c8df212476d2ef49f4567b24846d273dd26bdd341782ab00e5",
+    TINY_EXL3: "f1d3b339807d6ddaae99b564de39af87869eaf1f493f14595dd35d8f9944c9bb",
     SMOLLM2_BF16: "76e7595d1e0f8abe015b7c1fd890b5bf260c61cb365b007ff85d42f0c0a71d92",
     SMOLLM2_W4A8: "feb3cca1febe3831d4bd6c745b97514622363d18632c30514bdc4677cc269366",
-    SMOLLM2_EXL3: "dfb585466896f546e32ecd67d9745c512a7a2823cb83725fe4c8d63378f441de",
+    SMOLLM2_EXL3: "c616ce925906bc98c08b624b27d13e041f8f292dcfa55ee67f56455ea90e9884",
+    TINY_MTP_BF16: "c3562b78c89b85743297989c448e1d784c4d7f27bd4c989745e79beaeabbad78",
+    TINY_MTP_EXL3: "8f7377dc2baf4d5fcc26a159f16570c774a097c53cef79fda86b8e929f0b4497",
 }
 PINNED_LIBRARIES = {
     "compressed-tensors": "0.20.1",
@@ -59,8 +63,6 @@ def assert_pinned(name: str, folder: Path) -> None:
         corpus = hashlib.sha256(python_docs_text().encode("utf-8")).hexdigest()
         if corpus != PINNED_CORPUS_SHA256:
             pytest.skip("the tiny fixtures were pinned on another Python's pydoc topics: re-pin them")
-    if PINNED[name] is None:
-        pytest.skip(f"{name}'s digest is not pinned yet")
     digest = Checkpoint.open(folder).content_sha256(DigestCache(None))
     assert digest == PINNED[name], (
         f"{name} built here has content digest {digest}, pinned {PINNED[name]}: a build step depends on "
@@ -75,6 +77,11 @@ def test_tiny_fixtures_have_their_pinned_digests(tiny_pair, name):
 
 def test_tiny_exl3_fixture_has_its_pinned_digest(tiny_exl3_pair):
     assert_pinned(TINY_EXL3, tiny_exl3_pair[TINY_EXL3])
+
+
+@pytest.mark.parametrize("name", [TINY_MTP_BF16, TINY_MTP_EXL3])
+def test_tiny_mtp_fixtures_have_their_pinned_digests(tiny_mtp_exl3_pair, name):
+    assert_pinned(name, tiny_mtp_exl3_pair[name])
 
 
 def test_a_fixture_with_one_flipped_bit_fails_its_pin(tiny_pair, tmp_path):
