@@ -2,7 +2,7 @@
 4 routed experts, top 2, and a shared expert) built to be caught, all against one recording of the reference:
 
 - a copy with the same tensors: top-k overlap 1 and expert error 0 everywhere;
-- a copy with layer 1 expert 1's weights ×1.5: that expert is named worst and first of the hot-and-hurt table,
+- a copy with layer 1 expert 3's weights ×1.5: that expert is named worst and first of the hot-and-hurt table,
   every other expert's error exactly 0; routing untouched;
 - a copy with layer 1's router weights perturbed by seeded noise: layer 1's overlap is the lowest (layer 0's
   is exactly 1), and the expert errors stay 0 (they are measured on the reference's routing);
@@ -32,7 +32,7 @@ scored = { first = 256, last = 510 }
 mean_topk_overlap = { min = 0.99 }
 """
 LAYER1 = "model.language_model.layers.1.mlp."
-PERTURBED_EXPERT = "layer 1 expert 1"  # hot: the reference routes more than the uniform share to it
+PERTURBED_EXPERT = "layer 1 expert 3"  # hot: the reference routes more than the uniform share to it
 
 
 def run_moe(ckpt: Path, ref: Path, out: Path, spec: Path) -> tuple[int, dict]:
@@ -46,7 +46,7 @@ def run_moe(ckpt: Path, ref: Path, out: Path, spec: Path) -> tuple[int, dict]:
 
 def expert_copy(src: Path, dst: Path) -> Path:
     copy_checkpoint(src, dst)
-    prefix = LAYER1 + "experts.1."
+    prefix = LAYER1 + "experts.3."
     edit_tensors(
         dst,
         lambda t: t.update({k: (v.float() * 1.5).to(v.dtype) for k, v in t.items() if k.startswith(prefix)}),
@@ -92,7 +92,7 @@ def moe_runs(tiny_pair, moe_recording, tmp_path_factory) -> dict[str, tuple[int,
         json.dumps(
             {
                 "schema": "evalsuite.calibration-coverage/1",
-                "tokens": {"0.0": 100, "0.1": 100, "0.2": 100, "0.3": 100, "1.0": 40.5, "1.1": 1, "1.2": 100},
+                "tokens": {"0.0": 100, "0.1": 100, "0.2": 100, "0.3": 100, "1.0": 40.5, "1.2": 100, "1.3": 1},
             }
         )
     )
@@ -166,14 +166,14 @@ def test_a_perturbed_expert_is_named_first_and_no_other_expert_has_an_error(moe_
 def test_calibration_coverage_flags_the_experts_below_the_floor_and_whether_they_are_hurt(moe_runs):
     _, moe = moe_runs["expert"]
     m = moe["metrics"]
-    assert m["coverage_below_floor"] == 2  # 1.1 (1 token) and 1.3 (not listed: none)
-    assert m["coverage_hot_hurt_below_floor"] == 1  # 1.1 is the hurt one
+    assert m["coverage_below_floor"] == 2  # 1.3 (1 token) and 1.1 (not listed: none)
+    assert m["coverage_hot_hurt_below_floor"] == 1  # 1.3 is the hurt one
     flagged = {
         row["expert"]: row for row in moe["details"] if row["table"].startswith("calibration coverage")
     }
     assert set(flagged) == {"layer 1 expert 1", "layer 1 expert 3"}
-    assert flagged["layer 1 expert 1"]["calibration_tokens"] == 1 and flagged["layer 1 expert 1"]["hurt"]
-    assert flagged["layer 1 expert 3"]["calibration_tokens"] == 0 and not flagged["layer 1 expert 3"]["hurt"]
+    assert flagged["layer 1 expert 3"]["calibration_tokens"] == 1 and flagged["layer 1 expert 3"]["hurt"]
+    assert flagged["layer 1 expert 1"]["calibration_tokens"] == 0 and not flagged["layer 1 expert 1"]["hurt"]
     assert expert_rows(moe)[0]["below_floor"] and expert_rows(moe)[0]["calibration_tokens"] == 1
 
 
