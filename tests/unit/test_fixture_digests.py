@@ -29,18 +29,20 @@ from evalsuite.fixtures import (
 )
 from evalsuite.fixtures.cache import library_versions
 
-# `Checkpoint.content_sha256()` of each fixture built by FIXTURE_CODE_VERSION "evalsuite.fixtures/2", the
-# same under the default kernels, ATEN_CPU_CAPABILITY=default, ONEDNN_MAX_CPU_ISA=SSE41, one thread and
-# HF_HUB_OFFLINE=1 (README, "Fixtures are the same bytes on every machine").
+# `Checkpoint.content_sha256()` of each fixture built by FIXTURE_CODE_VERSION "evalsuite.fixtures/2" (the EXL3
+# ones by ENCODER_VERSION 2), the same under the default kernels, ATEN_CPU_CAPABILITY=default,
+# ONEDNN_MAX_CPU_ISA=SSE41, one thread and HF_HUB_OFFLINE=1, on an AMD CPU with AVX2 and an Intel one with
+# AVX-512 (the EXL3 packs also under MKL_CBWR=COMPATIBLE, MKL's AMD path) (README, "Fixtures are the same
+# bytes on every machine").
 PINNED: dict[str, str] = {
     TINY_BF16: "d2e615150f59ce52d8691ea1401d684e7f2b12bf7be37ec73b9f87907a4ad3e2",
     TINY_W4A8: "53ba854262e478916da46372f0150b524ebb50fe8e3a9c510a47aa7645892166",
-    TINY_EXL3: "f1d3b339807d6ddaae99b564de39af87869eaf1f493f14595dd35d8f9944c9bb",
+    TINY_EXL3: "96bd39092b4912562eed33c7c830702fc6ecea8b689259410a4cb83450ee82f6",
     SMOLLM2_BF16: "76e7595d1e0f8abe015b7c1fd890b5bf260c61cb365b007ff85d42f0c0a71d92",
     SMOLLM2_W4A8: "feb3cca1febe3831d4bd6c745b97514622363d18632c30514bdc4677cc269366",
     SMOLLM2_EXL3: "c616ce925906bc98c08b624b27d13e041f8f292dcfa55ee67f56455ea90e9884",
     TINY_MTP_BF16: "c3562b78c89b85743297989c448e1d784c4d7f27bd4c989745e79beaeabbad78",
-    TINY_MTP_EXL3: "8f7377dc2baf4d5fcc26a159f16570c774a097c53cef79fda86b8e929f0b4497",
+    TINY_MTP_EXL3: "c2f624beb2d13b4826ffd0a02e25d12be19b9b955a2f89f07490375c2640e0d7",
 }
 PINNED_LIBRARIES = {
     "compressed-tensors": "0.20.1",
