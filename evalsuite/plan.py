@@ -193,6 +193,10 @@ def observation_key(
         "execution": options.to_json(),
         "evalsuite": __version__,
     }
+    if side.recording is not None:
+        # A recording holds the compact form a comparison needs, not what the observer makes live: a live
+        # candidate of the very checkpoint that was recorded must not take the recording's place.
+        doc["recorded"] = True
     if consumes:
         doc["consumes"] = consumes
     if partner is not None:

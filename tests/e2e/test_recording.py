@@ -134,6 +134,31 @@ def test_a_recording_cannot_be_the_candidate(tiny_pair, tiny_recording, tmp_path
     assert res.returncode == 2 and "reference" in res.error_lines[0], res.stderr
 
 
+def test_the_recorded_checkpoint_against_its_own_recording_reads_kld_zero(
+    tiny_pair, tiny_recording, tmp_path
+):
+    # The candidate's observation is made live: the recording's compact form never stands in for it.
+    res = run_cli(
+        "run",
+        "--ckpt",
+        tiny_pair["tiny-minicpmv47-bf16"],
+        "--ref",
+        tiny_recording,
+        "--tasks",
+        "ppl",
+        "--corpus",
+        "python-docs",
+        "--out",
+        tmp_path / "out",
+        "--quiet",
+    )
+    assert res.returncode == 0, res.stderr
+    metrics = metrics_of(tmp_path / "out")
+    assert metrics["same_top_p"] == 1.0
+    assert metrics["ppl_ckpt"] == pytest.approx(metrics["ppl_ref"], rel=1e-6)
+    assert metrics["kld_mean"] == pytest.approx(0.0, abs=1e-6)
+
+
 def test_a_better_baseline_fails_the_run_and_junit_names_the_check(tiny_pair, tiny_run, tmp_path):
     accepted = tiny_run.results
     # The same run passes against itself as a baseline ...
@@ -186,19 +211,21 @@ def test_a_replay_of_a_recording_made_on_another_machine_says_so_with_the_measur
     rec = tmp_path / "rec"
     shutil.copytree(tiny_recording, rec)
     manifest = json.loads((rec / "manifest.json").read_text())
-    # As if recorded on a machine whose torch kernels use AVX-512.
-    manifest["environment"]["machine"]["torch_cpu_capability"] = "AVX512"
+    # As if recorded on a machine whose torch kernels use another vector width than this one's.
+    here = manifest["environment"]["machine"]["torch_cpu_capability"]
+    there = "AVX2" if here == "AVX512" else "AVX512"
+    manifest["environment"]["machine"]["torch_cpu_capability"] = there
     (rec / "manifest.json").write_text(json.dumps(manifest))
     args = ("run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], "--ref", rec, "--tasks", "ppl")
     replay = rerun(tiny_run, tmp_path / "run", *args, "--corpus", "python-docs")
     assert replay.cli.returncode in (0, 1), replay.cli.stderr
     block = replay.results["replay"]
-    here = replay.results["environment"]["machine"]["torch_cpu_capability"]
-    assert block["environment_differences"] == {"machine.torch_cpu_capability": ["AVX512", here]}
+    assert replay.results["environment"]["machine"]["torch_cpu_capability"] == here
+    assert block["environment_differences"] == {"machine.torch_cpu_capability": [there, here]}
     drift = measured_drift()
     assert drift is not None and block["measured_drift"] == drift
     kld = drift["variants"]["ONEDNN_MAX_CPU_ISA=AVX2"]["kld_mean"]
     assert f"kld_mean {kld:.2g}" in block["caveat"]
     report = (replay.out / "report.md").read_text()
     assert "recording made under another execution environment" in report
-    assert "torch_cpu_capability: recorded AVX512, here" in report
+    assert f"torch_cpu_capability: recorded {there}, here {here}" in report
