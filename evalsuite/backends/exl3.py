@@ -24,7 +24,6 @@ with a known codebook marker and a K in 1..8, nothing is stored that the model l
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import re
 from collections.abc import Iterator
@@ -49,7 +48,9 @@ from evalsuite.backends.skeleton import (
     ignored_on_load,
     named_tensors,
     refuse_mismatch,
+    set_generation_config,
     tensor_slots,
+    tie_weights,
 )
 from evalsuite.checkpoint import EXL3_CONFIG_FILE, Checkpoint
 from evalsuite.errors import DependencyError, InputError
@@ -196,10 +197,10 @@ class DecodedSkeleton:
         """Every decoded Linear and every stored tensor into the model, the generation config, the device."""
         self.refuse_problems()
         self.load_tensors(None)
-        _tie(self.model)
+        tie_weights(self.model)
         leftover = sorted(n for n, t in named_tensors(self.model) if t.is_meta)
         refuse_mismatch(self.checkpoint, leftover, [])
-        _generation_config(self.model, self.checkpoint)
+        set_generation_config(self.model, self.checkpoint)
         return self.model.to(device) if device != "cpu" else self.model
 
     def load_tensors(self, names: set[str] | None) -> None:
@@ -281,26 +282,6 @@ def _split_expert(module: str) -> tuple[str | None, int, str]:
     head, _, proj = module.rpartition(".")
     experts, _, index = head.rpartition(".")
     return (experts, int(index), proj) if index.isdigit() and experts else (None, -1, "")
-
-
-def _tie(model: nn.Module) -> None:
-    """Tie what the model ties (the head to the embedding) where the files store only the source."""
-    tied = getattr(model, "all_tied_weights_keys", None) or {}
-    for target, source in tied.items():
-        owner_name, _, leaf = target.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        current = owner._parameters.get(leaf)
-        if current is not None and current.is_meta:
-            owner._parameters[leaf] = model.get_parameter(source)
-
-
-def _generation_config(model: nn.Module, checkpoint: Checkpoint) -> None:
-    """The checkpoint's generation_config.json, as `from_pretrained` would set it."""
-    from transformers import GenerationConfig
-
-    if (checkpoint.path / "generation_config.json").is_file():
-        with contextlib.suppress(Exception):
-            model.generation_config = GenerationConfig.from_pretrained(str(checkpoint.path))
 
 
 def eos_token_ids(checkpoint: Checkpoint, tokenizer: Any = None) -> set[int]:

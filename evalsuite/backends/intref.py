@@ -23,7 +23,6 @@ Whether the integer path can run a checkpoint at all is decided from its files b
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -40,7 +39,14 @@ from evalsuite.backends.hf import (
 )
 from evalsuite.backends.intref_plan import ActivationConvention, QuantizedModule, integer_modules
 from evalsuite.backends.options import BackendOptions
-from evalsuite.backends.skeleton import fused_experts, named_tensors, refuse_mismatch, tensor_slots
+from evalsuite.backends.skeleton import (
+    fused_experts,
+    named_tensors,
+    refuse_mismatch,
+    set_generation_config,
+    tensor_slots,
+    tie_weights,
+)
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
 from evalsuite.formats.compressed_tensors import SchemeLookup
@@ -166,13 +172,13 @@ class IntegerSkeleton:
     def load(self, device: str) -> nn.Module:
         """Every tensor of the files into the skeleton, the generation config, then the device."""
         self._load_tensors(self.model, self.plan, self.dtype)
-        self._generation_config(self.model)
+        set_generation_config(self.model, self.checkpoint)
         return self.model.to(device) if device != "cpu" else self.model
 
     def _load_tensors(self, model: nn.Module, plan: dict[str, QuantizedModule], dtype: torch.dtype) -> None:
         """Every tensor of the files into the model, by name; missing or unexpected tensors are refused."""
         self.load_named(model, plan, dtype)
-        self.tie(model)
+        tie_weights(model)
         missing = sorted(n for n, t in named_tensors(model) if t.is_meta)
         refuse_mismatch(self.checkpoint, missing, [])
 
@@ -220,25 +226,6 @@ class IntegerSkeleton:
             else:
                 owner._buffers[leaf] = value
         refuse_mismatch(self.checkpoint, [], unexpected)
-
-    @staticmethod
-    def tie(model: nn.Module) -> None:
-        """Tie what the model ties (e.g. lm_head to the embedding) where the files do not store the target."""
-        tied = getattr(model, "all_tied_weights_keys", None) or {}
-        for target, source in tied.items():
-            owner_name, _, leaf = target.rpartition(".")
-            owner = model.get_submodule(owner_name)
-            current = owner._parameters.get(leaf)
-            if current is not None and current.is_meta:
-                owner._parameters[leaf] = model.get_parameter(source)
-
-    def _generation_config(self, model: nn.Module) -> None:
-        """The checkpoint's generation_config.json, as `from_pretrained` would set it."""
-        from transformers import GenerationConfig
-
-        if (self.checkpoint.path / "generation_config.json").is_file():
-            with contextlib.suppress(Exception):
-                model.generation_config = GenerationConfig.from_pretrained(str(self.checkpoint.path))
 
 
 def check_intref_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:

@@ -4,6 +4,7 @@ refusal of files that do not match the model (`intref`, `exl3`, `streamed`)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable
 
@@ -83,3 +84,25 @@ def ignored_on_load_patterns(config: dict) -> list[str]:
         model_class = getattr(transformers, str(name), None) if isinstance(name, str) else None
         patterns += list(getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or ())
     return patterns
+
+
+def tie_weights(model: nn.Module) -> None:
+    """Tie what the model ties (the head to the embedding) where the files store only the source, as a
+    skeleton filled tensor by tensor has no `from_pretrained` to do it."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    for target, source in tied.items():
+        owner_name, _, leaf = target.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        current = owner._parameters.get(leaf)
+        if current is not None and current.is_meta:
+            owner._parameters[leaf] = model.get_parameter(source)
+
+
+def set_generation_config(model: nn.Module, checkpoint: Checkpoint) -> None:
+    """The checkpoint's generation_config.json on the model, as `from_pretrained` would set it (the model
+    class's defaults stay where the file cannot be read, as with `from_pretrained`)."""
+    from transformers import GenerationConfig
+
+    if (checkpoint.path / "generation_config.json").is_file():
+        with contextlib.suppress(Exception):
+            model.generation_config = GenerationConfig.from_pretrained(str(checkpoint.path))

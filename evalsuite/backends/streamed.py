@@ -48,7 +48,7 @@ import contextlib
 import copy
 import gc
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,7 @@ from evalsuite.backends.hf import (
     transformers_config,
 )
 from evalsuite.backends.options import BackendOptions
+from evalsuite.backends.skeleton import refuse_mismatch, set_generation_config, tie_weights
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
 
@@ -100,17 +101,24 @@ def _layer_of(name: str, prefix: str) -> int | None:
 
 
 def _refuse_missing_in_layers(
-    checkpoint: Checkpoint, prefix: str, missing: dict[int, list[str]], unexpected: dict[int, list[str]]
+    checkpoint: Checkpoint, prefix: str, missing: Iterable[str], unexpected: Iterable[str]
 ) -> None:
-    """One line naming the first decoder layer whose tensors the files lack (or hold in excess)."""
-    for layer in sorted({*missing, *unexpected}):
+    """One line naming the first decoder layer whose tensors the files lack (or hold in excess); names
+    outside the decoder layers are left to the whole-checkpoint check."""
+    by_layer: dict[str, dict[int, list[str]]] = {"missing": {}, "unexpected": {}}
+    for what, names in (("missing", missing), ("unexpected", unexpected)):
+        for name in names:
+            layer = _layer_of(name, prefix)
+            if layer is not None:
+                by_layer[what].setdefault(layer, []).append(name)
+    for layer in sorted({*by_layer["missing"], *by_layer["unexpected"]}):
         problems = []
-        for what, names in (
-            ("missing from the files", missing.get(layer)),
-            ("not in the model", unexpected.get(layer)),
+        for what, local_names in (
+            ("missing from the files", by_layer["missing"].get(layer)),
+            ("not in the model", by_layer["unexpected"].get(layer)),
         ):
-            if names:
-                local = sorted(n.removeprefix(f"{prefix}.{layer}.") for n in names)
+            if local_names:
+                local = sorted(n.removeprefix(f"{prefix}.{layer}.") for n in local_names)
                 shown = ", ".join(local[:3]) + (f" and {len(local) - 3} more" if len(local) > 3 else "")
                 problems.append(f"{len(local)} tensors {what} ({shown})")
         raise InputError(f"decoder layer {layer} ({prefix}.{layer}): " + "; ".join(problems), checkpoint.path)
@@ -166,19 +174,14 @@ class TransformersLayers:
         prefix_name = self.model.base_model_prefix
         units: dict[int | None, list[str]] = {}
         provided: set[str] = set()
-        unexpected: dict[int, list[str]] = {}
+        unexpected: list[str] = []
         for name in self.checkpoint.tensors:
             target, _ = rename_source_key(name, renamings, converters, prefix_name, expected)
-            layer = _layer_of(target, self.prefix)
-            units.setdefault(layer, []).append(name)
+            units.setdefault(_layer_of(target, self.prefix), []).append(name)
             provided.add(target)
-            if layer is not None and target not in expected:
-                unexpected.setdefault(layer, []).append(target)
-        missing: dict[int, list[str]] = {}
-        for target in expected:
-            layer = _layer_of(target, self.prefix)
-            if layer is not None and target not in provided:
-                missing.setdefault(layer, []).append(target)
+            if target not in expected:
+                unexpected.append(target)
+        missing = [target for target in expected if target not in provided]
         _refuse_missing_in_layers(self.checkpoint, self.prefix, missing, unexpected)
         return units
 
@@ -253,15 +256,7 @@ class IntegerLayers:
         self.model = self.skeleton.model
         self.layers, self.prefix = decoder_layers(self.model, checkpoint)
         missing, unexpected = self.skeleton.expected_tensors()
-        by_layer: dict[str, dict[int, list[str]]] = {"missing": {}, "unexpected": {}}
-        for what, names in (("missing", missing), ("unexpected", unexpected)):
-            for name in names:
-                layer = _layer_of(name, self.prefix)
-                if layer is not None:
-                    by_layer[what].setdefault(layer, []).append(name)
-        _refuse_missing_in_layers(checkpoint, self.prefix, by_layer["missing"], by_layer["unexpected"])
-        from evalsuite.backends.skeleton import refuse_mismatch
-
+        _refuse_missing_in_layers(checkpoint, self.prefix, missing, unexpected)
         refuse_mismatch(checkpoint, missing, unexpected)
         self.units: dict[int | None, list[str]] = {}
         for name in checkpoint.tensors:
@@ -275,8 +270,8 @@ class IntegerLayers:
 
     def load_rest(self) -> None:
         self._load(self.units.get(REST, []))
-        self.skeleton.tie(self.model)
-        self.skeleton._generation_config(self.model)
+        tie_weights(self.model)
+        set_generation_config(self.model, self.checkpoint)
         if self.device.type != "cpu":
             inside = {id(m) for m in self.layers.modules()}
             for module in self.model.modules():
@@ -307,13 +302,7 @@ class DecodedExl3Layers:
         self.skeleton = DecodedSkeleton(checkpoint, options)
         self.model = self.skeleton.model
         self.layers, self.prefix = decoder_layers(self.model, checkpoint)
-        by_layer: dict[str, dict[int, list[str]]] = {"missing": {}, "unexpected": {}}
-        for what, names in (("missing", self.skeleton.missing()), ("unexpected", self.skeleton.unexpected)):
-            for name in names:
-                layer = _layer_of(name, self.prefix)
-                if layer is not None:
-                    by_layer[what].setdefault(layer, []).append(name)
-        _refuse_missing_in_layers(checkpoint, self.prefix, by_layer["missing"], by_layer["unexpected"])
+        _refuse_missing_in_layers(checkpoint, self.prefix, self.skeleton.missing(), self.skeleton.unexpected)
         self.skeleton.refuse_problems()
         ignored = set(self.skeleton.ignored)
         self.units: dict[int | None, set[str]] = {}
@@ -322,11 +311,9 @@ class DecodedExl3Layers:
                 self.units.setdefault(_layer_of(name, self.prefix), set()).add(name)
 
     def load_rest(self) -> None:
-        from evalsuite.backends.exl3 import _generation_config, _tie
-
         self.skeleton.load_tensors(self.units.get(REST, set()))
-        _tie(self.model)
-        _generation_config(self.model, self.checkpoint)
+        tie_weights(self.model)
+        set_generation_config(self.model, self.checkpoint)
         if self.device.type != "cpu":
             inside = {id(m) for m in self.layers.modules()}
             for module in self.model.modules():

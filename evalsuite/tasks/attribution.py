@@ -42,7 +42,12 @@ from evalsuite.spec import StrictModel, TaskSpec
 from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, TaskSkipped, task
 from evalsuite.tasks.boundary_states import BoundaryStates, check_same_model, read_boundary
 from evalsuite.tasks.ppl import CompareOptions
-from evalsuite.tasks.window_logits import WindowProtocol, log_softmax64, prepare_windows
+from evalsuite.tasks.window_logits import (
+    WindowProtocol,
+    log_softmax64,
+    prepare_windows,
+    window_tensor,
+)
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedPair
@@ -165,7 +170,7 @@ class UnitSwaps:
         states = inputs["observed"]["ref"]
         check_same_model(states, ref, inputs)
         check_same_model(states, ckpt, inputs)
-        windows = torch.from_numpy(np.ascontiguousarray(inputs["windows"]))
+        windows = window_tensor(inputs)
         positions = self.protocol.positions
         calls = [ref.capture(w) for w in windows]
         own_calls = [ckpt.capture(w) for w in windows]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from evalsuite import metrics
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.task import Inputs, Progress
-from evalsuite.tasks.window_logits import WindowProtocol
+from evalsuite.tasks.window_logits import WindowObserver, window_tensor
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend, WindowCall
@@ -89,22 +89,16 @@ def summed_errors(rows: np.ndarray) -> metrics.ErrorSums:
     return total
 
 
-class BoundaryStates:
+class BoundaryStates(WindowObserver):
     """Observer: the hidden states of every window at every decoder-layer boundary, one file per boundary.
     Needs a streamed side (`Need(..., streamed=True)`)."""
 
     name = OBSERVER_NAME
 
-    def __init__(self, protocol: WindowProtocol) -> None:
-        self.protocol = protocol
-
-    def identity(self) -> dict[str, Any]:
-        return {"protocol": self.protocol.model_dump(mode="json")}
-
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
     ) -> Observation:
-        windows = torch.from_numpy(np.ascontiguousarray(inputs["windows"]))
+        windows = window_tensor(inputs)
         calls: list[WindowCall] = [backend.capture(window) for window in windows]
         n = backend.n_layers
         step = progress("layer boundaries", n + 1)

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-import torch
 
 from evalsuite import plots
 from evalsuite.observation import Observation
@@ -38,7 +37,7 @@ from evalsuite.tasks.boundary_states import (
     state_errors,
     summed_errors,
 )
-from evalsuite.tasks.window_logits import WindowProtocol, prepare_windows
+from evalsuite.tasks.window_logits import WindowObserver, WindowProtocol, prepare_windows, window_tensor
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend
@@ -48,24 +47,18 @@ class LayersSpec(TaskSpec):
     protocol: WindowProtocol = WindowProtocol()
 
 
-class LayerErrors:
+class LayerErrors(WindowObserver):
     """Observer of the candidate: per layer and window, the error sums of its hidden states against the
     reference's (consumed as `inputs["observed"]["ref"]`), on its own prefix and fed the reference's input."""
 
     name = "layer-errors"
-
-    def __init__(self, protocol: WindowProtocol) -> None:
-        self.protocol = protocol
-
-    def identity(self) -> dict[str, Any]:
-        return {"protocol": self.protocol.model_dump(mode="json")}
 
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
     ) -> Observation:
         reference = inputs["observed"]["ref"]
         check_same_model(reference, backend, inputs)
-        windows = torch.from_numpy(np.ascontiguousarray(inputs["windows"]))
+        windows = window_tensor(inputs)
         calls = [backend.capture(window) for window in windows]
         n, n_windows = backend.n_layers, len(windows)
         drift = np.zeros((n, n_windows, 6))

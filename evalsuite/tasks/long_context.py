@@ -31,7 +31,13 @@ from evalsuite.observation import Observation
 from evalsuite.spec import StrictModel
 from evalsuite.task import Inputs, Progress
 from evalsuite.tasks.logits_file import STORED_DTYPES, window_file, write_window_chunks
-from evalsuite.tasks.window_logits import RecordOptions, WindowLogits, WindowProtocol
+from evalsuite.tasks.window_logits import (
+    RecordOptions,
+    WindowLogits,
+    WindowProtocol,
+    window_logits_meta,
+    window_tensor,
+)
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
@@ -98,7 +104,7 @@ class ChunkedWindowLogits(WindowLogits):
                 "per chunk of positions; set [long_context] head_chunk_rows = 0 to score whole windows"
             )
         positions = self.protocol.positions
-        windows = torch.from_numpy(np.ascontiguousarray(inputs["windows"]))
+        windows = window_tensor(inputs)
         step = progress("window logits (chunked head)", len(windows))
         todo = [w for w in range(len(windows)) if not window_file(folder, w).is_file()]
         for _ in range(len(windows) - len(todo)):
@@ -110,16 +116,7 @@ class ChunkedWindowLogits(WindowLogits):
             step()
         files = {f"window-{w:04d}": window_file(folder, w) for w in range(len(windows))}
         nll, top = self._scores(list(files.values()), windows, positions)
-        meta = {
-            "vocab_size": backend.vocab_size,
-            "n_windows": len(windows),
-            "window_starts": list(inputs["starts"]),
-            "tokens_sha256": inputs["tokens_sha256"],
-            "corpus": inputs["corpus"],
-            "n_tokens_text": inputs["n_tokens_text"],
-            "execution": backend.describe(),
-            "head_chunk_rows": self.head_rows,
-        }
+        meta = {**window_logits_meta(backend, inputs), "head_chunk_rows": self.head_rows}
         if dtypes:
             meta["bytes_per_token"] = observation_bytes_per_token(backend.vocab_size, dtypes.pop())
         return Observation(name=self.name, meta=meta, arrays={"nll": nll, "top": top}, files=files)

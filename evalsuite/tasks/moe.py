@@ -60,7 +60,13 @@ from evalsuite.tasks.boundary_states import (
     summed_errors,
     write_boundary,
 )
-from evalsuite.tasks.window_logits import WindowProtocol, log_softmax64, prepare_windows
+from evalsuite.tasks.window_logits import (
+    WindowObserver,
+    WindowProtocol,
+    log_softmax64,
+    prepare_windows,
+    window_tensor,
+)
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend
@@ -216,23 +222,17 @@ def _write_atomic(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     os.replace(tmp, path)
 
 
-class MoeReference:
+class MoeReference(WindowObserver):
     """Observer of the reference, streamed alone: every layer boundary's hidden states and, per MoE layer, the
     block's inputs, the router's outputs, each chosen expert's and the shared expert's outputs (module
     docstring); expert usage as arrays."""
 
     name = "moe-reference"
 
-    def __init__(self, protocol: WindowProtocol) -> None:
-        self.protocol = protocol
-
-    def identity(self) -> dict[str, Any]:
-        return {"protocol": self.protocol.model_dump(mode="json")}
-
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
     ) -> Observation:
-        windows = torch.from_numpy(np.ascontiguousarray(inputs["windows"]))
+        windows = window_tensor(inputs)
         calls = [backend.capture(window) for window in windows]
         router = router_class(backend.model)
         blocks = [moe_block(layer, router) for layer in backend.layers]  # the meta skeleton: nothing read
@@ -330,18 +330,12 @@ def _read_moe(reference: Observation, layer: int) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-class MoeErrors:
+class MoeErrors(WindowObserver):
     """Observer of the candidate, streamed alone, consuming the reference's `MoeReference` observation (as
     `inputs["observed"]["ref"]`): routing agreement per MoE layer, window and mode, and per-expert error
     sums (module docstring)."""
 
     name = "moe-errors"
-
-    def __init__(self, protocol: WindowProtocol) -> None:
-        self.protocol = protocol
-
-    def identity(self) -> dict[str, Any]:
-        return {"protocol": self.protocol.model_dump(mode="json")}
 
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
@@ -360,7 +354,7 @@ class MoeErrors:
                 f"the sides differ in their experts: the reference has MoE layers {meta['moe_layers']} of "
                 f"{meta['n_experts']} experts, the candidate {moe_layers}"
             )
-        windows = torch.from_numpy(np.ascontiguousarray(inputs["windows"]))
+        windows = window_tensor(inputs)
         calls = [backend.capture(window) for window in windows]
         n_windows, n_moe, n_experts = len(windows), len(moe_layers), int(meta["n_experts"])
         routing = np.zeros((len(MODES), n_moe, n_windows, ROUTING_COLUMNS))

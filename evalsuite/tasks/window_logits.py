@@ -132,12 +132,43 @@ def prepare_windows(protocol: WindowProtocol, corpus: Corpus, ref: Side, ckpt: S
     }
 
 
+class WindowObserver:
+    """Base of the observers that run a side over a `WindowProtocol`'s windows: the protocol is what shapes
+    their observation, so it is their identity (a subclass adds whatever else shapes its own)."""
+
+    name: str
+
+    def __init__(self, protocol: WindowProtocol) -> None:
+        self.protocol = protocol
+
+    def identity(self) -> dict[str, Any]:
+        return {"protocol": self.protocol.model_dump(mode="json")}
+
+
+def window_tensor(inputs: Inputs) -> torch.Tensor:
+    """The prepared windows (`prepare_windows`) as one (windows, tokens) tensor."""
+    return torch.from_numpy(np.ascontiguousarray(inputs["windows"]))
+
+
+def window_logits_meta(backend: Backend, inputs: Inputs) -> dict[str, Any]:
+    """What an observation of window logits says of the windows and of the execution that produced it."""
+    return {
+        "vocab_size": backend.vocab_size,
+        "n_windows": len(inputs["windows"]),
+        "window_starts": list(inputs["starts"]),
+        "tokens_sha256": inputs["tokens_sha256"],
+        "corpus": inputs["corpus"],
+        "n_tokens_text": inputs["n_tokens_text"],
+        "execution": backend.describe(),
+    }
+
+
 def log_softmax64(logits: torch.Tensor) -> torch.Tensor:
     """Log-probabilities in float64 from stored logits."""
     return torch.log_softmax(logits.double(), dim=-1)
 
 
-class WindowLogits:
+class WindowLogits(WindowObserver):
     """Observer: the raw logits of every scored position (one file per window), the true token's NLL and the
     top token per scored position. Resumes at the first window without a completed file."""
 
@@ -146,16 +177,13 @@ class WindowLogits:
     def __init__(
         self, protocol: WindowProtocol, record: RecordOptions | None = None, chunk_rows: int = 16
     ) -> None:
-        self.protocol = protocol
+        super().__init__(protocol)
         self.record_options = record or RecordOptions()
         self.chunk_rows = chunk_rows
 
-    def identity(self) -> dict[str, Any]:
-        return {"protocol": self.protocol.model_dump(mode="json")}
-
     def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
         positions = self.protocol.positions
-        windows = torch.from_numpy(np.ascontiguousarray(inputs["windows"]))
+        windows = window_tensor(inputs)
         step = progress("window logits", len(windows))
         writer = LogitsWriter(folder)
         todo = [w for w in range(len(windows)) if not writer.done(w)]
@@ -176,15 +204,7 @@ class WindowLogits:
         nll, top = self._scores(list(files.values()), windows, positions)
         return Observation(
             name=self.name,
-            meta={
-                "vocab_size": backend.vocab_size,
-                "n_windows": len(windows),
-                "window_starts": list(inputs["starts"]),
-                "tokens_sha256": inputs["tokens_sha256"],
-                "corpus": inputs["corpus"],
-                "n_tokens_text": inputs["n_tokens_text"],
-                "execution": backend.describe(),
-            },
+            meta=window_logits_meta(backend, inputs),
             arrays={"nll": nll, "top": top},
             files=files,
         )
