@@ -1,20 +1,20 @@
 """Asymmetric `pack-quantized` checkpoints loaded by Transformers: the zero points' skeleton given the shape
 compressed-tensors itself writes.
 
-compressed-tensors packs an asymmetric group or channel scheme's zero points along the output rows
-(`pack_to_int32(zero_point, bits, packed_dim=0)`: int32, ceil(rows × bits / 32) rows), and every writer of
-such packs (llm-compressor included) stores them that way. Transformers builds the model to load into on the
-meta device and calls the same library's `PackedQuantizationCompressor.compress` to give each module its
-compressed parameters; compressed-tensors 0.20's meta branch of that method sets `weight_packed` and
-`weight_shape` but leaves `weight_zero_point` as initialised, unpacked (rows, groups) in int8. The stored
-tensor then never fits its slot, and Transformers 5.24 refuses the load ("size mismatch" on every
-`weight_zero_point`). Decompression at the first forward already expects the packed tensor
-(`unpack_from_int32(..., packed_dim=0)`), so the bug is that one meta branch, not the files.
+compressed-tensors packs an asymmetric group or channel scheme's zero points down the output rows
+(`pack_to_int32(zero_point, bits, packed_dim=0)`: int32, ceil(rows × bits / 32) rows); llm-compressor's
+packs are written that way and the library's decompression unpacks them that way. Transformers builds the
+model to load into on the meta device and calls the same library's `PackedQuantizationCompressor.compress`
+to give each module its compressed parameters; the meta branch of that method (compressed-tensors 0.19 and
+0.20) sets `weight_packed` and `weight_shape` but leaves `weight_zero_point` as initialised: unpacked
+(rows, groups), int8. Transformers 5.17 overwrote that slot with the stored tensor without comparing shapes;
+5.24 compares them and refuses the load ("size mismatch" on every `weight_zero_point`). So the files are
+right, Transformers' check is right, and the bug is that one meta branch.
 
-`zero_points_packed_on_meta()` wraps that method while a model loads: where its meta result holds an
-asymmetric group / channel zero point still unpacked, the slot becomes the packed int32 shape. Nothing else
-changes, data is never touched, and where the method already returns the packed shape (a fixed release) or
-is gone, the wrapper does nothing.
+`zero_points_packed_on_meta()` wraps the method while a model loads: where its meta result holds an
+asymmetric group / channel zero point still unpacked (one row per output row), the slot becomes the packed
+int32 shape. Nothing else changes, no data is touched, and where the method already returns the packed
+shape (a fixed release) or is gone, the wrapper does nothing.
 """
 
 from __future__ import annotations
