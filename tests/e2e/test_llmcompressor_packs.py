@@ -58,9 +58,12 @@ def test_a_flipped_byte_of_int4_values_in_int8_storage_fails_naming_the_tensor(l
 
 def test_a_wrong_group_scale_fails_naming_the_channel(llmc_pair, tmp_path):
     source, packs = llmc_pair
+    # One group moves its channel by (factor − 1) × its share of the channel's norm, and the bound is 1: ×4 on
+    # one of the tiny down_proj's 4 groups measures about 1.5, but on one of SmolLM2's 24 about 0.5 (README).
+    factor = 4 if packs.name.startswith("tiny") else 16
 
     def scale_one_group(tensors):
-        tensors[f"{MODULE}.weight_scale"][7, 1] *= 4
+        tensors[f"{MODULE}.weight_scale"][7, 1] *= factor
 
     candidate = corrupt(packs, "w4a8-g64", tmp_path / "ckpt", scale_one_group)
     code, entry, _ = run_tensors(candidate, source, tmp_path / "run")
