@@ -322,3 +322,23 @@ def llmc_tiny() -> dict[str, Path]:
 def llmc_smollm2() -> dict[str, Path]:
     """SmolLM2-135M-Instruct (BF16) and llm-compressor's packs of it, one folder per scheme (read-only)."""
     return _llmc_fixtures([SMOLLM2_BF16, "smollm2-135m-llmc"])
+
+
+LLMC_FIXTURES = {
+    "tiny": ("llmc_tiny", "tiny-llama-bf16", "tiny-llama-llmc"),
+    "smollm2": ("llmc_smollm2", SMOLLM2_BF16, "smollm2-135m-llmc"),
+}
+
+
+def llmc_fixture(request: pytest.FixtureRequest, which: str) -> tuple[Path, Path]:
+    """(BF16 source, folder of its packs) of an llm-compressor fixture: `tiny` or `smollm2`."""
+    session_fixture, source, packs = LLMC_FIXTURES[which]
+    built = request.getfixturevalue(session_fixture)
+    return built[source], built[packs]
+
+
+@pytest.fixture(params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def llmc_pair(request) -> tuple[Path, Path]:
+    """Each llm-compressor fixture in turn, as `llmc_fixture` gives it: the tiny Llama's in the default tier,
+    SmolLM2's in the slow one."""
+    return llmc_fixture(request, request.param)

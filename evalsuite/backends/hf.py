@@ -14,6 +14,7 @@ import torch
 
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
 from evalsuite.backends.options import DTYPE_NAMES, BackendOptions
+from evalsuite.backends.packed_zero_points import zero_points_packed_on_meta
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import DependencyError, InputError
 
@@ -156,8 +157,12 @@ def from_pretrained_with_report(
 ) -> tuple[Any, dict[str, Any]]:
     """`from_pretrained` by the config's model class, and Transformers' load report for the caller."""
     cls = _model_class(config)
+    # compressed-tensors' meta skeleton of an asymmetric pack-quantized module does not fit its own files
+    # (packed_zero_points): without this such a checkpoint cannot load at all.
+    compressed = checkpoint.format == "compressed-tensors"
+    fix = zero_points_packed_on_meta() if compressed else contextlib.nullcontext()
     try:
-        with quiet_transformers():
+        with quiet_transformers(), fix:
             model, info = cls.from_pretrained(
                 str(checkpoint.path),
                 dtype=DTYPES[options.dtype],

@@ -28,6 +28,8 @@ from evalsuite.backends._intlinear import (
 from evalsuite.backends.intref import IntrefBackend
 from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
+from evalsuite.fixtures.llmcompressor_packs import INTEGER_PACKS
+from tests.conftest import llmc_fixture
 
 CARD = ActivationQuant(divisor=127.5, rounding="half_even")  # the convention of the MiniCPM-V 4.7 card
 ROWS = 48
@@ -269,15 +271,20 @@ def emulate_groups(
     return np.stack(accs), y32.astype(np.float64), exact, magnitude
 
 
-@pytest.mark.parametrize("scheme", ["w4a8-g64", "w4a16-asym-g64", "w4a8-gptq", "w8a16"])
-def test_llmcompressor_integer_layers_are_exact(llmc_tiny, scheme):
+@pytest.mark.parametrize(
+    ("fixture", "scheme"),
+    [("tiny", s) for s in ("w4a8-g64", "w4a16-asym-g64", "w4a8-gptq", "w8a16")]
+    + [pytest.param("smollm2", s, marks=pytest.mark.slow) for s in INTEGER_PACKS],
+)
+def test_llmcompressor_integer_layers_are_exact(request, fixture, scheme):
     """Every integer layer of the pack: accumulators equal the float64 integers, the FP32 output equals the
     emulation of its roundings bit for bit and lies within 1e-6 of the exact sum (relative to its terms)."""
-    checkpoint = Checkpoint.open(llmc_tiny["tiny-llama-llmc"] / scheme)
+    _, packs = llmc_fixture(request, fixture)
+    checkpoint = Checkpoint.open(packs / scheme)
     backend = IntrefBackend(checkpoint, BackendOptions().with_backend("intref", {"divisor": 127.5}))
     try:
         layers = integer_layers(backend)
-        assert len(layers) == 14
+        assert len(layers) == {"tiny": 2, "smollm2": 30}[fixture] * 7
         for i, (name, layer) in enumerate(layers.items()):
             x = activations(layer.in_features, seed=i)
             acc, y = layer.run(x)
