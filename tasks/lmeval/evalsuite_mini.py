@@ -1,8 +1,8 @@
 """The evalsuite-mini items, read from the JSONL files beside this module wherever it is installed.
 
-lm-eval resolves a task's relative `data_files` against the working directory, not the YAML's folder, so the
-tasks load their data through this `custom_dataset` hook instead: the same YAML then works from a checkout, from
-the wheel (`evalsuite/_task_specs/lmeval/`) and through `lm_eval --include_path`.
+lm-eval resolves a task's relative `data_files` against the working directory, not the YAML's folder, so
+the tasks load their data through this `custom_dataset` hook instead: the same YAML then works from a
+checkout, from the wheel (`evalsuite/_task_specs/lmeval/`) and through `lm_eval --include_path`.
 """
 
 import json
