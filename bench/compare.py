@@ -8,7 +8,10 @@ The candidates are the W4A8 copy and three copies of it with every weight scale 
       (goal <= 1.05: compare adds little beyond observing);
   (b) `evalsuite compare` as a command over four separate `evalsuite run` commands, one per candidate, each
       a fresh process as a user runs them (goal <= 0.6: the reference is observed once, not four times);
-  and what the noise floor adds to `compare` (one more reference forward, in the same load).
+  and what the noise floor adds to `compare` (one more reference forward, in the same load). The floor is on
+  by default in `compare`, and no `run` has one: (a) and (b) measure `compare` without it, so that both sides
+  of each ratio do the same work; (b) with the floor is also printed, derived from the in-process ratio.
+  The load average is printed at the start and at the end: the cores are shared.
 
     flock /tmp/evalsuite-heavy.lock python bench/compare.py [--fixtures DIR] [--pair tiny]
 
@@ -19,6 +22,7 @@ fixed costs of a comparison (KLD passes, plots, start-up) weigh far more than on
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -78,6 +82,11 @@ def cli(*args: str | Path) -> float:
     return time.perf_counter() - t0
 
 
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
@@ -85,6 +94,7 @@ def main() -> None:
     args = parser.parse_args()
     source, quantized = (SMOLLM2_BF16, SMOLLM2_W4A8) if args.pair == "smollm2" else (TINY_BF16, TINY_W4A8)
     pair = build_fixtures(args.fixtures, [source, quantized])
+    load_before = load_average()
     ref = pair[source]
     with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp:
         root = Path(tmp)
@@ -111,6 +121,7 @@ def main() -> None:
         )
         ckpts = [a for c in candidates for a in ("--ckpt", c)]
         command = cli("compare", "--ref", ref, *ckpts, *common, "--no-noise-floor", "--out", root / "cmd")
+    load_after = load_average()
     n = len(candidates)
     print(f"{ref.name} pair, {n} candidates, task ppl; timings taken in one run (a shared, busy machine)")
     print(f"observations alone (1 reference + {n} candidates): {observe:.1f} s")
@@ -118,7 +129,10 @@ def main() -> None:
     print(f"(a) compare / observations = {timings[False] / observe:.3f}   (goal <= 1.05)")
     print(f"evalsuite compare: {command:.1f} s; {n} separate evalsuite run: {separate:.1f} s")
     print(f"(b) compare / separate runs = {command / separate:.3f}   (goal <= 0.6)")
-    print(f"noise floor: compare with it / without = {timings[True] / timings[False]:.3f}")
+    floor = timings[True] / timings[False]
+    print(f"noise floor: compare with it / without = {floor:.3f}")
+    print(f"(b) with the floor (derived: (b) x the line above) = {command / separate * floor:.3f}")
+    print(f"load average (1, 5, 15 min) at the start: {load_before}; at the end: {load_after}")
 
 
 if __name__ == "__main__":

@@ -112,6 +112,24 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
+def config_edited_copy(src: Path, dst: Path, edit: Callable[[dict[str, Any]], Any]) -> Path:
+    """A copy of a fixture checkpoint whose config.json's quantization_config went through `edit`."""
+    import json
+
+    copy = copy_checkpoint(src, dst)
+    config = json.loads((copy / "config.json").read_text())
+    edit(config["quantization_config"])
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def weights_only(quantization_config: dict[str, Any]) -> None:
+    """The `config_edited_copy` edit that makes a W4A8 copy W4A16: the same integer weights, no input
+    activations quantized (Transformers then runs the layers on BF16 inputs)."""
+    for group in quantization_config["config_groups"].values():
+        group["input_activations"] = None
+
+
 def edit_tensors(folder: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
     """Rewrite a checkpoint's one shard with `edit(tensors)` applied to the name → tensor dict (in place)."""
     from safetensors import safe_open

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from evalsuite import metrics
 from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
 from evalsuite.tasks.logits_file import read_rows
-from evalsuite.tasks.window_logits import kld_per_token, log_softmax64, window_paths
+from evalsuite.tasks.window_logits import check_same_shape, kld_per_token, log_softmax64, window_paths
 
 TOP_K_AGREEMENT = 5  # top-K agreement is reported for K = 1 .. 5
 TOKENS_ARTIFACT = "ppl_tokens.npz"
@@ -25,37 +26,51 @@ TOKENS_ARTIFACT = "ppl_tokens.npz"
 
 @dataclass
 class TokenDetail:
-    """Per scored token: the reference's top-1 probability, both sides' ranked top tokens, and KL(ckpt ‖ ref)
-    (None against a recording, which holds the reference's top-k only)."""
+    """Per scored token: the reference's top-1 probability, both sides' ranked top tokens, KL(ckpt ‖ ref)
+    (None against a recording, which holds the reference's top-k only), and KL(ref ‖ ckpt) where it came
+    from the same pass over the logits (None against a recording: `kld_per_token` estimates it)."""
 
     ref_top_p: np.ndarray
     top_ref: np.ndarray
     top_ckpt: np.ndarray
     reverse_kld: np.ndarray | None
+    kld: np.ndarray | None = None
 
 
 def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenDetail:
-    """The per-token detail of two observations (the reference possibly recorded)."""
+    """The per-token detail of two observations (the reference possibly recorded). Against a live reference
+    both sides' logits are read and normalised once for every statistic, the forward KLD included: the same
+    arithmetic as `kld_per_token`, row for row, at a third of the reads and log-softmaxes."""
     k = TOP_K_AGREEMENT
-    top_ckpt = []
-    for block in read_rows(window_paths(ckpt), chunk_rows):
-        top_ckpt.append(block.double().topk(k, dim=-1).indices.numpy())
     if ref.meta.get("kind") == "recorded":
+        top_ckpt = [
+            block.double().topk(k, dim=-1).indices.numpy()
+            for block in read_rows(window_paths(ckpt), chunk_rows)
+        ]
         a = ref.arrays
         conf = np.exp(a["top_logp"][:, 0].astype(np.float64))
         return TokenDetail(conf, a["top_ids"][:, :k], np.concatenate(top_ckpt), None)
-    conf, top_ref, reverse = [], [], []
+    conf, top_ref, top_ckpt, forward, reverse = [], [], [], [], []
     pairs = zip(
         read_rows(window_paths(ref), chunk_rows), read_rows(window_paths(ckpt), chunk_rows), strict=True
     )
     for x, y in pairs:
-        lp_ref, lp_ckpt = log_softmax64(x), log_softmax64(y)
+        check_same_shape(x, y)
+        y64 = y.double()
+        top_ckpt.append(y64.topk(k, dim=-1).indices.numpy())
+        lp_ref, lp_ckpt = log_softmax64(x), torch.log_softmax(y64, dim=-1)
         top = lp_ref.topk(k, dim=-1)
         conf.append(top.values[:, 0].exp().numpy())
         top_ref.append(top.indices.numpy())
-        reverse.append(metrics.kl_divergence(lp_ckpt.numpy(), lp_ref.numpy()))
+        lp_ref_np, lp_ckpt_np = lp_ref.numpy(), lp_ckpt.numpy()
+        forward.append(metrics.kl_divergence(lp_ref_np, lp_ckpt_np))
+        reverse.append(metrics.kl_divergence(lp_ckpt_np, lp_ref_np))
     return TokenDetail(
-        np.concatenate(conf), np.concatenate(top_ref), np.concatenate(top_ckpt), np.concatenate(reverse)
+        np.concatenate(conf),
+        np.concatenate(top_ref),
+        np.concatenate(top_ckpt),
+        np.concatenate(reverse),
+        np.concatenate(forward),
     )
 
 
@@ -98,7 +113,7 @@ def floor_metrics(
     """`kld_floor` (the noisy reference's KLD from the reference), the candidate's `kld_floor_ratio`, and
     whether it lies within the floor: its per-token excess over the floor, paired by token, no larger than
     1.96 window-clustered standard errors. Also the floor's per-token KLD."""
-    floor_kld, _ = kld_per_token(ref, floor, chunk_rows)
+    floor_kld = _floor_kld(ref, floor, chunk_rows)
     est = metrics.mean_with_stderr(floor_kld)
     excess = metrics.paired_difference(floor_kld, kld)
     excess_se = metrics.clustered_stderr(kld - floor_kld, windows)
@@ -113,6 +128,24 @@ def floor_metrics(
         "kld_above_floor_stderr_window": excess_se,
         "within_noise_floor": bool(within),
     }, floor_kld
+
+
+# The floor's per-token KLD by the two observations' keys: it is the reference's alone, the same for every
+# candidate `compare` runs against it (one pass over two sides' logits each time otherwise).
+_FLOOR_KLD: dict[tuple[str, str, int], np.ndarray] = {}
+_FLOOR_KLD_KEEP = 4
+
+
+def _floor_kld(ref: Observation, floor: Observation, chunk_rows: int) -> np.ndarray:
+    if not (ref.key and floor.key):  # unkeyed observations (made by hand, say) are never shared
+        return kld_per_token(ref, floor, chunk_rows)[0]
+    key = (ref.key, floor.key, chunk_rows)
+    if key not in _FLOOR_KLD:
+        while len(_FLOOR_KLD) >= _FLOOR_KLD_KEEP:
+            del _FLOOR_KLD[next(iter(_FLOOR_KLD))]
+        _FLOOR_KLD[key] = kld_per_token(ref, floor, chunk_rows)[0]
+        _FLOOR_KLD[key].setflags(write=False)
+    return _FLOOR_KLD[key]
 
 
 def write_tokens(folder: Path, arrays: dict[str, np.ndarray]) -> str:

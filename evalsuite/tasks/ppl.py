@@ -23,6 +23,7 @@ from evalsuite.tasks.long_context import (
 )
 from evalsuite.tasks.noise_floor import NoiseFloorOptions, NoisyWindowLogits
 from evalsuite.tasks.window_logits import (
+    FULL_VOCABULARY,
     RecordOptions,
     WindowLogits,
     WindowProtocol,
@@ -132,7 +133,12 @@ class Perplexity:
         nll_ref, nll_ckpt = ref.arrays["nll"], ckpt.arrays["nll"]
         windows = metrics.window_labels(n_windows, len(nll_ref) // n_windows)
         ln_ratio = metrics.paired_log_ratio(nll_ref, nll_ckpt)
-        kld, estimator = kld_per_token(ref, ckpt, self.spec.compare.kld_chunk_rows)
+        chunk_rows = self.spec.compare.kld_chunk_rows
+        detail = token_detail(ref, ckpt, chunk_rows)
+        if detail.kld is not None:
+            kld, estimator = detail.kld, FULL_VOCABULARY
+        else:
+            kld, estimator = kld_per_token(ref, ckpt, chunk_rows)
         kld_mean = metrics.mean_with_stderr(kld)
         kld_q = metrics.quantiles(kld, (0.5, 0.9, 0.99, 0.999))
         same = ref.arrays["top"] == ckpt.arrays["top"]
@@ -182,8 +188,6 @@ class Perplexity:
                 f"text too short for the protocol: {n_windows} of {protocol.starts.count} windows fit "
                 f"({ref.meta['n_tokens_text']} tokens)"
             )
-        chunk_rows = self.spec.compare.kld_chunk_rows
-        detail = token_detail(ref, ckpt, chunk_rows)
         values.update(detail_metrics(detail, kld, nll_ref, nll_ckpt, windows))
         tokens = {"kld": kld, "nll_ref": nll_ref, "nll_ckpt": nll_ckpt, "window": windows}
         if "floor" in observed:

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from evalsuite.side import Side
 
 OBSERVER_NAME = "window-logits"
+# The estimator of a KLD computed over every vocabulary entry of two live observations.
+FULL_VOCABULARY = "full-vocabulary"
 
 
 class Starts(StrictModel):
@@ -94,11 +96,30 @@ def tokens_sha256(tokens: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i8").tobytes()).hexdigest()
 
 
+# The corpus's ids per (folder, tokenizer files and code, text, special tokens): `compare` plans every
+# candidate against one reference, and each plan would otherwise load its tokenizer and tokenize the text.
+_TOKENIZED: dict[tuple[str, str, bool, str, bool], np.ndarray] = {}
+_TOKENIZED_KEEP = 4
+
+
 def _tokenize(side: Side, corpus: Corpus, protocol: WindowProtocol) -> np.ndarray:
-    ids = side.tokenizer(corpus.text, add_special_tokens=protocol.add_special_tokens, verbose=False)[
-        "input_ids"
-    ]
-    return np.asarray(ids, dtype=np.int64)
+    checkpoint = side.checkpoint
+    key = (
+        str(checkpoint.path),
+        checkpoint.tokenizer_sha256,
+        side.options.trust_remote_code,
+        corpus.sha256,
+        protocol.add_special_tokens,
+    )
+    if key not in _TOKENIZED:
+        ids = side.tokenizer(corpus.text, add_special_tokens=protocol.add_special_tokens, verbose=False)[
+            "input_ids"
+        ]
+        while len(_TOKENIZED) >= _TOKENIZED_KEEP:
+            del _TOKENIZED[next(iter(_TOKENIZED))]
+        _TOKENIZED[key] = np.asarray(ids, dtype=np.int64)
+        _TOKENIZED[key].setflags(write=False)  # shared by every plan that asks: nobody may edit it
+    return _TOKENIZED[key]
 
 
 def prepare_windows(protocol: WindowProtocol, corpus: Corpus, ref: Side, ckpt: Side) -> Inputs:
@@ -271,6 +292,15 @@ def same_inputs(observations: dict[str, Observation]) -> None:
             raise InputError(f"the observations were made on different inputs ({key}: {shown})")
 
 
+def check_same_shape(x: torch.Tensor, y: torch.Tensor) -> None:
+    """Refuse two sides' blocks of logit rows that differ in shape (InputError)."""
+    if x.shape != y.shape:
+        raise InputError(
+            f"the sides' logits differ in shape: {tuple(x.shape)} vs {tuple(y.shape)} "
+            "(different vocabularies?)"
+        )
+
+
 def kld_per_token(ref: Observation, ckpt: Observation, chunk_rows: int) -> tuple[np.ndarray, str]:
     """KL(P_ref ‖ P_ckpt) of every scored token, and the estimator used: full-vocabulary from two live
     observations, or exact over the recorded top-k with an unbiased estimate beyond it."""
@@ -283,13 +313,9 @@ def kld_per_token(ref: Observation, ckpt: Observation, chunk_rows: int) -> tuple
         read_rows(window_paths(ref), chunk_rows), read_rows(window_paths(ckpt), chunk_rows), strict=True
     )
     for x, y in pairs:
-        if x.shape != y.shape:
-            raise InputError(
-                f"the sides' logits differ in shape: {tuple(x.shape)} vs {tuple(y.shape)} "
-                "(different vocabularies?)"
-            )
+        check_same_shape(x, y)
         out.append(metrics.kl_divergence(log_softmax64(x).numpy(), log_softmax64(y).numpy()))
-    return np.concatenate(out), "full-vocabulary"
+    return np.concatenate(out), FULL_VOCABULARY
 
 
 def _kld_against_recording(ref: Observation, ckpt: Observation, chunk_rows: int) -> np.ndarray:

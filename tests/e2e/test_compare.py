@@ -1,7 +1,9 @@
 """`evalsuite compare` on the tiny MiniCPM-V 4.7 pair and copies of its source, in process (the models'
 loads and forwarded windows are counted): the reference is forwarded once, each candidate's results equal a
 single `run`'s, an identical copy is at KLD 0 and within the noise floor while the W4A8 copy is not, and the
-Ray executor (a local cluster of 2 CPUs) writes the same compare.json, byte for byte."""
+Ray executor (a local cluster of 2 CPUs) writes the same compare.json, byte for byte. The slow tier does the
+same on the SmolLM2 pair with its EXL3 pack, a W4A16 copy (the W4A8 copy's weights, BF16 activations) and a
+BF16 copy."""
 
 from __future__ import annotations
 
@@ -12,7 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import Models, assert_refused, cli_in_process, copy_checkpoint
+from conftest import (
+    Models,
+    assert_refused,
+    cli_in_process,
+    config_edited_copy,
+    copy_checkpoint,
+    weights_only,
+)
 
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
 
@@ -162,27 +171,47 @@ def test_the_ray_executor_writes_the_same_comparison(
         assert ray_doc["tasks"] == local_doc["tasks"]
 
 
+def single_ppl(ref: Path, ckpt: Path, out: Path) -> dict:
+    """The `ppl` metrics of one `evalsuite run` of the pair."""
+    args = ("run", "--ckpt", ckpt, "--ref", ref, "--tasks", "ppl", "--corpus", "python-docs", "--out", out)
+    code, lines, _ = cli_in_process(*args, "--quiet")
+    assert code in (0, 1), lines
+    return json.loads((out / "results.json").read_text(encoding="utf-8"))["tasks"]["ppl"]["metrics"]
+
+
 @pytest.mark.slow
-def test_compare_of_the_smollm2_pair_the_exl3_pack_and_a_copy(
-    smollm2_pair, smollm2_exl3_pair, smollm2_run, tmp_path
+def test_compare_of_the_smollm2_pair_the_exl3_pack_a_w4a16_copy_and_a_bf16_copy(
+    smollm2_pair, smollm2_exl3_pair, tmp_path
 ):
     from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_EXL3, SMOLLM2_W4A8
 
-    ref = smollm2_pair[SMOLLM2_BF16]
+    ref, w4a8 = smollm2_pair[SMOLLM2_BF16], smollm2_pair[SMOLLM2_W4A8]
     same = copy_checkpoint(ref, tmp_path / "bf16-copy")
-    ckpts = [smollm2_pair[SMOLLM2_W4A8], smollm2_exl3_pair[SMOLLM2_EXL3], same]
+    w4a16 = config_edited_copy(w4a8, tmp_path / "smollm2-135m-w4a16", weights_only)
+    ckpts = [w4a8, smollm2_exl3_pair[SMOLLM2_EXL3], w4a16, same]
     out = tmp_path / "cmp"
     args = ("compare", "--ref", ref, "--tasks", "ppl", "--corpus", "python-docs", "--out", out, "--quiet")
     code, lines, models = counted((*args, *[a for c in ckpts for a in ("--ckpt", c)]))
     assert code in (0, 1), lines
-    assert [name for name, _ in models.loads].count(ref.name) == 1, models.loads
+    loaded = [name for name, _ in models.loads]
+    assert loaded.count(ref.name) == 1 and "bf16-copy" not in loaded, models.loads
+    # single runs of the same pairs, `ppl` alone (the session's smollm2_run adds intref's minutes)
+    single = {c.name: single_ppl(ref, c, tmp_path / f"single-{c.name}") for c in (w4a8, w4a16)}
+    n_windows = single[w4a8.name]["n_windows"]
+    # each window once clean and once with the noise floor's noise, in the one load
+    assert models.windows[ref.name, "hf"] == 2 * n_windows
+    assert models.windows[w4a8.name, "hf"] == models.windows[w4a16.name, "hf"] == n_windows
     doc = json.loads((out / "compare.json").read_text(encoding="utf-8"))
     rows = {r["name"]: r for r in doc["candidates"]}
     assert rows["bf16-copy"]["kld_mean"] == 0.0 and rows["bf16-copy"]["within_noise_floor"] is True
-    for name in (SMOLLM2_W4A8, SMOLLM2_EXL3):
+    for name in (SMOLLM2_W4A8, SMOLLM2_EXL3, w4a16.name):
         assert rows[name]["within_noise_floor"] is False and rows[name]["kld_floor_ratio"] > 1
-    # the W4A8 candidate's ppl figures are those of the session's single run of the same pair
-    compared = json.loads((out / SMOLLM2_W4A8 / "results.json").read_text())["tasks"]["ppl"]["metrics"]
-    single = smollm2_run.metrics("ppl")
-    assert {k: compared[k] for k in single} == single
+    # the same integer weights without the activations' INT8 rounding: the same bits, less divergence
+    assert rows[w4a16.name]["bits_per_weight"] == rows[SMOLLM2_W4A8]["bits_per_weight"]
+    assert rows[w4a16.name]["kld_mean"] < rows[SMOLLM2_W4A8]["kld_mean"]
     assert rows[SMOLLM2_EXL3]["bits_per_weight"] < rows["bf16-copy"]["bits_per_weight"]
+
+    # each candidate's ppl figures are its single run's: the comparison adds only the noise floor's metrics
+    for name, theirs in single.items():
+        ours = json.loads((out / name / "results.json").read_text())["tasks"]["ppl"]["metrics"]
+        assert {k: ours[k] for k in theirs} == theirs, name

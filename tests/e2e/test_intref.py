@@ -15,7 +15,15 @@ from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.corpus import python_docs_text
 from evalsuite.errors import InputError
-from tests.conftest import copy_checkpoint, edit_tensors, rerun, run_cli, wrong_scale_copy
+from tests.conftest import (
+    config_edited_copy,
+    copy_checkpoint,
+    edit_tensors,
+    rerun,
+    run_cli,
+    weights_only,
+    wrong_scale_copy,
+)
 
 METRICS = (
     "ppl_ref",
@@ -121,12 +129,8 @@ def test_a_tensor_missing_from_the_files_is_refused_not_left_random(tiny_pair, t
 
 
 def edited_config(src, dst, edit) -> Checkpoint:
-    """A copy of a fixture checkpoint whose config.json's quantization_config went through `edit`."""
-    copy = copy_checkpoint(src, dst)
-    config = json.loads((copy / "config.json").read_text())
-    edit(config["quantization_config"])
-    (copy / "config.json").write_text(json.dumps(config))
-    return Checkpoint.open(copy)
+    """A copy of a fixture checkpoint whose quantization_config went through `edit`, opened."""
+    return Checkpoint.open(config_edited_copy(src, dst, edit))
 
 
 def test_a_layer_the_config_quantizes_but_the_files_store_dense_is_refused(tiny_pair, tmp_path):
@@ -146,10 +150,6 @@ def test_a_layer_the_config_quantizes_but_the_files_store_dense_is_refused(tiny_
 def test_weight_only_quantization_runs_with_intrefs_own_activations(tiny_pair, tmp_path):
     """A W4A16 scheme has integer weights: intref runs it, quantizing activations itself, and says so."""
     from evalsuite.backends.intref_plan import integer_modules
-
-    def weights_only(qc):
-        for group in qc["config_groups"].values():
-            group["input_activations"] = None
 
     checkpoint = edited_config(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "w4a16", weights_only)
     assert unsupported_reason(checkpoint) is None
