@@ -65,6 +65,7 @@ class TensorRow:
     candidate_sha256: str | None = None
     first_difference: str | None = None
     decode_exact: bool | None = None
+    library_checked_rows: int | None = None
     rel_err: float | None = None
     sqnr_db: float | None = None
     cosine: float | None = None
