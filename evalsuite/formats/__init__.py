@@ -157,7 +157,7 @@ def rows_and_cols(shape: tuple[int, ...]) -> tuple[int, int]:
     if not shape:
         return 1, 1
     cols = shape[-1]
-    return (int(np.prod(shape[:-1])) if len(shape) > 1 else 1), cols
+    return math.prod(shape[:-1]), cols
 
 
 def row_blocks(rows: int, cols: int, align: int = 1) -> Iterator[tuple[int, int]]:

@@ -19,6 +19,7 @@ from evalsuite.formats.compressed_tensors import (
     DECODED_FORMATS,
     INDEPENDENT_DECODE_FORMATS,
     CompressedTensors,
+    Coverage,
     StoredQuantization,
     decoded_dtype,
     describe_scheme,
@@ -84,13 +85,25 @@ class CompressedTensorsVerifier:
         # them, as compressed-tensors matches them at load; names the skeleton lacks (experts Transformers
         # fuses) fall back to stand-ins.
         self.skeleton = skeleton or {}
+        # The config's word on each module, asked once per module in `measure` and again in `check_config`:
+        # compressed-tensors' matching is regular expressions in Python, milliseconds per module, which a
+        # checkpoint of thousands of small expert weights pays thousands of times.
+        self._coverage: dict[tuple[str, ModuleKind], Coverage] = {}
+
+    def covering(self, module: str, kind: ModuleKind) -> Coverage:
+        """`SchemeLookup.covering` of a module, with the skeleton's instance of it, computed once."""
+        key = (module, kind)
+        found = self._coverage.get(key)
+        if found is None:
+            found = self._coverage[key] = self.lookup.covering(module, kind, self.skeleton.get(module))
+        return found
 
     def measure(
         self, source: TensorInfo, tensors: dict[str, TensorInfo], reader: ShardReader, row: TensorRow
     ) -> list[Problem]:
         """Read the module's scheme, decode it block by block (and rows of it by the library too), and
         measure it against the source."""
-        coverage = self.lookup.covering(row.module, row.kind, self.skeleton.get(row.module))
+        coverage = self.covering(row.module, row.kind)
         row.group = coverage.group
         hint = coverage.scheme.weights if coverage.scheme is not None else None
         stored, problems = stored_quantization(source, tensors, hint, reader, coverage.format)
@@ -242,7 +255,7 @@ class CompressedTensorsVerifier:
             modules[row.module] = row.kind
             if row.tensor_class == "missing" or row.format == "unreadable":
                 continue  # already a problem of its own
-            coverage = self.lookup.covering(row.module, row.kind, self.skeleton.get(row.module))
+            coverage = self.covering(row.module, row.kind)
             quantized = row.tensor_class == "quantized"
             stored = f"stored as {row.format}" if quantized else "stored unquantized"
             if coverage.scheme is not None and row.stored is None:
