@@ -61,7 +61,9 @@ import psutil
 import compressed_tensors.compressors, compressed_tensors.quantization, compressed_tensors.utils.match
 import matplotlib.figure
 import evalsuite.formats.compressed_tensors, evalsuite.tasks
+from evalsuite.registry import registered_tasks
 from evalsuite.runner import RunRequest, run
+registered_tasks()  # imports every task plugin, as the run's plan does first
 def high_water_mark():
     # VmHWM belongs to this process image; ru_maxrss would carry over the parent's peak across fork + exec.
     with open("/proc/self/status") as status:

@@ -14,6 +14,7 @@ into buffers that are reused, so the largest tensor of the checkpoint never has 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, Protocol
@@ -123,7 +124,8 @@ class ShardReader:
     def scratch(self, slot: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """A reused array of `shape` and `dtype` (contents undefined; valid until the slot's next use)."""
         dtype = np.dtype(dtype)
-        return self.buffer(slot, int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
+        # math.prod, not np.prod: this runs several times per block, where numpy's call overhead shows.
+        return self.buffer(slot, math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
 
     def tensor_bytes(self, info: TensorInfo, begin: int, n: int) -> np.ndarray:
         """`n` bytes of the tensor's data from `begin` (a new array)."""
@@ -155,7 +157,7 @@ def rows_and_cols(shape: tuple[int, ...]) -> tuple[int, int]:
     if not shape:
         return 1, 1
     cols = shape[-1]
-    return (int(np.prod(shape[:-1])) if len(shape) > 1 else 1), cols
+    return math.prod(shape[:-1]), cols
 
 
 def row_blocks(rows: int, cols: int, align: int = 1) -> Iterator[tuple[int, int]]:

@@ -43,7 +43,7 @@ PARAMS = frozenset(
 )
 MARKS = frozenset({"weight_packed", "weight_scale"})
 # Formats compressed-tensors' decompressor decodes here (`library_decode`): every weight format of 0.20 that
-# llm-compressor writes for Linear layers. `ct_decode.reference_decode` decodes them a second time
+# llm-compressor writes for Linear layers. `ct_decode.reference_decode` decodes them too
 # (`INDEPENDENT_DECODE_FORMATS`) but MXFP4, whose E8M0 scales only the library's decode reads.
 DECODED_FORMATS = frozenset(
     {

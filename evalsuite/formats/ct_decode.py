@@ -1,14 +1,15 @@
 """The independent decoder of compressed-tensors weights, written here from the format's definition.
 
-The `tensors` task's claim that a candidate decodes bit-exactly rests on this module: it decodes every
-`pack-quantized` / `int-quantized` / `float-quantized` / `nvfp4-pack-quantized` weight a second time, without
-compressed-tensors' code, and the two decodes must agree bit for bit. So it follows the format's definition,
-never the library: `pack-quantized` stores q + 2^(b−1) ("offset binary") densely in int32 words, least
-significant bits first; `int-quantized` stores q as int8 (int4 values too); `float-quantized` FP8 E4M3 bytes;
-NVFP4 two E2M1 codes per byte, low nibble first, with FP8 group scales divided by a float32 global scale.
-Either way the weight is (q − zero_point) × scale, rounded once (to nearest even) to the dtype the library
-decodes to. What the stored tensors hold (strategy, group size, bits) comes from
-`compressed_tensors.StoredQuantization`, read from their shapes.
+The `tensors` task measures every `pack-quantized` / `int-quantized` / `float-quantized` /
+`nvfp4-pack-quantized` weight as this module decodes it, without compressed-tensors' code, and
+compressed-tensors' decompressor decodes rows of it again, which must agree bit for bit. So it follows the
+format's definition, never the library: `pack-quantized` stores q + 2^(b−1) ("offset binary") densely in
+int32 words, least significant bits first; `int-quantized` stores q as int8 (int4 values too);
+`float-quantized` FP8 E4M3 bytes; NVFP4 two E2M1 codes per byte, low nibble first, with FP8 group scales
+divided by a float32 global scale. Either way the weight is (q − zero_point) × scale, rounded once (to nearest
+even) to the dtype the library decodes to. Codes become values by table lookup, one per byte (two 4-bit codes
+at once), which keeps this decode near the cost of reading the files. What the stored tensors hold (strategy,
+group size, bits) comes from `compressed_tensors.StoredQuantization`, read from their shapes.
 """
 
 from __future__ import annotations
@@ -74,33 +75,6 @@ def round_to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
     )
 
 
-def rounded_to(
-    values: np.ndarray, dtype: str, may_hold_nan: bool = True, scratch: Scratch = _fresh
-) -> np.ndarray:
-    """float32 values rounded in place to nearest-even in `dtype` (BF16, F16 or F32) and kept as float32,
-    which holds every bf16 and fp16 value exactly. A NaN stays a (quiet) NaN; `may_hold_nan=False` skips the
-    pass that sees to it."""
-    if dtype == "F32":
-        return values
-    if dtype == "F16":
-        values[...] = values.astype(np.float16)
-        return values
-    if dtype != "BF16":
-        raise ValueError(f"no rounding to {dtype}")
-    nan = np.isnan(values) if may_hold_nan else None
-    u = values.view(np.uint32)
-    # Adding 0x7FFF plus the lowest kept bit, then clearing the low 16 bits, rounds half to even.
-    lowest_kept = scratch("round", values.shape, np.uint32)
-    np.right_shift(u, 16, out=lowest_kept)
-    np.bitwise_and(lowest_kept, 1, out=lowest_kept)
-    np.add(u, lowest_kept, out=u)
-    np.add(u, 0x7FFF, out=u)
-    np.bitwise_and(u, 0xFFFF0000, out=u)
-    if nan is not None and nan.any():
-        u[nan] = 0x7FC00000
-    return values
-
-
 def _expand(values: np.ndarray, stored: StoredQuantization, rows: int, cols: int, g_idx: Any) -> np.ndarray:
     """Per-row scales or zero points broadcastable against a (rows, cols) block."""
     s = values.reshape(-1, values.shape[-1] if values.ndim else 1)
@@ -114,6 +88,59 @@ def _expand(values: np.ndarray, stored: StoredQuantization, rows: int, cols: int
         return s[:, g_idx]
     bh, bw = stored.block
     return np.repeat(np.repeat(s, bh, axis=0), bw, axis=1)[:rows, :cols]
+
+
+def _pair_table(values: np.ndarray) -> np.ndarray:
+    """Byte → the values of its two 4-bit codes, the low nibble's first, as one uint64 per byte holding two
+    float32: one table lookup per byte then writes two decoded weights in their order."""
+    codes = np.arange(256)
+    pairs = np.stack((values[codes & 0x0F], values[codes >> 4]), axis=-1).astype(np.float32)
+    return np.ascontiguousarray(pairs).view("<u8").reshape(256)
+
+
+# Offset-binary INT4 (q = code − 8) and FP4 E2M1 code pairs, by byte.
+INT4_PAIRS = _pair_table(np.arange(16, dtype=np.float32) - 8)
+FP4_PAIRS = _pair_table(FP4_E2M1_VALUES)
+# Offset-binary INT8 (q = byte − 128), as pack-quantized stores 8-bit codes.
+INT8_OFFSET = np.arange(256, dtype=np.float32) - 128
+
+
+def _codes_by_byte(pairs: np.ndarray, codes: np.ndarray, cols: int, q: np.ndarray, scratch: Scratch) -> None:
+    """q = the values of the 4-bit codes stored two per byte (rows of `codes`, uint8), low nibble first;
+    a row's padding codes past `cols` are dropped."""
+    rows = codes.shape[0]
+    if codes.shape[1] * 2 == cols:
+        # mode="clip": a uint8 index never leaves a 256-entry table, and numpy skips its bounds pass.
+        np.take(pairs, codes, out=q.view("<u8"), mode="clip")
+        return
+    wide = scratch("codes", codes.shape, "<u8")
+    np.take(pairs, codes, out=wide, mode="clip")
+    q[...] = wide.view(np.float32).reshape(rows, -1)[:, :cols]
+
+
+def code_values(
+    stored: StoredQuantization, weight: np.ndarray, cols: int, scratch: Scratch = _fresh
+) -> np.ndarray:
+    """The stored values before scaling (q, the codes' values in q units: integers, FP8 or FP4 values) of
+    rows of a weight as stored, as float32 (rows, cols) in the scratch slot "q"."""
+    rows = weight.shape[0]
+    q = scratch("q", (rows, cols), np.float32)
+    if stored.format == "pack-quantized" and stored.num_bits in (4, 8):
+        little = np.ascontiguousarray(weight).astype("<i4", copy=False).view(np.uint8).reshape(rows, -1)
+        if stored.num_bits == 4:
+            _codes_by_byte(INT4_PAIRS, little, cols, q, scratch)
+        else:
+            np.take(INT8_OFFSET, little[:, :cols], out=q, mode="clip")
+    elif stored.format == "pack-quantized":
+        codes = unpack_codes(weight, stored.num_bits, cols, scratch)
+        np.subtract(codes, np.float32(1 << (stored.num_bits - 1)), out=q)
+    elif stored.format in FP4_GROUP_SIZES:
+        _codes_by_byte(FP4_PAIRS, np.ascontiguousarray(weight), cols, q, scratch)
+    elif stored.format == "float-quantized":
+        np.take(FP8_E4M3_VALUES, weight, out=q, mode="clip")
+    else:
+        q[...] = weight
+    return q
 
 
 def reference_decode(
@@ -137,30 +164,38 @@ def reference_decode(
     activation order, `global_scale` NVFP4's: its group scales are divided by it in float32 first.
     """
     rows = weight.shape[0]
-    q = scratch("q", (rows, cols), np.float32)
-    if stored.format == "pack-quantized":
-        codes = unpack_codes(weight, stored.num_bits, cols, scratch)
-        np.subtract(codes, np.float32(1 << (stored.num_bits - 1)), out=q)
-    elif stored.format in FP4_GROUP_SIZES:
-        nibbles = np.stack((weight & 0x0F, weight >> 4), axis=-1).reshape(rows, -1)[:, :cols]
-        np.take(FP4_E2M1_VALUES, nibbles, out=q)
-    elif stored.format == "float-quantized":
-        np.take(FP8_E4M3_VALUES, weight, out=q)
-    else:
-        q[...] = weight
+    q = code_values(stored, weight, cols, scratch)
     if global_scale is not None:
         scale = scale / np.float32(global_scale)
     if zero_point is not None:
         q -= _expand(zero_point.astype(np.float32), stored, rows, cols, g_idx)
-    if stored.strategy == "group" and g_idx is None and cols % stored.group_size == 0:
+    if stored.strategy in ("group", "tensor_group") and g_idx is None and cols % stored.group_size == 0:
         groups = q.reshape(rows, -1, stored.group_size)  # in place: no per-element scale array
         np.multiply(groups, scale.reshape(rows, -1, 1), out=groups)
     else:
         np.multiply(q, _expand(scale, stored, rows, cols, g_idx), out=q)
-    # Integer (or FP4) q times a finite scale is finite: only a non-finite scale or FP8 code makes a NaN.
-    finite = np.isfinite(scale).all() and (zero_point is None or np.isfinite(zero_point).all())
-    finite = finite and (stored.format != "float-quantized" or bool(np.isfinite(q).all()))
-    return rounded_to(q, scale_dtype, may_hold_nan=not finite, scratch=scratch)
+    return rounded_to(q, scale_dtype, scratch)
+
+
+def rounded_to(values: np.ndarray, dtype: str, scratch: Scratch = _fresh) -> np.ndarray:
+    """float32 values rounded in place to nearest-even in `dtype` (BF16, F16 or F32) and kept as float32,
+    which holds every bf16 and fp16 value exactly. A NaN stays a (quiet) NaN.
+
+    Done by a cast there and back with torch (IEEE round to nearest even, as compressed-tensors' decode
+    rounds too; the casts are torch's, not the library's): two vectorised passes, where rounding by the bits
+    in numpy took five and a scan for NaNs."""
+    if dtype == "F32":
+        return values
+    if dtype not in ("BF16", "F16"):
+        raise ValueError(f"no rounding to {dtype}")
+    import torch
+
+    narrow = torch.from_numpy(scratch("rounded", values.shape, np.float16 if dtype == "F16" else np.int16))
+    narrow = narrow if dtype == "F16" else narrow.view(torch.bfloat16)
+    wide = torch.from_numpy(values)
+    narrow.copy_(wide)
+    wide.copy_(narrow)
+    return values
 
 
 def first_difference(ours: np.ndarray, theirs: np.ndarray) -> tuple[int, int] | None:

@@ -26,7 +26,7 @@ from evalsuite.side import Side
 from evalsuite.spec import Check, StrictModel, TaskSpec
 from evalsuite.task import Inputs, RunContext, TaskResult, TaskSkipped, task
 from evalsuite.tasks.assets import AssetComparison, AssetRules, compare_assets
-from evalsuite.tasks.tensor_verification import ModuleRules, Verification, verify_tensors
+from evalsuite.tasks.tensor_verification import LibraryCheck, ModuleRules, Verification, verify_tensors
 
 SOURCE_FORMATS = ("bf16", "fp16", "fp32")
 
@@ -37,8 +37,15 @@ class CompareOptions(StrictModel):
     details_limit: int = 50
 
 
+class DecodeOptions(StrictModel):
+    # Which rows of a compressed-tensors weight its library's decompressor decodes beside evalsuite's decode
+    # of every row: "sample" (a run of rows in every window of rows of each tensor) or "all".
+    library_check: LibraryCheck = "sample"
+
+
 class TensorsSpec(TaskSpec):
     modules: ModuleRules = ModuleRules()
+    decode: DecodeOptions = DecodeOptions()
     assets: AssetRules = AssetRules()
     compare: CompareOptions = CompareOptions()
 
@@ -77,6 +84,10 @@ class Tensors:
         "quantized_int8",
         "quantized_other",
         "decode_exact",
+        "decode_cross_check",
+        "decode_cross_checked_tensors",
+        "decode_cross_checked_weights",
+        "decode_cross_checked_fraction",
         "missing",
         "unexpected",
         "config_mismatches",
@@ -109,7 +120,15 @@ class Tensors:
         "quantized_int4": "INT4 weights (compressed-tensors pack-quantized)",
         "quantized_int8": "INT8 weights (compressed-tensors int-quantized)",
         "quantized_other": "weights stored in another format (EXL3 trellises, another float dtype)",
-        "decode_exact": "compressed-tensors' decompressor and evalsuite's own decode agree bit for bit",
+        "decode_exact": "compressed-tensors' decompressor and evalsuite's own decode agree bit for bit on "
+        "every row both decoded (decode_cross_check says which)",
+        "decode_cross_check": "which rows compressed-tensors' decompressor decoded beside evalsuite's decode "
+        "of every row: `sample` (16 consecutive rows in every 1,024 of each tensor, at least one run per "
+        "tensor, placed by the tensor's name) or `all` (`[decode] library_check` in tasks/tensors.toml)",
+        "decode_cross_checked_tensors": "tensors the library decoded rows of, beside evalsuite's decode",
+        "decode_cross_checked_weights": "weights both decoded and compared bit for bit",
+        "decode_cross_checked_fraction": "decode_cross_checked_weights over the weights evalsuite decoded "
+        "(those of the formats both decode)",
         "missing": "source tensors absent from the candidate in any stored form",
         "unexpected": "candidate tensors that pair with no source tensor",
         "config_mismatches": "disagreements between quantization_config and what the files store",
@@ -160,7 +179,9 @@ class Tensors:
     def compare_files(self, ref: Side, ckpt: Side, inputs: dict[str, Any], artifacts: Path) -> TaskResult:
         """Stream both checkpoints, then metrics, checks, tensors.json and the error plot."""
         rules = self.spec.modules
-        found = verify_tensors(ref.checkpoint, ckpt.checkpoint, rules)
+        found = verify_tensors(
+            ref.checkpoint, ckpt.checkpoint, rules, library_check=self.spec.decode.library_check
+        )
         values = found.summary()
         values.update(ignored_on_load_summary(ckpt.checkpoint))
         assets = compare_assets(ref.checkpoint.path, ckpt.checkpoint.path, self.spec.assets)

@@ -19,6 +19,7 @@ from evalsuite.tasks.tensor_verification import (
     ErrorAccumulator,
     ModuleRules,
     layer_and_projection,
+    library_runs,
     pair_tensors,
     verify_tensors,
 )
@@ -155,6 +156,71 @@ def test_a_flipped_code_is_a_decode_mismatch():
     ours = ct_decode.reference_decode(stored, packed, compressed["weight_scale"].float().numpy(), "BF16", 64)
     differ = np.argwhere(ours.view(np.uint32) != theirs.float().numpy().view(np.uint32))
     assert differ.tolist() == [[3, 17]]  # word 2 holds codes 16..23; bit 4 is code 17's lowest
+
+
+def test_library_runs_sample_each_window_of_rows_at_offsets_fixed_by_the_name():
+    runs = library_runs("layers.0.mlp.up_proj.weight", 2500, 1, "sample")
+    assert len(runs) == 3 and all(b - a == 16 for a, b in runs)  # one run in each window of 1,024 rows
+    assert [a // 1024 for a, _ in runs] == [0, 1, 2] and all(b <= 2500 for _, b in runs)
+    assert runs == library_runs("layers.0.mlp.up_proj.weight", 2500, 1, "sample")  # the same every run
+    assert runs != library_runs("layers.1.mlp.up_proj.weight", 2500, 1, "sample")
+    assert library_runs("x", 5, 1, "sample") == [(0, 5)]  # a short tensor is checked whole
+    assert all(a % 32 == 0 and b - a == 32 for a, b in library_runs("x", 4096, 32, "sample"))
+    assert library_runs("x", 2500, 1, "all") == [(0, 2500)]
+
+
+def _int8_pair(tmp_path: Path, rows: int = 2048) -> tuple[Checkpoint, Checkpoint]:
+    """A source of one Linear and its int-quantized copy written by compressed-tensors' compressor."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    weight = torch.randn(rows, 16, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    args = QuantizationArgs(**_args(8))
+    scheme = QuantizationScheme(targets=["re:.*proj$"], weights=args, format="int-quantized")
+    scale = (weight.float().abs().amax(1, keepdim=True) / 127).to(torch.bfloat16)
+    compressed = BaseCompressor.get_value_from_registry("int-quantized").compress(
+        {"weight": weight, "weight_scale": scale}, scheme
+    )
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"g": scheme.model_dump(mode="json")},
+    }
+    source = _write(tmp_path / "src", {"up_proj.weight": weight})
+    candidate = {f"up_proj.{k}": v.contiguous() for k, v in compressed.items()}
+    return source, _write(tmp_path / "ckpt", candidate, {"model_type": "toy", "quantization_config": qc})
+
+
+def test_the_library_decodes_a_sample_of_rows_or_every_row_when_asked(tmp_path):
+    source, candidate = _int8_pair(tmp_path)
+    sampled = verify_tensors(source, candidate, RULES, workers=1)
+    summary = sampled.summary()
+    assert (summary["decode_exact"], summary["decode_cross_check"]) == (True, "sample")
+    assert sampled.rows[0]["library_checked_rows"] == 32  # 16 rows in each of two windows of 1,024
+    assert summary["decode_cross_checked_weights"] == 32 * 16
+    assert summary["decode_cross_checked_fraction"] == 32 / 2048
+    every = verify_tensors(source, candidate, RULES, workers=1, library_check="all").summary()
+    assert (every["decode_cross_check"], every["decode_cross_checked_fraction"]) == ("all", 1.0)
+    assert every["decode_exact"] is True and every["worst_rel_err"] == summary["worst_rel_err"]
+
+
+@pytest.mark.parametrize("check", ["sample", "all"])
+def test_a_library_decode_that_differs_is_named_at_the_first_row_it_decoded(tmp_path, monkeypatch, check):
+    from evalsuite.tasks.tensor_verification import _compressed_tensors
+
+    def shifted(*args, **kwargs):
+        decoded = ct.library_decode(*args, **kwargs)
+        decoded[:, 3] += 1  # the library (here) decodes column 3 of every row it is given differently
+        return decoded
+
+    monkeypatch.setattr(_compressed_tensors, "library_decode", shifted)
+    source, candidate = _int8_pair(tmp_path)
+    found = verify_tensors(source, candidate, RULES, workers=1, library_check=check)
+    first = library_runs("up_proj.weight", 2048, 1, check)[0][0]
+    assert found.summary()["decode_exact"] is False
+    assert [(p.check, p.tensor) for p in found.problems] == [("decode", "up_proj.weight")]
+    assert f"decode element [{first}, 3] differently" in found.problems[0].detail
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -8,13 +8,15 @@ every source tensor in exactly one class and to measure each pair, with memory b
 (`evalsuite.formats.ShardReader`).
 
 The formats (`evalsuite.formats`) say what a quantized module stores and how it decodes; what is checked of
-them is here: `_compressed_tensors` decodes every weight twice (compressed-tensors' decompressor and
-`evalsuite.formats.ct_decode`, where it has a decode of the format) and checks the config's groups against
-the stored schemes, `_exl3` checks trellis layouts and `tensor_storage`. `_same` compares a tensor kept
-under its name, `_modules` tells modules apart by name and shape (and builds the model skeleton targets are
-matched on), `_rows` holds the typed rows of tensors.json, `_engine` pairs and streams.
+them is here: `_compressed_tensors` decodes every weight with `evalsuite.formats.ct_decode` and measures it,
+has compressed-tensors' decompressor decode a sample of its rows (or all of them) to agree bit for bit
+(`library_runs`; the library's decode of every row where evalsuite has no decode of the format), and checks
+the config's groups against the stored schemes, `_exl3` checks trellis layouts and `tensor_storage`. `_same`
+compares a tensor kept under its name, `_modules` tells modules apart by name and shape (and builds the model
+skeleton targets are matched on), `_rows` holds the typed rows of tensors.json, `_engine` pairs and streams.
 """
 
+from evalsuite.tasks.tensor_verification._compressed_tensors import LibraryCheck, library_runs
 from evalsuite.tasks.tensor_verification._engine import (
     FormatVerifier,
     Pair,
@@ -36,6 +38,7 @@ from evalsuite.tasks.tensor_verification._same import compare_same
 __all__ = [
     "ErrorAccumulator",
     "FormatVerifier",
+    "LibraryCheck",
     "ModuleRules",
     "Pair",
     "Problem",
@@ -46,6 +49,7 @@ __all__ = [
     "compare_same",
     "format_verifier",
     "layer_and_projection",
+    "library_runs",
     "pair_tensors",
     "verify_tensors",
 ]

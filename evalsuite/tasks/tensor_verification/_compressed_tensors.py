@@ -1,11 +1,15 @@
 """A compressed-tensors candidate verified: each quantized module's scheme read from its tensors, its weight
-decoded both by compressed-tensors and by `ct_decode` (they must agree bit for bit) and measured against the
-source weight; then the config's groups and `ignore` list against what every module stores."""
+decoded by `ct_decode` and measured against the source weight, and decoded again by compressed-tensors on the
+rows `library_runs` picks (they must agree bit for bit); then the config's groups and `ignore` list against
+what every module stores."""
 
 from __future__ import annotations
 
+import bisect
 import math
-from typing import Any
+import zlib
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import numpy as np
 
@@ -15,6 +19,7 @@ from evalsuite.formats.compressed_tensors import (
     DECODED_FORMATS,
     INDEPENDENT_DECODE_FORMATS,
     CompressedTensors,
+    Coverage,
     StoredQuantization,
     decoded_dtype,
     describe_scheme,
@@ -25,25 +30,80 @@ from evalsuite.formats.compressed_tensors import (
 from evalsuite.formats.ct_decode import first_difference, reference_decode, unpack_offset_binary
 from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
 
+# Which rows compressed-tensors' decompressor decodes a second time, beside evalsuite's decode of every row:
+# "sample" a run of LIBRARY_RUN_ROWS consecutive rows in every LIBRARY_WINDOW_ROWS rows of each tensor, "all"
+# every row. The decompressor costs several times evalsuite's decode per weight; a decode rule that differs
+# from the library's (nibble order, rounding, group layout, g_idx) shows on any whole row, while the damage
+# of a pack (a flipped code, a wrong scale or zero point) shows in evalsuite's measure of every row.
+LibraryCheck = Literal["sample", "all"]
+LIBRARY_RUN_ROWS = 16
+LIBRARY_WINDOW_ROWS = 1024
+
 UNCOVERED_LINEAR = "a Linear left unquantized: no config group targets it and no `ignore` entry names it"
+
+
+def library_runs(name: str, rows: int, align: int, check: LibraryCheck) -> list[tuple[int, int]]:
+    """The rows (r0, r1), in order, of a tensor that compressed-tensors decodes too: every row ("all"), or
+    ("sample") in each window of LIBRARY_WINDOW_ROWS rows one run of LIBRARY_RUN_ROWS, both rounded up to
+    whole `align`-row blocks (the rest of the tensor when shorter), at an offset drawn from the tensor's name
+    and the window's first row (crc32): the same pack is cross-checked on the same rows in every run."""
+    if check == "all":
+        return [(0, rows)]
+    run = math.ceil(LIBRARY_RUN_ROWS / align) * align
+    window = math.ceil(max(LIBRARY_WINDOW_ROWS, run) / align) * align
+    runs = []
+    for start in range(0, rows, window):
+        end = min(rows, start + window)
+        length = min(run, end - start)
+        slots = (end - start - length) // align + 1
+        offset = zlib.crc32(f"{name}:{start}".encode()) % slots * align
+        runs.append((start + offset, start + offset + length))
+    return runs
+
+
+def _runs_within(runs: list[tuple[int, int]], r0: int, r1: int) -> Iterator[tuple[int, int]]:
+    """The parts of `runs` (in order, disjoint) inside rows r0..r1."""
+    for a, b in runs[bisect.bisect_right(runs, r0, key=lambda run: run[1]) :]:
+        if a >= r1:
+            return
+        yield max(a, r0), min(b, r1)
 
 
 class CompressedTensorsVerifier:
     """How a compressed-tensors candidate is verified (see `FormatVerifier`)."""
 
-    def __init__(self, format: CompressedTensors, skeleton: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        format: CompressedTensors,
+        skeleton: dict[str, Any] | None = None,
+        library_check: LibraryCheck = "sample",
+    ) -> None:
         self.format = format
+        self.library_check = library_check
         self.lookup = format.lookup
         # The candidate's modules as Transformers builds them (meta device), by name: targets are matched on
         # them, as compressed-tensors matches them at load; names the skeleton lacks (experts Transformers
         # fuses) fall back to stand-ins.
         self.skeleton = skeleton or {}
+        # The config's word on each module, asked once per module in `measure` and again in `check_config`:
+        # compressed-tensors' matching is regular expressions in Python, milliseconds per module, which a
+        # checkpoint of thousands of small expert weights pays thousands of times.
+        self._coverage: dict[tuple[str, ModuleKind], Coverage] = {}
+
+    def covering(self, module: str, kind: ModuleKind) -> Coverage:
+        """`SchemeLookup.covering` of a module, with the skeleton's instance of it, computed once."""
+        key = (module, kind)
+        found = self._coverage.get(key)
+        if found is None:
+            found = self._coverage[key] = self.lookup.covering(module, kind, self.skeleton.get(module))
+        return found
 
     def measure(
         self, source: TensorInfo, tensors: dict[str, TensorInfo], reader: ShardReader, row: TensorRow
     ) -> list[Problem]:
-        """Read the module's scheme, decode it both ways block by block, and measure it against the source."""
-        coverage = self.lookup.covering(row.module, row.kind, self.skeleton.get(row.module))
+        """Read the module's scheme, decode it block by block (and rows of it by the library too), and
+        measure it against the source."""
+        coverage = self.covering(row.module, row.kind)
         row.group = coverage.group
         hint = coverage.scheme.weights if coverage.scheme is not None else None
         stored, problems = stored_quantization(source, tensors, hint, reader, coverage.format)
@@ -71,9 +131,11 @@ class CompressedTensorsVerifier:
         reader: ShardReader,
         row: TensorRow,
     ) -> tuple[str | None, str | None]:
-        """Both decodes (the library's alone where evalsuite has none) and the error of the library's against
-        the source, block by block of rows; returns where the decodes first differ and the first stored
-        integer outside the scheme's range (each None when there is none)."""
+        """evalsuite's decode of every row, measured against the source block by block of rows, and the
+        library's decode of the rows `library_runs` picks, which must agree with it bit for bit (where
+        evalsuite has no decode of the format, the library's decode of every row is measured); returns where
+        the decodes first differ and the first stored integer outside the scheme's range (each None when
+        there is none)."""
         rows, cols = rows_and_cols(source.shape)
         weight = tensors.get("weight_packed") or tensors["weight"]
         scale_info = tensors["weight_scale"]
@@ -94,20 +156,39 @@ class CompressedTensorsVerifier:
         packed_zp = zp is not None and stored.format == "pack-quantized"
         # Blocks of rows must start where scales (and zero points packed along rows) start.
         align = stored.block[0] if stored.block else 32 if packed_zp else 1
-        errors, mismatch = ErrorAccumulator(), None
+
+        def scales_of(r0: int, r1: int) -> slice:
+            if stored.strategy == "tensor":
+                return slice(0, 1)
+            if stored.block:
+                return slice(r0 // stored.block[0], math.ceil(r1 / stored.block[0]))
+            return slice(r0, r1)
+
+        def stored_zero_points(r0: int, r1: int) -> np.ndarray | None:
+            if zp is None:
+                return None
+            if packed_zp:
+                return zp[r0 * stored.num_bits // 32 : math.ceil(r1 * stored.num_bits / 32)]
+            return zp[scales_of(r0, r1)]
+
+        def library(block: np.ndarray, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
+            """Rows r0..r1 of the block (whose rows are `block`) decoded by compressed-tensors."""
+            zero_points = stored_zero_points(r0, r1)
+            return library_decode(
+                stored,
+                block,
+                scale[scales_of(r0, r1)],
+                scale_info.dtype,
+                cols,
+                zero_points,
+                out,
+                global_scale,
+            )
+
+        runs = library_runs(source.name, rows, align, self.library_check) if independent else []
+        errors, mismatch, checked = ErrorAccumulator(), None, 0
         for r0, r1 in row_blocks(rows, cols, align):
             block = reader.rows(weight, r0, r1, "weight")
-            s0, s1 = (0, 1) if stored.strategy == "tensor" else (r0, r1)
-            if stored.block:
-                s0, s1 = r0 // stored.block[0], math.ceil(r1 / stored.block[0])
-            theirs_zp = ours_zp = None
-            if zp is not None:
-                if packed_zp:
-                    bits = stored.num_bits
-                    theirs_zp = zp[r0 * bits // 32 : math.ceil(r1 * bits / 32)]
-                    ours_zp = unpack_offset_binary(theirs_zp.T, bits, r1 - r0).T
-                else:
-                    theirs_zp = ours_zp = zp[s0:s1]
             shape = (r1 - r0, cols)
             if narrow and out_of_range is None and (block.min() < low or block.max() > high):
                 at = np.argwhere((block < low) | (block > high))[0]
@@ -117,41 +198,43 @@ class CompressedTensorsVerifier:
                     f"holds {value} at {index}, outside the int{stored.num_bits} range {low}..{high} "
                     f"its config group says"
                 )
-            decoded = library_decode(
-                stored,
-                block,
-                scale[s0:s1],
-                scale_info.dtype,
-                cols,
-                theirs_zp,
-                reader.scratch("decoded", shape, np.float32),
-                global_scale,
-            )
             if not independent:
-                ours = decoded
+                decoded = library(block, r0, r1, reader.scratch("decoded", shape, np.float32))
             else:
-                ours = reference_decode(
+                zero_points = stored_zero_points(r0, r1)
+                if packed_zp:
+                    zero_points = unpack_offset_binary(zero_points.T, stored.num_bits, r1 - r0).T
+                decoded = reference_decode(
                     stored,
                     block,
-                    scale32[s0:s1],
+                    scale32[scales_of(r0, r1)],
                     decoded_dtype(stored, scale_info.dtype),
                     cols,
-                    ours_zp,
+                    zero_points,
                     g_idx,
                     reader.scratch,
                     None if global_scale is None else float(global_scale[0]),
                 )
-            if independent and mismatch is None and (at := first_difference(ours, decoded)) is not None:
-                index = [int(i) for i in np.unravel_index((r0 + at[0]) * cols + at[1], source.shape)]
-                a, b = decoded[at[0], at[1]], ours[at[0], at[1]]
-                mismatch = (
-                    f"compressed-tensors and evalsuite decode element {index} differently: {a:.6g} vs {b:.6g}"
+            for a, b in _runs_within(runs, r0, r1):
+                ours = decoded[a - r0 : b - r0]
+                theirs = library(
+                    block[a - r0 : b - r0], a, b, reader.scratch("library", ours.shape, np.float32)
                 )
+                checked += b - a
+                if mismatch is None and (at := first_difference(ours, theirs)) is not None:
+                    index = [int(i) for i in np.unravel_index((a + at[0]) * cols + at[1], source.shape)]
+                    x, y = theirs[at[0], at[1]], ours[at[0], at[1]]
+                    mismatch = (
+                        f"compressed-tensors and evalsuite decode element {index} differently: "
+                        f"{x:.6g} vs {y:.6g}"
+                    )
             ref = reader.scratch("ref", shape, np.float32)
             as_float32(reader.rows(source, r0, r1, "source"), source.dtype, ref)
             errors.add(r0, ref, decoded, reader.scratch("difference", shape, np.float32))
-        row.decode_exact = mismatch is None if independent else None
-        if not independent:
+        if independent:
+            row.decode_exact = mismatch is None
+            row.library_checked_rows = checked
+        else:
             row.note = (
                 f"{stored.format}: decoded by compressed-tensors only (evalsuite has no decode of its own)"
             )
@@ -172,7 +255,7 @@ class CompressedTensorsVerifier:
             modules[row.module] = row.kind
             if row.tensor_class == "missing" or row.format == "unreadable":
                 continue  # already a problem of its own
-            coverage = self.lookup.covering(row.module, row.kind, self.skeleton.get(row.module))
+            coverage = self.covering(row.module, row.kind)
             quantized = row.tensor_class == "quantized"
             stored = f"stored as {row.format}" if quantized else "stored unquantized"
             if coverage.scheme is not None and row.stored is None:

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from evalsuite.checkpoint import Checkpoint, TensorInfo
-from evalsuite.formats import QuantizedFormat, ShardReader, one_torch_thread
+from evalsuite.formats import QuantizedFormat, ShardReader, one_torch_thread, rows_and_cols
 from evalsuite.formats.compressed_tensors import INTEGER_FORMATS, CompressedTensors
 from evalsuite.formats.exl3 import Exl3
 from evalsuite.formats.exl3_decode import padded
-from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTensorsVerifier
+from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTensorsVerifier, LibraryCheck
 from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
 from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection, skeleton_modules
 from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow, UnexpectedRow
@@ -45,10 +45,14 @@ class FormatVerifier(Protocol):
         ...
 
 
-def format_verifier(candidate: Checkpoint) -> FormatVerifier | None:
-    """How a candidate's quantized format is verified; None for a dense (unquantized) candidate."""
+def format_verifier(candidate: Checkpoint, library_check: LibraryCheck = "sample") -> FormatVerifier | None:
+    """How a candidate's quantized format is verified; None for a dense (unquantized) candidate.
+    `library_check`: which rows compressed-tensors' decompressor decodes beside evalsuite's decode
+    (`_compressed_tensors.library_runs`)."""
     if candidate.format == "compressed-tensors":
-        return CompressedTensorsVerifier(CompressedTensors(candidate), skeleton_modules(candidate))
+        return CompressedTensorsVerifier(
+            CompressedTensors(candidate), skeleton_modules(candidate), library_check
+        )
     if candidate.format == "exl3":
         return Exl3Verifier(Exl3(candidate))
     return None
@@ -131,6 +135,7 @@ class Verification:
     claims: dict[str, Any]
     payload_bytes: int
     source_params: int
+    library_check: LibraryCheck = "sample"
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -145,6 +150,7 @@ class Verification:
         protected = [r for r in source if r.tensor_class == "protected"]
         integer = [r for r in quantized if r.format in INTEGER_FORMATS]
         decoded = [r.decode_exact for r in quantized if r.decode_exact is not None]
+        cross_checked = [r for r in quantized if r.library_checked_rows is not None]
         measured = [r for r in quantized if r.rel_err is not None]
         # A NaN error (a NaN code or scale decoded) is the worst of all, never passed over by max().
         worst = max(measured, key=lambda r: _nan_first(r.rel_err), default=None)
@@ -166,6 +172,7 @@ class Verification:
             "quantized_int8": sum(1 for r in integer if r.bits == 8),
             "quantized_other": len(quantized) - sum(1 for r in integer if r.bits in (4, 8)),
             "decode_exact": all(decoded) if decoded else None,
+            **_cross_check_summary(cross_checked, self.library_check),
             "missing": sum(1 for r in source if r.tensor_class == "missing"),
             "unexpected": len(self.unexpected),
             "config_mismatches": sum(1 for p in self.problems if p.check == "config"),
@@ -200,6 +207,21 @@ class Verification:
             values["claimed_bits"] = claimed
             values["bpw_claim_error"] = abs(avg_bits - claimed) if avg_bits is not None else None
         return values
+
+
+def _cross_check_summary(rows: list[TensorRow], check: LibraryCheck) -> dict[str, Any]:
+    """What compressed-tensors' decompressor decoded beside evalsuite's decode of every row, over the rows of
+    the weights both decode (nothing to say for an EXL3 candidate or a format only the library decodes)."""
+    if not rows:
+        return {}
+    weights = sum(r.numel for r in rows)
+    checked = sum(r.library_checked_rows * rows_and_cols(r.shape)[1] for r in rows)
+    return {
+        "decode_cross_check": check,
+        "decode_cross_checked_tensors": sum(1 for r in rows if r.library_checked_rows),
+        "decode_cross_checked_weights": checked,
+        "decode_cross_checked_fraction": checked / weights if weights else None,
+    }
 
 
 def _claimed_numel(row: TensorRow) -> int:
@@ -264,16 +286,21 @@ def _measure_pair(
 
 
 def verify_tensors(
-    source: Checkpoint, candidate: Checkpoint, rules: ModuleRules, workers: int | None = None
+    source: Checkpoint,
+    candidate: Checkpoint,
+    rules: ModuleRules,
+    workers: int | None = None,
+    library_check: LibraryCheck = "sample",
 ) -> Verification:
     """Stream the source tensor by tensor (shard by shard, in file order) with the candidate tensors each one
     pairs with; classify and measure every pair, then check the candidate's config against the tensors.
 
     `workers` threads (default: the CPU count, at most 4) measure consecutive tensors at once, each with its
     own reader and buffers, so memory grows by a few blocks per worker, never by a tensor. The arithmetic
-    (numpy, torch, hashlib, file reads) releases the GIL.
+    (numpy, torch, hashlib, file reads) releases the GIL. `library_check` says which rows of a
+    compressed-tensors weight its library decodes too, beside evalsuite's decode of every row.
     """
-    verifier = format_verifier(candidate)
+    verifier = format_verifier(candidate, library_check)
     pairs, unexpected = pair_tensors(
         source.tensors,
         candidate.tensors,
@@ -328,4 +355,5 @@ def verify_tensors(
         claims=claims,
         payload_bytes=sum(info.nbytes for info in candidate.tensors.values()),
         source_params=sum(info.numel for info in source.tensors.values()),
+        library_check=library_check,
     )

@@ -29,6 +29,15 @@ def _value_text(raw: np.ndarray, dtype: str) -> str:
     return str(value[0].item())
 
 
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Two uint8 blocks of one size hold the same bytes: compared 8 bytes at a time, a quarter of the passes
+    of a byte-wise comparison, which costs as much as hashing the block."""
+    whole = a.size // 8 * 8
+    return np.array_equal(a[:whole].view(np.uint64), b[:whole].view(np.uint64)) and np.array_equal(
+        a[whole:], b[whole:]
+    )
+
+
 def compare_same(
     source: TensorInfo,
     candidate: TensorInfo,
@@ -62,7 +71,7 @@ def compare_same(
     cand_blocks = reader.blocks(candidate, "same-candidate")
     for block in reader.blocks(source, "same-source"):
         other = next(cand_blocks)
-        if cand_hash is None and not np.array_equal(block, other):
+        if cand_hash is None and not _same_bytes(block, other):
             # Up to here both sides held the same bytes: the candidate's digest starts from the source's.
             cand_hash = src_hash.copy()
             byte = int(np.flatnonzero(block != other)[0])
