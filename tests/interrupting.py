@@ -45,5 +45,9 @@ def interrupting_factory(what: str, n: int) -> Callable:
 
 if __name__ == "__main__":
     what, n, *args = sys.argv[1:]
+    # Ctrl-C reaches a run in the foreground. A test session started as a background job (`cmd &` in a
+    # script, nohup) hands its children SIGINT ignored, and Python then installs no KeyboardInterrupt
+    # handler: the raised signal would vanish and the run finish with 0, as a run from such a CI did.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cli._progress_factory = interrupting_factory(what, int(n))
     cli.main(args)

@@ -9,6 +9,7 @@ import pytest
 
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.digest import DigestCache
+from evalsuite.machine import describe_machine, execution_differences
 from tests.conftest import FIXTURES, Run, rerun, run_cli
 from tests.e2e.test_run_ppl import CONTRACT
 
@@ -72,12 +73,27 @@ def test_the_committed_recording_is_of_this_very_checkpoint(smollm2_pair):
     assert manifest["checkpoint"]["content_sha256"] == checkpoint.content_sha256(DigestCache.default())
 
 
+def same_kernels(environment: dict) -> bool:
+    """Whether a committed artifact was computed under this machine's kernels (CPU, its flags and ISAs)."""
+    return not execution_differences(
+        {"machine": environment.get("machine")}, {"machine": describe_machine("cpu")}
+    )
+
+
+# Between two machines' kernels the same bytes give other roundings: bench/drift.py measures the reference
+# against itself under other kernels at a KLD of about 0.002, PPL about 0.1% apart and 2% of top tokens
+# flipped; this bound holds that with room, and still fails on what a changed computation would move.
+ACROSS_MACHINES = 0.02
+
+
 def test_replay_against_the_committed_recording_matches_the_live_run(smollm2_run, smollm2_replay):
     assert smollm2_replay.cli.returncode == smollm2_run.cli.returncode, smollm2_replay.cli.stderr
     assert smollm2_replay.loads == []  # neither the reference (recorded) nor the candidate (saved) loads
     live, replay = smollm2_run.metrics("ppl"), smollm2_replay.metrics("ppl")
+    recorded = json.loads((RECORDING / "manifest.json").read_text()).get("environment") or {}
+    rel = 1e-6 if same_kernels(recorded) else ACROSS_MACHINES
     for name in ("ppl_ref", "ppl_ckpt", "same_top_p", "delta_p_mean"):
-        assert replay[name] == pytest.approx(live[name], rel=1e-6), name
+        assert replay[name] == pytest.approx(live[name], rel=rel, abs=1e-6 if rel > 1e-6 else 0), name
     assert replay["kld_mean"] == pytest.approx(live["kld_mean"], rel=0.01)
     assert replay["kld_median"] == pytest.approx(live["kld_median"], rel=0.05)
     assert replay["kld_p99"] == pytest.approx(live["kld_p99"], rel=0.05)
@@ -88,12 +104,13 @@ def test_replay_against_the_committed_recording_matches_the_live_run(smollm2_run
 def test_the_committed_report_is_what_the_demo_writes(smollm2_run):
     """reports/smollm2-135m-w4a8 (committed) holds the demo's metrics as this code computes them."""
     committed = json.loads((REPO / "reports" / "smollm2-135m-w4a8" / "results.json").read_text())
+    # Another CPU's kernels round a few bf16 logits differently (1e-6 is far below any error bar shown).
+    rel = 1e-6 if same_kernels(committed.get("environment") or {}) else ACROSS_MACHINES
     for task in ("ppl", "intref", "tensors"):
         live = smollm2_run.metrics(task)
         assert committed["tasks"][task]["metrics"].keys() == live.keys(), task
         for name, value in committed["tasks"][task]["metrics"].items():
             if name.endswith("_execution"):
                 continue  # names the Transformers version, which CI may not share
-            # Another CPU may round a few bf16 logits differently; 1e-6 is far below any error bar shown.
-            expected = pytest.approx(live[name], rel=1e-6) if isinstance(value, float) else live[name]
+            expected = pytest.approx(live[name], rel=rel) if isinstance(value, float) else live[name]
             assert value == expected, (task, name)
