@@ -76,9 +76,13 @@ def observation_seconds(path: Path, ref: Path, folder: Path) -> float:
 
 
 def cli(*args: str | Path) -> float:
+    """Seconds of one `evalsuite` command. Exit 1 is a verdict, not a failure of the benchmark: the shipped
+    thresholds are a good 4-bit pack's, which the 135 M demo pair does not meet."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "evalsuite.cli", *map(str, args), "--quiet"], check=True,
-                   capture_output=True)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "evalsuite.cli", *map(str, args), "--quiet"],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"evalsuite {args[0]} exited {done.returncode}: {done.stderr.strip()[-500:]}")
     return time.perf_counter() - t0
 
 
