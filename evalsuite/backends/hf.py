@@ -15,6 +15,7 @@ import torch
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
 from evalsuite.backends.options import DTYPE_NAMES, BackendOptions
 from evalsuite.backends.packed_zero_points import zero_points_packed_on_meta
+from evalsuite.backends.token_chunks import mlp_in_chunks
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import DependencyError, InputError
 
@@ -279,7 +280,9 @@ class HFBackend:
         keep = positions.to(self.device)
         for window in windows:
             ids = window.reshape(1, -1).to(self.device)
-            yield self.model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits[0]
+            with mlp_in_chunks(self.model):
+                logits = self.model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits[0]
+            yield logits
 
     def window_scored_states(self, windows: torch.Tensor, positions: torch.Tensor) -> Iterator[ScoredStates]:
         """Each window forwarded on its own, the head left out: the final hidden states at `positions`, with
@@ -288,7 +291,7 @@ class HFBackend:
         head = self.model.get_output_embeddings()
         for window in windows:
             ids = window.reshape(1, -1).to(self.device)
-            with head_input_kept(self.model) as stand_in, torch.inference_mode():
+            with head_input_kept(self.model) as stand_in, mlp_in_chunks(self.model), torch.inference_mode():
                 self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
             yield scored_states(self.model, stand_in, head)
 

@@ -68,6 +68,7 @@ from evalsuite.backends.hf import (
 )
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.skeleton import refuse_mismatch, set_generation_config, tie_weights
+from evalsuite.backends.token_chunks import mlp_in_chunks
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
 
@@ -540,7 +541,8 @@ class StreamedBackend:
         calls = [self.capture(window) for window in windows]
         states = [call.hidden for call in calls]
         for index in range(self.n_layers):
-            with self.resident(index) as layer:
+            # As a loaded model runs a long window (`HFBackend`): the MLP a chunk of positions at a time.
+            with self.resident(index) as layer, mlp_in_chunks(layer):
                 states = [self.forward_layer(layer, index, h, c) for h, c in zip(states, calls, strict=True)]
         return list(zip(states, calls, strict=True))
 

@@ -159,3 +159,35 @@ def test_the_head_per_chunk_gives_the_logits_of_the_whole_head_loaded_and_stream
         assert torch.equal(torch.cat(list(states.chunks(100))), whole)
     finally:
         streamed.close()
+
+
+def test_past_the_mlp_chunk_the_mlps_run_per_chunk_loaded_and_streamed_alike(tiny_pair, monkeypatch):
+    """A window longer than `MLP_CHUNK_ROWS` runs every decoder layer's MLP (here the routed experts and the
+    shared expert) a chunk of positions at a time: the logits are those of the whole MLP to the rounding of a
+    shorter matrix product, loaded and streamed give the same ones bit for bit, and the model's own MLP
+    forward is back afterwards."""
+    from evalsuite.backends import token_chunks
+
+    checkpoint = Checkpoint.open(tiny_pair[TINY_BF16])
+    window = torch.from_numpy(np.arange(WINDOW, dtype=np.int64) % 500)[None]
+    positions = torch.arange(0, WINDOW - 1)
+    backend = HFBackend(checkpoint, BackendOptions())
+    try:
+        whole = next(iter(backend.window_logits(window, positions)))
+        monkeypatch.setattr(token_chunks, "MLP_CHUNK_ROWS", 300)  # 1,024 positions: 300, 300, 300, 124
+        calls: list[int] = []
+        mlp = backend.model.get_decoder().layers[0].mlp
+        mlp.shared_expert.register_forward_pre_hook(lambda _, args: calls.append(args[0].shape[-2]))
+        chunked = next(iter(backend.window_logits(window, positions)))
+        assert calls == [300, 300, 300, 124]
+        assert "forward" not in mlp.__dict__  # the model's own forward again
+        torch.testing.assert_close(chunked.float(), whole.float(), rtol=0.02, atol=0.05)
+        with token_chunks.mlp_in_chunks(backend.model) as split:
+            assert split == checkpoint.config["text_config"]["num_hidden_layers"]
+    finally:
+        backend.close()
+    streamed = StreamedBackend(checkpoint, BackendOptions(stream=True))
+    try:
+        assert torch.equal(next(iter(streamed.window_logits(window, positions))), chunked)
+    finally:
+        streamed.close()
