@@ -49,9 +49,13 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def meta_model(config: Any, dtype: torch.dtype, checkpoint: Checkpoint) -> Any:
+def meta_model(config: Any, dtype: torch.dtype, checkpoint: Checkpoint, buffers: bool = True) -> Any:
     """The model of `config` built by Transformers with its parameters on the meta device (buffers such as
-    RoPE's are computed), without its quantization config: for a backend that fills the weights itself."""
+    RoPE's are computed), without its quantization config: for a backend that fills the weights itself.
+
+    `buffers=False` puts the buffers on the meta device too: a skeleton of module names and classes only,
+    which Transformers then builds without running its weight initialisation (0.05 s against 0.22 s for the
+    3 GB MiniCPM-V fixture)."""
     import copy
 
     from accelerate import init_empty_weights
@@ -64,7 +68,12 @@ def meta_model(config: Any, dtype: torch.dtype, checkpoint: Checkpoint) -> Any:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        with init_empty_weights(include_buffers=False), contextlib.redirect_stderr(io.StringIO()):
+        device = contextlib.nullcontext() if buffers else torch.device("meta")
+        with (
+            init_empty_weights(include_buffers=False),
+            device,
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
             return cls.from_config(config, dtype=dtype, trust_remote_code=False)
     except Exception as exc:
         raise InputError(

@@ -172,7 +172,12 @@ def as_float32(values: np.ndarray, dtype: str, out: np.ndarray | None = None) ->
     is widened exactly by a shift, FP8 (its raw byte) by a table."""
     if out is None:
         out = np.empty(values.shape, dtype=np.float32)
-    if dtype == "BF16":
+    if dtype == "BF16" and values.flags.writeable and values.dtype.itemsize == 2:
+        import torch
+
+        # torch's widening cast, about half the time of numpy's shift through a uint16 → uint32 cast loop.
+        torch.from_numpy(out).copy_(torch.from_numpy(values.view(np.int16)).view(torch.bfloat16))
+    elif dtype == "BF16":
         np.left_shift(values, 16, out=out.view(np.uint32), dtype=np.uint32)
     elif dtype == "F8_E4M3":
         np.take(FP8_E4M3_VALUES, values, out=out)

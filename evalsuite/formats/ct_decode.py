@@ -162,11 +162,18 @@ def reference_decode(
     float-quantized, int8 otherwise), `scale` the matching scale rows as float32, `zero_point` the zero points
     (q units) in the scale's layout, `g_idx` the group of each input column when the weight was quantized in
     activation order, `global_scale` NVFP4's: its group scales are divided by it in float32 first.
+
+    Where a byte-coded weight has one scale per row, per group of at least `TABLE_MIN_BYTES` stored bytes, or
+    per tensor, the formula is evaluated once per (scale, code) and the weights are looked up in that table
+    (`_decode_by_table`): the same float32 operations on the same operands, so the same bits.
     """
-    rows = weight.shape[0]
-    q = code_values(stored, weight, cols, scratch)
     if global_scale is not None:
         scale = scale / np.float32(global_scale)
+    decoded = _decode_by_table(stored, weight, scale, scale_dtype, cols, zero_point, g_idx, scratch)
+    if decoded is not None:
+        return decoded
+    rows = weight.shape[0]
+    q = code_values(stored, weight, cols, scratch)
     if zero_point is not None:
         q -= _expand(zero_point.astype(np.float32), stored, rows, cols, g_idx)
     if stored.strategy in ("group", "tensor_group") and g_idx is None and cols % stored.group_size == 0:
@@ -175,6 +182,102 @@ def reference_decode(
     else:
         np.multiply(q, _expand(scale, stored, rows, cols, g_idx), out=q)
     return rounded_to(q, scale_dtype, scratch)
+
+
+# A table of 256 entries (codes or code pairs) per scale pays when a scale covers at least this many stored
+# bytes: building an entry costs about what decoding a weight by the formula does.
+TABLE_MIN_BYTES = 256
+# Offset-binary INT4 (q = code − 8), one 4-bit code.
+INT4_OFFSET = np.arange(16, dtype=np.float32) - 8
+
+
+def _byte_codes(
+    stored: StoredQuantization, weight: np.ndarray, cols: int
+) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """A weight's rows as bytes (rows, stored bytes per row), the value of each code, and whether a byte holds
+    two 4-bit codes (low nibble first); None where codes are not whole bytes or nibble pairs of whole rows,
+    and for int-quantized: its int8 codes become values by a cast, which with the scale multiply and the
+    rounding costs less than a gather (measured: 0.28 ms against 0.41 ms per 2^18 weights)."""
+    rows = weight.shape[0]
+    if stored.format == "pack-quantized" and stored.num_bits in (4, 8):
+        little = np.ascontiguousarray(weight).astype("<i4", copy=False).view(np.uint8).reshape(rows, -1)
+        if stored.num_bits == 8:
+            return little[:, :cols], INT8_OFFSET, False
+        return (little, INT4_OFFSET, True) if little.shape[1] * 2 == cols else None
+    if stored.format in FP4_GROUP_SIZES:
+        codes = np.ascontiguousarray(weight)
+        return (codes, FP4_E2M1_VALUES, True) if codes.shape[1] * 2 == cols else None
+    if weight.dtype.itemsize != 1:
+        return None
+    if stored.format == "float-quantized":
+        return weight.view(np.uint8), FP8_E4M3_VALUES, False
+    return None
+
+
+def _decode_by_table(
+    stored: StoredQuantization,
+    weight: np.ndarray,
+    scale: np.ndarray,
+    scale_dtype: str,
+    cols: int,
+    zero_point: np.ndarray | None,
+    g_idx: np.ndarray | None,
+    scratch: Scratch,
+) -> np.ndarray | None:
+    """`reference_decode` by lookup: table[u, code] = round((value(code) − zero_point[u]) × scale[u]) for each
+    scale u (a row's, a group's or the tensor's), then one gather of every weight; None where the scales
+    are not of such a layout or cover too few bytes for a table to pay."""
+    rows = weight.shape[0]
+    found = _byte_codes(stored, weight, cols)
+    if found is None or rows == 0 or cols == 0 or g_idx is not None:
+        return None
+    codes, values, pairs = found
+    per_row = codes.shape[1]
+    if stored.strategy == "tensor":
+        groups, units = 1, 1
+    elif stored.strategy == "channel":
+        groups, units = 1, rows
+    elif stored.strategy in ("group", "tensor_group") and cols % stored.group_size == 0:
+        groups, units = cols // stored.group_size, rows * (cols // stored.group_size)
+        if per_row % groups or (pairs and stored.group_size % 2):
+            return None
+    else:
+        return None
+    if units > 1 and per_row // groups < TABLE_MIN_BYTES:
+        return None
+    scale = np.ascontiguousarray(scale, dtype=np.float32)
+    # One table per distinct (scale, zero point): a tensor's bf16 scales take a few hundred values, so rows
+    # share tables and building them costs far less than the gather.
+    key = scale.reshape(units).view(np.uint32).astype(np.uint64)
+    if zero_point is not None:
+        zero = zero_point.astype(np.float32).reshape(units)
+        key = key << np.uint64(32) | zero.view(np.uint32)
+    key, first, which = np.unique(key, return_index=True, return_inverse=True)
+    q = np.broadcast_to(values, (key.size, values.size))
+    if zero_point is not None:
+        q = q - zero[first].reshape(-1, 1)
+    table = rounded_to(np.multiply(q, scale.reshape(units)[first].reshape(-1, 1)), scale_dtype)
+    if pairs:
+        # Byte hi·16 + lo → its two weights (lo's, then hi's) as one 8-byte entry: the gather writes both.
+        both = np.empty((key.size, 16, 16, 2), dtype=np.float32)
+        both[..., 0] = table[:, None, :]
+        both[..., 1] = table[:, :, None]
+        table = both.view(np.int64)
+    import torch
+
+    index = torch.from_numpy(scratch("table-index", codes.shape, np.int32))
+    index.copy_(torch.from_numpy(codes))
+    offsets = torch.from_numpy((which.astype(np.int32) * 256).reshape(-1, groups, 1))
+    index.view(rows, groups, -1).add_(offsets)
+    out = scratch("q", (rows, cols), np.float32)
+    # torch's index_select takes int32 indices; numpy's take widens every index to int64 first.
+    torch.index_select(
+        torch.from_numpy(table.reshape(-1)),
+        0,
+        index.view(-1),
+        out=torch.from_numpy(out.view(np.int64) if pairs else out).view(-1),
+    )
+    return out
 
 
 def rounded_to(values: np.ndarray, dtype: str, scratch: Scratch = _fresh) -> np.ndarray:

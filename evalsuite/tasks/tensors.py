@@ -248,7 +248,7 @@ class Tensors:
                 for m in manifests
             ],
         }
-        write_atomic(folder / "tensors.json", json.dumps(doc, indent=1, allow_nan=True) + "\n")
+        write_atomic(folder / "tensors.json", _one_row_per_line(doc, "tensors") + "\n")
         measured = [r for r in found.tensors if r.rel_err is not None]
         plots.relative_error_by_layer(
             [r.layer for r in measured],
@@ -257,6 +257,20 @@ class Tensors:
             folder / "tensors_rel_err.png",
         )
         return {"tensors": f"{folder.name}/tensors.json", "rel_err_map": f"{folder.name}/tensors_rel_err.png"}
+
+
+# Stands for the list of rows while the rest of tensors.json is written: no JSON text of a key or value
+# holds a NUL unescaped, so its escaped form appears nowhere else.
+_ROWS = "\0rows"
+
+
+def _one_row_per_line(doc: dict[str, Any], key: str) -> str:
+    """`doc` as JSON indented by one, with the list under `key` written one compact object per line: json
+    writes indented text with its pure-Python encoder (0.3 s for the 3,177 rows of the 3 GB fixture) and
+    compact text with its C encoder (a tenth of that)."""
+    lines = ",\n".join(json.dumps(row, allow_nan=True) for row in doc[key])
+    text = json.dumps({**doc, key: _ROWS}, indent=1, allow_nan=True)
+    return text.replace(json.dumps(_ROWS), f"[\n{lines}\n ]" if lines else "[]", 1)
 
 
 def ignored_on_load_summary(candidate: Checkpoint) -> dict[str, int]:

@@ -485,3 +485,64 @@ def test_fp8_and_fp4_tables_match_torch_and_compressed_tensors():
         -1
     )
     assert np.array_equal(unpacked, ours)
+
+
+def _decode_by_formula(stored, weight, scale, scale_dtype, cols, zero_point=None, global_scale=None):
+    """The spec of `reference_decode`: every weight's (q − zero_point) × scale in float32, rounded once to
+    `scale_dtype` (the formula evalsuite decoded by before its lookup tables)."""
+    rows = weight.shape[0]
+    q = ct_decode.code_values(stored, weight, cols).copy()
+    if global_scale is not None:
+        scale = scale / np.float32(global_scale)
+    if zero_point is not None:
+        q -= ct_decode._expand(zero_point.astype(np.float32), stored, rows, cols, None)
+    np.multiply(q, ct_decode._expand(scale, stored, rows, cols, None), out=q)
+    return ct_decode.rounded_to(q, scale_dtype)
+
+
+# Scales at the edges of bf16 and fp16: zeros of both signs, subnormals, the largest finite, infinities, NaN.
+_EDGE_SCALES = np.array(
+    [0.0, -0.0, 1e-40, -1e-40, 9.2e-41, 3.3895314e38, -3.3895314e38, np.inf, -np.inf, np.nan, 6e-8, 65504.0],
+    dtype=np.float32,
+)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "bits", "strategy", "group_size"),
+    [
+        ("pack-quantized", 4, "channel", None),
+        ("pack-quantized", 4, "group", 512),
+        ("pack-quantized", 4, "tensor", None),
+        ("pack-quantized", 8, "channel", None),
+        ("float-quantized", 8, "channel", None),
+        ("float-quantized", 8, "group", 256),
+        ("nvfp4-pack-quantized", 4, "channel", None),
+    ],
+)
+@pytest.mark.parametrize("scale_dtype", ["BF16", "F16", "F32"])
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_decode_by_table_is_bit_identical_to_the_formula(
+    fmt, bits, strategy, group_size, scale_dtype, asymmetric
+):
+    rng = np.random.default_rng(bits * 7 + len(fmt))
+    rows, cols = 24, 1024
+    stored = ct.StoredQuantization(fmt, "int", bits, strategy, group_size, None, not asymmetric, False)
+    if fmt == "pack-quantized":
+        weight = rng.integers(-(2**31), 2**31, (rows, cols * bits // 32), dtype=np.int64).astype(np.int32)
+    else:
+        weight = rng.integers(0, 256, (rows, cols // 2 if bits == 4 else cols), dtype=np.uint8)
+    groups = 1 if strategy != "group" else cols // group_size
+    shape = (1, 1) if strategy == "tensor" else (rows, groups)
+    scale = (rng.standard_normal(shape) * 10.0 ** rng.integers(-30, 30, shape)).astype(np.float32)
+    if strategy != "tensor":
+        scale.reshape(-1)[: _EDGE_SCALES.size] = _EDGE_SCALES[: scale.size]
+        scale[-1] = scale[0]  # rows sharing a scale share a table
+    zero = rng.integers(-8, 8, shape).astype(np.int8) if asymmetric else None
+    for global_scale in (None, 3.0) if fmt.startswith("nvfp4") else (None,):
+        args = (stored, weight, scale, scale_dtype, cols, zero)
+        with np.errstate(over="ignore", invalid="ignore"):  # the edge scales overflow, as they should
+            # the table path is the one tested here
+            assert ct_decode._decode_by_table(*args, None, ct_decode._fresh) is not None
+            ours = ct_decode.reference_decode(*args, global_scale=global_scale)
+            spec = _decode_by_formula(*args, global_scale)
+        assert np.array_equal(ours.view(np.uint32), spec.view(np.uint32))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import bisect
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -69,6 +70,82 @@ def _runs_within(runs: list[tuple[int, int]], r0: int, r1: int) -> Iterator[tupl
         yield max(a, r0), min(b, r1)
 
 
+# Rows of sampled weights held for one call of the library's decoder before it is called early.
+LIBRARY_BATCH_ELEMENTS = 1 << 20
+
+
+@dataclass
+class _Sample:
+    """Rows a..b of one tensor, as stored and as evalsuite decoded them (copies), waiting for the library."""
+
+    index: int  # of the tensor among those `measure_many` was given
+    shape: tuple[int, ...]
+    first: int  # the run's first row in the tensor
+    weight: np.ndarray
+    scale: np.ndarray
+    ours: np.ndarray
+
+
+@dataclass
+class LibraryBatch:
+    """The rows `library_runs` picks of every weight of one `measure_many` call, decoded by
+    compressed-tensors in one call per scheme instead of one per run.
+
+    One decompressor call costs about 0.3 ms before its first weight: a checkpoint of thousands of small
+    experts paid more for those calls than for decoding all its weights. Rows of weights stored alike (the
+    same `StoredQuantization`, columns and scale dtype) decode as one weight when their scales are per row
+    (channel or group strategy) and nothing is per tensor (no zero points packed along rows, no NVFP4 global
+    scale, no g_idx): those are batched; the others are decoded run by run, as they are met.
+    """
+
+    # (stored, cols, scale dtype) → the samples pending and their element count
+    pending: dict[tuple[StoredQuantization, int, str], list[_Sample]] = field(default_factory=dict)
+    sizes: dict[tuple[StoredQuantization, int, str], int] = field(default_factory=dict)
+    # tensor index → where its decodes first differ (the first run that differs, in row order)
+    mismatches: dict[int, str] = field(default_factory=dict)
+
+    def add(self, key: tuple[StoredQuantization, int, str], sample: _Sample) -> None:
+        self.pending.setdefault(key, []).append(sample)
+        self.sizes[key] = self.sizes.get(key, 0) + sample.ours.size
+        if self.sizes[key] >= LIBRARY_BATCH_ELEMENTS:
+            self._decode(key)
+
+    def finish(self) -> dict[int, str]:
+        """Decode what is pending; the first difference of each tensor whose decodes differ, by index."""
+        for key in list(self.pending):
+            self._decode(key)
+        return self.mismatches
+
+    def _decode(self, key: tuple[StoredQuantization, int, str]) -> None:
+        stored, cols, scale_dtype = key
+        samples = self.pending.pop(key)
+        self.sizes.pop(key)
+        weight = np.concatenate([s.weight for s in samples])
+        scale = np.concatenate([s.scale for s in samples])
+        theirs = library_decode(stored, weight, scale, scale_dtype, cols)
+        at_row = 0
+        for s in samples:
+            rows = s.ours.shape[0]
+            if s.index not in self.mismatches:
+                difference = _difference(s.ours, theirs[at_row : at_row + rows], s.first, s.shape, cols)
+                if difference is not None:
+                    self.mismatches[s.index] = difference
+            at_row += rows
+
+
+def _difference(
+    ours: np.ndarray, theirs: np.ndarray, first: int, shape: tuple[int, ...], cols: int
+) -> str | None:
+    """Where rows first..first + len(ours) of a tensor of `shape`, decoded by both, first differ; None if
+    nowhere."""
+    at = first_difference(ours, theirs)
+    if at is None:
+        return None
+    index = [int(i) for i in np.unravel_index((first + at[0]) * cols + at[1], shape)]
+    x, y = theirs[at[0], at[1]], ours[at[0], at[1]]
+    return f"compressed-tensors and evalsuite decode element {index} differently: {x:.6g} vs {y:.6g}"
+
+
 class CompressedTensorsVerifier:
     """How a compressed-tensors candidate is verified (see `FormatVerifier`)."""
 
@@ -103,6 +180,32 @@ class CompressedTensorsVerifier:
     ) -> list[Problem]:
         """Read the module's scheme, decode it block by block (and rows of it by the library too), and
         measure it against the source."""
+        return self.measure_many([(source, tensors, row)], reader)[0]
+
+    def measure_many(
+        self, modules: Sequence[tuple[TensorInfo, dict[str, TensorInfo], TensorRow]], reader: ShardReader
+    ) -> list[list[Problem]]:
+        """`measure` of each module, with the library's decodes of their sampled rows batched
+        (`LibraryBatch`)."""
+        batch = LibraryBatch()
+        found = [
+            self._measure(i, source, tensors, reader, row, batch)
+            for i, (source, tensors, row) in enumerate(modules)
+        ]
+        for i, mismatch in batch.finish().items():
+            modules[i][2].decode_exact = False
+            found[i].append(Problem("decode", modules[i][0].name, mismatch))
+        return found
+
+    def _measure(
+        self,
+        tensor_index: int,
+        source: TensorInfo,
+        tensors: dict[str, TensorInfo],
+        reader: ShardReader,
+        row: TensorRow,
+        batch: LibraryBatch,
+    ) -> list[Problem]:
         coverage = self.covering(row.module, row.kind)
         row.group = coverage.group
         hint = coverage.scheme.weights if coverage.scheme is not None else None
@@ -116,7 +219,7 @@ class CompressedTensorsVerifier:
         if stored.format not in DECODED_FORMATS:
             row.note = f"{stored.format} is not decoded here"
             return found
-        mismatch, out_of_range = self._decode(source, tensors, stored, reader, row)
+        mismatch, out_of_range = self._decode(source, tensors, stored, reader, row, tensor_index, batch)
         if out_of_range:
             found.append(Problem("config", source.name, out_of_range))
         if mismatch:
@@ -130,12 +233,15 @@ class CompressedTensorsVerifier:
         stored: StoredQuantization,
         reader: ShardReader,
         row: TensorRow,
+        tensor_index: int,
+        batch: LibraryBatch,
     ) -> tuple[str | None, str | None]:
         """evalsuite's decode of every row, measured against the source block by block of rows, and the
         library's decode of the rows `library_runs` picks, which must agree with it bit for bit (where
         evalsuite has no decode of the format, the library's decode of every row is measured); returns where
         the decodes first differ and the first stored integer outside the scheme's range (each None when
-        there is none)."""
+        there is none). Runs of a weight `LibraryBatch` can batch are left to the batch (the tensor's
+        `tensor_index` names them there), which sets `decode_exact` false if they differ."""
         rows, cols = rows_and_cols(source.shape)
         weight = tensors.get("weight_packed") or tensors["weight"]
         scale_info = tensors["weight_scale"]
@@ -186,6 +292,10 @@ class CompressedTensorsVerifier:
             )
 
         runs = library_runs(source.name, rows, align, self.library_check) if independent else []
+        batched = (
+            stored.strategy in ("channel", "group") and zp is None and g_idx is None and global_scale is None
+        )
+        key = (stored, cols, scale_info.dtype)
         errors, mismatch, checked = ErrorAccumulator(), None, 0
         for r0, r1 in row_blocks(rows, cols, align):
             block = reader.rows(weight, r0, r1, "weight")
@@ -217,17 +327,24 @@ class CompressedTensorsVerifier:
                 )
             for a, b in _runs_within(runs, r0, r1):
                 ours = decoded[a - r0 : b - r0]
+                checked += b - a
+                if batched:
+                    rows_ab = slice(a - r0, b - r0)
+                    sample = _Sample(
+                        tensor_index,
+                        source.shape,
+                        a,
+                        block[rows_ab].copy(),
+                        scale[scales_of(a, b)].copy(),
+                        ours.copy(),
+                    )
+                    batch.add(key, sample)
+                    continue
                 theirs = library(
                     block[a - r0 : b - r0], a, b, reader.scratch("library", ours.shape, np.float32)
                 )
-                checked += b - a
-                if mismatch is None and (at := first_difference(ours, theirs)) is not None:
-                    index = [int(i) for i in np.unravel_index((a + at[0]) * cols + at[1], source.shape)]
-                    x, y = theirs[at[0], at[1]], ours[at[0], at[1]]
-                    mismatch = (
-                        f"compressed-tensors and evalsuite decode element {index} differently: "
-                        f"{x:.6g} vs {y:.6g}"
-                    )
+                if mismatch is None:
+                    mismatch = _difference(ours, theirs, a, source.shape, cols)
             ref = reader.scratch("ref", shape, np.float32)
             as_float32(reader.rows(source, r0, r1, "source"), source.dtype, ref)
             errors.add(r0, ref, decoded, reader.scratch("difference", shape, np.float32))

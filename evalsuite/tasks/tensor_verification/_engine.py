@@ -7,6 +7,7 @@ import dataclasses
 import math
 import os
 import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -22,6 +23,12 @@ from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_
 from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow, UnexpectedRow
 from evalsuite.tasks.tensor_verification._same import compare_same
 
+# A worker's unit of work: consecutive pairs, at most this many and about this many source bytes. Large
+# enough that a layer's small experts share a job (and the library's decodes of their sampled rows), small
+# enough that the workers stay busy to the end.
+JOB_PAIRS = 64
+JOB_BYTES = 64 << 20
+
 
 class FormatVerifier(Protocol):
     """How the candidate's quantized format is verified: what a quantized module's stored tensors say against
@@ -32,11 +39,12 @@ class FormatVerifier(Protocol):
         """The format whose stored tensors pair with the source's quantized modules."""
         ...
 
-    def measure(
-        self, source: TensorInfo, tensors: dict[str, TensorInfo], reader: ShardReader, row: TensorRow
-    ) -> list[Problem]:
-        """Fill the row of a quantized module (format, bits, decode, error against the source weight) and
-        return what its stored tensors get wrong."""
+    def measure_many(
+        self, modules: Sequence[tuple[TensorInfo, dict[str, TensorInfo], TensorRow]], reader: ShardReader
+    ) -> list[list[Problem]]:
+        """For each quantized module (its source weight, its stored tensors by parameter, its row): fill the
+        row (format, bits, decode, error against the source weight) and return what its stored tensors get
+        wrong. Several at once, so that a format may share the work of consecutive modules."""
         ...
 
     def check_config(self, rows: list[TensorRow]) -> tuple[list[Problem], dict[str, Any]]:
@@ -256,33 +264,62 @@ def _first_row(pair: Pair, info: TensorInfo, rules: ModuleRules) -> TensorRow:
     )
 
 
-def _measure_pair(
-    pair: Pair,
+def _measure_pairs(
+    pairs: Sequence[Pair],
     source: Checkpoint,
     candidate: Checkpoint,
     verifier: FormatVerifier | None,
     rules: ModuleRules,
     reader: ShardReader,
-) -> tuple[TensorRow, list[Problem]]:
-    info = source.tensors[pair.tied_to or pair.source]
-    if pair.tied_to is not None:
-        info = dataclasses.replace(info, name=pair.source)
-    row = _first_row(pair, info, rules)
-    if pair.how == "same":
-        casts = getattr(verifier, "protected_casts", None)
-        problems = compare_same(info, candidate.tensors[pair.candidate[""]], reader, row, casts)
-    elif pair.how == "quantized":
-        assert verifier is not None  # only a candidate's format pairs a tensor as quantized
-        row.tensor_class = "quantized"
-        tensors = {param: candidate.tensors[name] for param, name in pair.candidate.items()}
-        problems = verifier.measure(info, tensors, reader, row)
-    else:
-        problems = [Problem("missing", pair.source, "not in the candidate under any stored form")]
-    if pair.tied_to is not None:
-        tied = f"tied to {pair.tied_to} in the source, stored apart in the candidate"
-        row.note = f"{row.note}; {tied}" if row.note else tied
-    row.payload_bytes = sum(candidate.tensors[n].nbytes for n in row.candidate_tensors)
-    return row, problems
+) -> list[tuple[TensorRow, list[Problem]]]:
+    """The row and the problems of each pair, in order; the quantized ones measured by the verifier
+    together."""
+    measured: list[tuple[TensorRow, list[Problem]]] = []
+    quantized: list[tuple[int, TensorInfo, dict[str, TensorInfo], TensorRow]] = []
+    for pair in pairs:
+        info = source.tensors[pair.tied_to or pair.source]
+        if pair.tied_to is not None:
+            info = dataclasses.replace(info, name=pair.source)
+        row = _first_row(pair, info, rules)
+        problems: list[Problem] = []
+        if pair.how == "same":
+            casts = getattr(verifier, "protected_casts", None)
+            problems = compare_same(info, candidate.tensors[pair.candidate[""]], reader, row, casts)
+        elif pair.how == "quantized":
+            assert verifier is not None  # only a candidate's format pairs a tensor as quantized
+            row.tensor_class = "quantized"
+            tensors = {param: candidate.tensors[name] for param, name in pair.candidate.items()}
+            quantized.append((len(measured), info, tensors, row))
+        else:
+            problems = [Problem("missing", pair.source, "not in the candidate under any stored form")]
+        measured.append((row, problems))
+    if quantized:
+        assert verifier is not None
+        found = verifier.measure_many([(info, tensors, row) for _, info, tensors, row in quantized], reader)
+        for (i, *_), problems in zip(quantized, found, strict=True):
+            measured[i][1].extend(problems)
+    for pair, (row, _) in zip(pairs, measured, strict=True):
+        if pair.tied_to is not None:
+            tied = f"tied to {pair.tied_to} in the source, stored apart in the candidate"
+            row.note = f"{row.note}; {tied}" if row.note else tied
+        row.payload_bytes = sum(candidate.tensors[n].nbytes for n in row.candidate_tensors)
+    return measured
+
+
+def _jobs(pairs: list[Pair], source: dict[str, TensorInfo]) -> Iterator[list[Pair]]:
+    """Consecutive pairs in runs of at most JOB_PAIRS pairs and about JOB_BYTES source bytes: a worker's unit
+    of work (a layer's experts, a few at a time, or one large tensor)."""
+    job: list[Pair] = []
+    size = 0
+    for pair in pairs:
+        nbytes = source[pair.tied_to or pair.source].nbytes
+        if job and (len(job) == JOB_PAIRS or size + nbytes > JOB_BYTES):
+            yield job
+            job, size = [], 0
+        job.append(pair)
+        size += nbytes
+    if job:
+        yield job
 
 
 def verify_tensors(
@@ -295,8 +332,9 @@ def verify_tensors(
     """Stream the source tensor by tensor (shard by shard, in file order) with the candidate tensors each one
     pairs with; classify and measure every pair, then check the candidate's config against the tensors.
 
-    `workers` threads (default: the CPU count, at most 4) measure consecutive tensors at once, each with its
-    own reader and buffers, so memory grows by a few blocks per worker, never by a tensor. The arithmetic
+    `workers` threads (default: the CPU count, at most 4) measure jobs of consecutive tensors (`_jobs`) at
+    once, each with its own reader and buffers, so memory grows by a few blocks per worker (and the rows the
+    library cross-checks, at most `LIBRARY_BATCH_ELEMENTS` per scheme), never by a tensor. The arithmetic
     (numpy, torch, hashlib, file reads) releases the GIL. `library_check` says which rows of a
     compressed-tensors weight its library decodes too, beside evalsuite's decode of every row.
     """
@@ -314,20 +352,21 @@ def verify_tensors(
     workers = workers or min(4, os.cpu_count() or 1)
     local, readers = threading.local(), []
 
-    def measure(pair: Pair) -> tuple[TensorRow, list[Problem]]:
+    def measure(job: list[Pair]) -> list[tuple[TensorRow, list[Problem]]]:
         reader = getattr(local, "reader", None)
         if reader is None:
             reader = local.reader = ShardReader()
             readers.append(reader)
-        return _measure_pair(pair, source, candidate, verifier, rules, reader)
+        return _measure_pairs(job, source, candidate, verifier, rules, reader)
 
     rows: list[TensorRow] = []
     problems: list[Problem] = []
     try:
         with one_torch_thread(), ThreadPoolExecutor(workers, thread_name_prefix="tensors") as pool:
-            for row, found in pool.map(measure, pairs):
-                rows.append(row)
-                problems += found
+            for measured in pool.map(measure, _jobs(pairs, source.tensors)):
+                for row, found in measured:
+                    rows.append(row)
+                    problems += found
     finally:
         for reader in readers:
             reader.__exit__()

@@ -8,6 +8,7 @@ is no second CPU decoder to compare it with, so `decode_exact` stays unmeasured 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -53,6 +54,12 @@ class Exl3Verifier:
 
     def __init__(self, format: Exl3) -> None:
         self.format = format
+
+    def measure_many(
+        self, modules: Sequence[tuple[TensorInfo, dict[str, TensorInfo], TensorRow]], reader: ShardReader
+    ) -> list[list[Problem]]:
+        """`measure` of each module."""
+        return [self.measure(source, tensors, reader, row) for source, tensors, row in modules]
 
     def measure(
         self, source: TensorInfo, tensors: dict[str, TensorInfo], reader: ShardReader, row: TensorRow

@@ -84,7 +84,7 @@ def skeleton_modules(checkpoint: Checkpoint) -> dict[str, Any]:
         import torch
 
         config, _ = transformers_config(checkpoint, BackendOptions())
-        model = meta_model(config, torch.bfloat16, checkpoint)
+        model = meta_model(config, torch.bfloat16, checkpoint, buffers=False)
     except (EvalsuiteError, ImportError, ValueError, KeyError, TypeError, RuntimeError):
         return {}
     return dict(model.named_modules())

@@ -133,12 +133,10 @@ class ErrorAccumulator:
     """
 
     def __init__(self) -> None:
-        self.sums = metrics.ErrorSums(0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        self.rows = 0
-        self.worst_channel = -1
-        self.worst_channel_rel_err = 0.0
-        self.row_err: list[np.ndarray] = []
-        self.row_norm: list[np.ndarray] = []
+        # Per block: its first row, its rows' ‖x_r − w_r‖, ‖w_r‖, ‖x_r‖ (float32, 3 × rows), the min and max
+        # of x − w, its elements; the rest is computed from these once, in `_settle`, not block by block.
+        self._blocks: list[tuple[int, Any, Any, int]] = []
+        self._settled: tuple[metrics.ErrorSums, np.ndarray, np.ndarray, int, float] | None = None
 
     def add(self, r0: int, ref: np.ndarray, cand: np.ndarray, work: np.ndarray | None = None) -> None:
         """Add rows r0.. of the source (`ref`) and of the decoded tensor (`cand`), float32 (rows, cols);
@@ -151,43 +149,89 @@ class ErrorAccumulator:
         # task runs torch on one thread per worker), across rows in float64: the rounding stays near 1e-6
         # relative. Σ r·x follows from the other three, (Σ r² + Σ x² − Σ (x − r)²) / 2, with the same
         # relative accuracy (it is about Σ r² itself), which saves a fourth pass.
-        err, norm, cand_sq = (
-            torch.linalg.vector_norm(t, dim=1).double().square_().numpy() for t in (d, r, c)
-        )
-        low, high = torch.aminmax(d) if d.numel() else (torch.zeros(()), torch.zeros(()))
+        norms = torch.empty((3, d.shape[0]), dtype=torch.float32)
+        for i, t in enumerate((d, r, c)):
+            torch.linalg.vector_norm(t, dim=1, out=norms[i])
+        extremes = torch.aminmax(d) if d.numel() else (torch.zeros(()), torch.zeros(()))
+        self._blocks.append((r0, norms, extremes, d.numel()))
+        self._settled = None
+
+    def _settle(self) -> tuple[metrics.ErrorSums, np.ndarray, np.ndarray, int, float]:
+        """The sums, every row's squared error and source norms (float64), and the worst channel (-1 for
+        none) with its relative error, from the blocks added so far."""
+        if self._settled is not None:
+            return self._settled
+        import torch
+
+        blocks = [b for b in self._blocks if b[1].shape[1]]
+        if not blocks:
+            self._settled = (metrics.ErrorSums(0, 0.0, 0.0, 0.0, 0.0, 0.0), np.zeros(0), np.zeros(0), -1, 0.0)
+            return self._settled
+        err, norm, cand_sq = torch.cat([b[1] for b in blocks], dim=1).double().square_().numpy()
+        low = np.array([float(b[2][0]) for b in blocks])
+        high = np.array([float(b[2][1]) for b in blocks])
         ref_sq, err_sq, cand_total = float(norm.sum()), float(err.sum()), float(cand_sq.sum())
-        block = metrics.ErrorSums(
-            n=d.numel(),
+        # A block's max |x − w| is NaN where x − w holds one, and a NaN never wins a max against a number
+        # (as Python's max of floats, which added the blocks up before): fmax passes NaNs over.
+        block_max = np.where(-low > high, -low, high)
+        sums = metrics.ErrorSums(
+            n=sum(b[3] for b in blocks),
             ref_sq=ref_sq,
             err_sq=err_sq,
             cand_sq=cand_total,
             dot=(ref_sq + cand_total - err_sq) / 2,
-            max_abs=float(max(high, -low)),
+            max_abs=float(np.fmax.reduce(np.append(block_max, 0.0))),
         )
-        self.sums = self.sums + block
-        self.rows += err.size
-        if not err.size:
-            return
-        self.row_err.append(err)
-        self.row_norm.append(norm)
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(err == 0, 0.0, np.sqrt(err / norm))
-        i = int(np.argmax(rel))
-        if np.isnan(rel[i]) or rel[i] > self.worst_channel_rel_err:
-            self.worst_channel, self.worst_channel_rel_err = r0 + i, float(rel[i])
+        starts = np.cumsum([0] + [b[1].shape[1] for b in blocks])
+        nan = np.flatnonzero(np.isnan(rel))
+        if nan.size:
+            # Blocks used to be compared one by one, each block's worst (its first NaN) replacing the worst so
+            # far when NaN: the worst is the first NaN of the last block holding one.
+            b = int(np.searchsorted(starts, nan[-1], side="right")) - 1
+            i = int(nan[np.searchsorted(nan, starts[b])])
+        else:
+            i = int(np.argmax(rel))
+            b = int(np.searchsorted(starts, i, side="right")) - 1
+        worst, worst_rel = -1, 0.0
+        if np.isnan(rel[i]) or rel[i] > 0:
+            worst, worst_rel = blocks[b][0] + i - int(starts[b]), float(rel[i])
+        self._settled = (sums, err, norm, worst, worst_rel)
+        return self._settled
+
+    @property
+    def sums(self) -> metrics.ErrorSums:
+        """The `metrics.ErrorSums` of the rows added so far."""
+        return self._settle()[0]
+
+    @property
+    def rows(self) -> int:
+        """Rows added so far."""
+        return int(self._settle()[1].size)
+
+    @property
+    def worst_channel(self) -> int:
+        """The row with the largest ‖x_r − w_r‖ / ‖w_r‖ (the first NaN of the last block holding one), -1
+        while no row has an error."""
+        return self._settle()[3]
+
+    @property
+    def worst_channel_rel_err(self) -> float:
+        """That row's ‖x_r − w_r‖ / ‖w_r‖ (0.0 while no row has an error)."""
+        return self._settle()[4]
 
     def fill(self, row: TensorRow) -> None:
         """Write the statistics into a row."""
-        s = self.sums
+        s, err, norm, worst, worst_rel = self._settle()
         row.rel_err = s.relative_frobenius_error
         row.sqnr_db = s.sqnr_db
         row.cosine = s.cosine
         row.max_abs_err = s.max_abs
-        row.worst_channel = self.worst_channel if self.worst_channel >= 0 else None
-        row.worst_channel_rel_err = self.worst_channel_rel_err
-        if self.row_err:
-            err, norm = np.concatenate(self.row_err), np.concatenate(self.row_norm)
-            yardstick = np.maximum(norm, s.ref_sq / self.rows)
+        row.worst_channel = worst if worst >= 0 else None
+        row.worst_channel_rel_err = worst_rel
+        if err.size:
+            yardstick = np.maximum(norm, s.ref_sq / err.size)
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio = np.where(err == 0, 0.0, np.sqrt(err / yardstick))
             j = int(np.argmax(ratio))  # argmax takes a NaN first: a NaN channel is the worst there is
