@@ -2,7 +2,7 @@
 
 One child process per protocol (its peaks its own): the 512-token protocol (tasks/ppl.toml, the head on
 every scored position at once), and the long protocol with one window of 2,048 and of 8,192 tokens (the head
-applied 256 positions at a time). In each, per side: the model loads, then the peak resident memory above
+applied 512 positions at a time). In each, per side: the model loads, then the peak resident memory above
 that footprint is taken over the side's observation (Linux's VmHWM, reset through /proc/self/clear_refs), and
 likewise over the comparison. Prints, from this one run (these machines are shared and noisy: compare
 ratios, not seconds):

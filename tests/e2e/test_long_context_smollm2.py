@@ -1,5 +1,5 @@
 """The shipped long-context spec (tasks/ppl-long.toml) on SmolLM2-135M: one 8,192-token window, its full
-context, the head applied 256 positions at a time. Second tier: four 8k-token forwards on 2 cores."""
+context, the head applied 512 positions at a time. Second tier: four 8k-token forwards on 2 cores."""
 
 from __future__ import annotations
 
@@ -30,14 +30,14 @@ def long_run(smollm2_pair, tmp_path_factory) -> Run:
 def test_one_8k_window_gives_the_metrics_of_the_unchunked_head(long_run, smollm2_pair, tmp_path):
     whole_spec = tmp_path / "ppl-long-whole.toml"
     text = LONG_SPEC.read_text(encoding="utf-8")
-    whole_spec.write_text(text.replace("head_chunk_rows = 256", "head_chunk_rows = 0"), encoding="utf-8")
+    whole_spec.write_text(text.replace("head_chunk_rows = 512", "head_chunk_rows = 0"), encoding="utf-8")
     whole = run_pair(
         smollm2_pair[SMOLLM2_W4A8], smollm2_pair[SMOLLM2_BF16], tmp_path / "whole", "ppl",
         "--spec", f"ppl={whole_spec}",
     )  # fmt: skip
     assert whole.cli.returncode in (0, 1), whole.cli.stderr
     a, b = long_run.metrics("ppl"), whole.metrics("ppl")
-    assert a["window_tokens"] == 8192 and a["n_scored_tokens"] == 8191 and a["head_chunk_rows"] == 256
+    assert a["window_tokens"] == 8192 and a["n_scored_tokens"] == 8191 and a["head_chunk_rows"] == 512
     assert a["kld_mean"] > 0.01  # a W4A8 copy: equality below is not that of two zeros
     for name, value in b.items():
         if isinstance(value, float):
