@@ -173,9 +173,11 @@ def test_trellis_words_flipped_in_one_tensor_fail_tensors_naming_it(tiny_exl3_pa
     res = run_cli("run", "--ckpt", copy, "--ref", ref, "--tasks", "tensors", "--out", out, "--quiet")
     assert res.returncode == 1, res.stderr
     entry = results(out)["tasks"]["tensors"]
-    assert failed_checks(entry) == {"worst_rel_err"}
+    # A word in every tile of a K=2 trellis: the decoded gate has lost much of its weights' direction too.
+    assert failed_checks(entry) == {"worst_rel_err", "worst_channel_gain_err"}
     named = {d["tensor"]: d["detail"] for d in entry["details"] if d["check"] == "worst_rel_err"}
     assert list(named) == [f"{EXPERT_GATE}.weight"]
+    assert entry["metrics"]["worst_channel_gain_err_tensor"].startswith(f"{EXPERT_GATE}.weight")
     rows = tensor_rows(out, entry)
     assert rows[f"{EXPERT_GATE}.weight"]["rel_err"] > 0.35
     down = f"{EXPERT_DOWN}.weight"
@@ -413,6 +415,36 @@ def test_decoded_smollm2_weights_are_within_the_4_bit_bound(smollm2_exl3_pair, s
         )
         own = float((decoded.double() - weight.double()).norm() / weight.double().norm())
         assert rows[f"{module}.weight"]["rel_err"] == pytest.approx(own, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_single_broken_tile_of_a_smollm2_projection_fails_tensors_naming_it(
+    smollm2_exl3_pair, smollm2_run, tmp_path
+):
+    """Half of one 16×16 tile's trellis words inverted in a K=4 projection of the SmolLM2 pack: 256 of its
+    884,736 weights, far below what its relative error can show, so only the per-tile check sees it; the
+    clean pack raises no tile."""
+    _, doc, _ = smollm2_run
+    assert doc["tasks"]["tensors"]["metrics"]["tile_outliers"] == 0
+    name = "model.layers.12.mlp.down_proj"
+    copy = copy_checkpoint(smollm2_exl3_pair[SMOLLM2_EXL3], tmp_path / "tile")
+    (copy / MANIFEST_NAME).unlink()
+
+    def flip(tensors):
+        tensors[f"{name}.trellis"][5, 3, :32] ^= -1
+
+    edit_tensors(copy, flip)
+    out = tmp_path / "run"
+    res = run_cli(
+        "run", "--ckpt", copy, "--ref", smollm2_exl3_pair[SMOLLM2_BF16], "--tasks", "tensors", "--out", out,
+        "--quiet",
+    )  # fmt: skip
+    assert res.returncode == 1, res.stderr
+    entry = results(out)["tasks"]["tensors"]
+    assert failed_checks(entry) == {"tile_outliers"}, entry["checks"]
+    named = [d for d in entry["details"] if d["check"] == "tile"]
+    assert [d["tensor"] for d in named] == [f"{name}.weight"]
+    assert "trellis[5, 3]" in named[0]["detail"]
 
 
 @pytest.mark.slow

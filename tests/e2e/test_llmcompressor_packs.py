@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from evalsuite.fixtures.llmcompressor_packs import INTEGER_PACKS, LLMC_PACKS
-from tests.conftest import copy_checkpoint, edit_tensors, run_cli
+from tests.conftest import copy_checkpoint, demo_thresholds, edit_tensors, run_cli
 from tests.e2e.test_tensors import failed_checks, named, run_tensors
 
 SOURCE, PACKS = "tiny-llama-bf16", "tiny-llama-llmc"
 FOUR_BIT = ("w4a8-gptq", "w4a8-g64", "w4a16-asym-g64", "nvfp4a16")
 MODULE = "model.layers.1.mlp.down_proj"
+TASKS = Path(__file__).resolve().parents[2] / "tasks"
 
 
 def pack(llmc: dict[str, Path], name: str) -> Path:
@@ -58,8 +59,8 @@ def test_a_flipped_byte_of_int4_values_in_int8_storage_fails_naming_the_tensor(l
 
 def test_a_wrong_group_scale_fails_naming_the_channel(llmc_pair, tmp_path):
     source, packs = llmc_pair
-    # One group moves its channel by (factor − 1) × its share of the channel's norm, and the bound is 1: ×4 on
-    # one of the tiny down_proj's 4 groups measures about 1.5, but on one of SmolLM2's 24 about 0.5 (README).
+    # One group's scale × f puts (f − 1) × the group's share of the channel's energy along the channel, and
+    # the bound is 0.25: ×4 on one of the tiny down_proj's 4 groups, ×16 on one of SmolLM2's 24.
     factor = 4 if packs.name.startswith("tiny") else 16
 
     def scale_one_group(tensors):
@@ -68,8 +69,8 @@ def test_a_wrong_group_scale_fails_naming_the_channel(llmc_pair, tmp_path):
     candidate = corrupt(packs, "w4a8-g64", tmp_path / "ckpt", scale_one_group)
     code, entry, _ = run_tensors(candidate, source, tmp_path / "run")
     assert code == 1
-    assert "worst_channel_err" in failed_checks(entry)
-    assert list(named(entry, "worst_channel_err")) == [f"{MODULE}.weight (output channel 7)"]
+    assert "worst_channel_gain_err" in failed_checks(entry)
+    assert list(named(entry, "worst_channel_gain_err")) == [f"{MODULE}.weight (output channel 7)"]
 
 
 def test_a_wrong_zero_point_fails_naming_the_tensor(llmc_pair, tmp_path):
@@ -126,12 +127,12 @@ def test_a_loading_only_tokenizer_key_is_no_asset_change_but_a_padding_side_is(l
     assert [d["key"] for d in entry["details"] if d["check"] == "asset_changed"] == ["padding_side"]
 
 
-def run_task(ckpt: Path, ref: Path, out: Path, tasks: str) -> tuple[int, dict]:
+def run_task(ckpt: Path, ref: Path, out: Path, tasks: str, *extra: str | Path) -> tuple[int, dict]:
     """`evalsuite run` as a subprocess on the offline corpus: its exit code and results.json's tasks."""
     # SmolLM2's intref and ppl took over run_cli's default 20 min on the shared 2-core machine at load
     # average 15: the timeout guards against a hung run, it is no bound on its speed.
     args = ("run", "--ckpt", ckpt, "--ref", ref, "--tasks", tasks, "--corpus", "python-docs", "--out", out)
-    cli = run_cli(*args, "--quiet", timeout=3600)
+    cli = run_cli(*args, "--quiet", *extra, timeout=3600)
     assert (out / "results.json").is_file(), cli.stderr
     return cli.returncode, json.loads((out / "results.json").read_text())["tasks"]
 
@@ -204,8 +205,19 @@ def test_the_asymmetric_pack_runs_under_hf_exactly_as_its_dequantized_weights(ll
 # ----------------------------------------------------------------------------------------------------------
 
 
+# GPTQ per channel at 4 bits on a 135 M model: every channel check passes, but one tensor's relative error
+# (model.layers.28.mlp.down_proj, 0.341) is above the shipped bound of 0.3, while the pack's PPL is better
+# than the round-to-nearest group-64 pack's (README): a tensor bound fit for error-compensated packs is open.
+GPTQ_OVER_THE_TENSOR_BOUND = pytest.mark.xfail(
+    strict=True, reason="GPTQ's compensation takes one tensor's relative error to 0.341, above the 0.3 bound"
+)
+SMOLLM2_SCHEMES = [
+    pytest.param(s, marks=GPTQ_OVER_THE_TENSOR_BOUND) if s == "w4a8-gptq" else s for s in LLMC_PACKS
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", list(LLMC_PACKS))
+@pytest.mark.parametrize("scheme", SMOLLM2_SCHEMES)
 def test_every_smollm2_llmcompressor_pack_passes_tensors_and_runs(llmc_smollm2, scheme, tmp_path):
     ckpt, ref = llmc_smollm2["smollm2-135m-llmc"] / scheme, llmc_smollm2["smollm2-135m-bf16"]
     code, entry, err = run_tensors(ckpt, ref, tmp_path / "tensors")
@@ -216,9 +228,19 @@ def test_every_smollm2_llmcompressor_pack_passes_tensors_and_runs(llmc_smollm2, 
     assert m["avg_bits_per_weight"] == (4.0 if scheme in FOUR_BIT else 8.0)
     assert m["quantized_int4"] + m["quantized_int8"] + m["quantized_other"] == 30 * 7
     integer = scheme in INTEGER_PACKS
-    code, tasks = run_task(ckpt, ref, tmp_path / "models", "intref,ppl" if integer else "ppl")
-    # The shipped thresholds are those of a good 4-bit pack of a large model; a 135 M model's 4-bit packs
-    # exceed their PPL bounds, so exit 1 is a verdict here, not an error (an error is exit 2 or 3).
+    run = "intref,ppl" if integer else "ppl"
+    # The protocol is not under test here: its first 2 windows of 512 tokens, not 8, for both tasks. The
+    # integer and the Transformers executions of a 135 M model part at the demo pair's chaotic floor
+    # (tasks/intref.toml: KLD about 0.046 between two roundings of the same model), so they are judged by
+    # the demo's bounds, which say why they are loose.
+    extra: list[str | Path] = ["--thresholds", demo_thresholds(run, tmp_path)]
+    for name in run.split(","):
+        short = tmp_path / f"{name}-2-windows.toml"
+        short.write_text((TASKS / f"{name}.toml").read_text().replace("count = 8", "count = 2"))
+        extra += ["--spec", f"{name}={short}"]
+    code, tasks = run_task(ckpt, ref, tmp_path / "models", run, *extra)
+    # Exit 1 is a verdict here (a 4-bit pack of a 135 M model may exceed even the demo's PPL bounds), not an
+    # error (an error is exit 2 or 3).
     assert code in (0, 1), tasks
     assert tasks["ppl"]["status"] in ("pass", "fail")
     assert tasks["ppl"]["metrics"]["kld_estimator"] == "full-vocabulary"

@@ -165,6 +165,8 @@ class Verification:
         worst_channel = max(measured, key=lambda r: _nan_first(r.worst_channel_rel_err), default=None)
         channel_err = [r for r in measured if r.worst_channel_err is not None]
         worst_err = max(channel_err, key=lambda r: _nan_first(r.worst_channel_err), default=None)
+        gain_err = [r for r in measured if r.worst_channel_gain_err is not None]
+        worst_gain = max(gain_err, key=lambda r: _nan_first(r.worst_channel_gain_err), default=None)
         backbone = [r for r in quantized if r.part == "text" and r.bits_per_weight is not None]
         backbone_numel = sum(_claimed_numel(r) for r in backbone)
         avg_bits = (
@@ -201,6 +203,12 @@ class Verification:
             "worst_channel_err_tensor": (
                 f"{worst_err.name} (output channel {worst_err.worst_channel_err_channel})"
                 if worst_err
+                else None
+            ),
+            "worst_channel_gain_err": worst_gain.worst_channel_gain_err if worst_gain else None,
+            "worst_channel_gain_err_tensor": (
+                f"{worst_gain.name} (output channel {worst_gain.worst_channel_gain_err_channel})"
+                if worst_gain
                 else None
             ),
         }

@@ -74,6 +74,8 @@ class TensorRow:
     worst_channel_rel_err: float | None = None
     worst_channel_err: float | None = None
     worst_channel_err_channel: int | None = None
+    worst_channel_gain_err: float | None = None
+    worst_channel_gain_err_channel: int | None = None
     note: str | None = None
     problems: list[str] = field(default_factory=list)
     stored: StoredQuantization | None = None
@@ -136,6 +138,7 @@ class ErrorAccumulator:
         # Per block: its first row, its rows' ‖x_r − w_r‖, ‖w_r‖, ‖x_r‖ (float32, 3 × rows), the min and max
         # of x − w, its elements; the rest is computed from these once, in `_settle`, not block by block.
         self._blocks: list[tuple[int, Any, Any, int]] = []
+        self._cand_sq = np.zeros(0)
         self._settled: tuple[metrics.ErrorSums, np.ndarray, np.ndarray, int, float] | None = None
 
     def add(self, r0: int, ref: np.ndarray, cand: np.ndarray, work: np.ndarray | None = None) -> None:
@@ -168,6 +171,7 @@ class ErrorAccumulator:
             self._settled = (metrics.ErrorSums(0, 0.0, 0.0, 0.0, 0.0, 0.0), np.zeros(0), np.zeros(0), -1, 0.0)
             return self._settled
         err, norm, cand_sq = torch.cat([b[1] for b in blocks], dim=1).double().square_().numpy()
+        self._cand_sq = cand_sq
         low = np.array([float(b[2][0]) for b in blocks])
         high = np.array([float(b[2][1]) for b in blocks])
         ref_sq, err_sq, cand_total = float(norm.sum()), float(err.sum()), float(cand_sq.sum())
@@ -236,3 +240,14 @@ class ErrorAccumulator:
                 ratio = np.where(err == 0, 0.0, np.sqrt(err / yardstick))
             j = int(np.argmax(ratio))  # argmax takes a NaN first: a NaN channel is the worst there is
             row.worst_channel_err, row.worst_channel_err_channel = float(ratio[j]), j
+            # The error's component along the channel itself, ⟨w_r, x_r − w_r⟩ / (‖w_r‖ · max(‖w_r‖, RMS)),
+            # from the three norms (x = w + d: ‖x‖² = ‖w‖² + 2⟨w, d⟩ + ‖d‖²). A quantizer's rounding, GPTQ's
+            # compensation included, leaves it near 0 (its error is not along the weights); a wrong scale of
+            # the channel by a factor f puts it at f − 1, of one group by about (f − 1) × the group's share
+            # of the channel's energy; a channel zeroed or swapped for another, at about 1.
+            along = (self._cand_sq - norm - err) / 2
+            with np.errstate(divide="ignore", invalid="ignore"):
+                # A channel zero in the source has no direction of its own: its error is worst_channel_err's.
+                gain = np.where(norm == 0, 0.0, np.abs(along) / np.sqrt(norm * yardstick))
+            g = int(np.argmax(gain))
+            row.worst_channel_gain_err, row.worst_channel_gain_err_channel = float(gain[g]), g
