@@ -40,7 +40,9 @@ class TokenDetail:
 def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenDetail:
     """The per-token detail of two observations (the reference possibly recorded). Against a live reference
     both sides' logits are read and normalised once for every statistic, the forward KLD included: the same
-    arithmetic as `kld_per_token`, row for row, at a third of the reads and log-softmaxes."""
+    arithmetic as `kld_per_token`, row for row, at a third of the reads and log-softmaxes. What it needs of a
+    keyed reference's rows is kept (`ReferenceRows`): the next candidate against the same reference gets the
+    same bits without normalising or ranking the reference again."""
     k = TOP_K_AGREEMENT
     if ref.meta.get("kind") == "recorded":
         top_ckpt = [
@@ -96,9 +98,8 @@ CACHE_BYTES = 1 << 20
 
 
 class _Workspace:
-    """The float64 buffers `token_detail` computes a few rows in, allocated once per call: fresh buffers
-    of this size each time are fresh pages from the kernel (glibc returns them on every free), whose
-    faults cost as much as the arithmetic."""
+    """The float64 buffers `token_detail` computes a few rows in, allocated once per call rather than five
+    vocabulary-sized temporaries per row block."""
 
     def __init__(self, vocab: int) -> None:
         self.rows = max(1, CACHE_BYTES // (8 * vocab))
@@ -127,6 +128,7 @@ class ReferenceRows:
 
     @classmethod
     def empty(cls) -> ReferenceRows:
+        """Rows to be added, one block after another, by `add`."""
         return cls(torch.empty(0), torch.empty(0), np.empty(0), np.empty(0), _parts={"conf": [], "top": []})
 
     def add(self, x64: torch.Tensor, k: int, out: torch.Tensor) -> None:
@@ -150,6 +152,7 @@ class ReferenceRows:
         self._parts["top"].append(top.indices.numpy())
 
     def finish(self) -> None:
+        """Join what `add` noted, once every row was added; the rows are then read-only."""
         assert self._parts is not None
         parts, self._parts = self._parts, None
         self.max_logit, self.log_norm = torch.cat(parts["max"]), torch.cat(parts["norm"])
