@@ -114,6 +114,56 @@ def kl_divergence(logp_ref: ArrayLike, logp_ckpt: ArrayLike) -> NDArray[np.float
     return terms.sum(axis=-1)
 
 
+def kl_divergence_both(
+    logp_a: ArrayLike,
+    logp_b: ArrayLike,
+    scratch: tuple[NDArray[np.float64], NDArray[np.float64]] | None = None,
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Per-row KL(P_a ‖ P_b) and KL(P_b ‖ P_a), from log-probabilities: bit for bit `kl_divergence(a, b)` and
+    `kl_divergence(b, a)`, from one difference a − b and two vocabulary-sized buffers instead of six.
+
+    Rounding to nearest is symmetric, so b − a is exactly −(a − b) and each reverse term p_b (b − a) exactly
+    −(p_b (a − b)); a sum of negated terms is the negated sum. Only the sign of a zero can differ (a − a is
+    +0, not −0), and a NaN's sign bit: rows whose reverse sum is 0 or NaN are summed again as
+    `kl_divergence(b, a)` sums them.
+
+    `scratch`, two float64 arrays of the inputs' shape, is where the vocabulary-sized intermediates go (their
+    contents are overwritten): a caller looping over rows allocates them once, not twice a call.
+    """
+    a = np.asarray(logp_a, dtype=np.float64)
+    b = np.asarray(logp_b, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"log-prob arrays differ in shape: {a.shape} vs {b.shape}")
+    if a.ndim < 2:  # a single distribution: nothing worth sharing
+        return kl_divergence(a, b), kl_divergence(b, a)
+    diff, terms = scratch if scratch is not None else (np.empty_like(a), np.empty_like(a))
+    np.subtract(a, b, out=diff)
+    np.exp(a, out=terms)
+    impossible = _not_positive(terms)
+    terms *= diff
+    if impossible is not None:
+        terms[impossible] = 0.0
+    forward = terms.sum(axis=-1)
+    np.exp(b, out=terms)
+    impossible = _not_positive(terms)
+    terms *= diff
+    if impossible is not None:
+        terms[impossible] = 0.0
+    reverse = np.negative(terms.sum(axis=-1))
+    redo = (reverse == 0) | np.isnan(reverse)
+    if redo.any():
+        reverse[redo] = kl_divergence(b[redo], a[redo])
+    return forward, reverse
+
+
+def _not_positive(p: NDArray[np.float64]) -> NDArray[np.bool_] | None:
+    """Where a probability is not positive (exactly 0, or NaN), or None where there is none: one reduction
+    decides, cheaper on vocabulary-sized rows than building the mask."""
+    if p.min(initial=np.inf) > 0:  # NaN compares false: an array with a NaN is masked
+        return None
+    return ~(p > 0)
+
+
 def kl_divergence_top_k_tail(
     top_logp_ref: ArrayLike,
     top_logp_ckpt: ArrayLike,

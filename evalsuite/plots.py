@@ -41,7 +41,10 @@ def kld_histogram(kld: np.ndarray, path: Path, estimator: str, title: str = "KL(
     if positive.size:
         lo, hi = positive.min(), positive.max()
         bins = np.geomspace(lo, hi if hi > lo else lo * 10, 60)
-        ax.hist(positive, bins=bins, color="#4c72b0")
+        counts, _ = np.histogram(positive, bins=bins)
+        # One step patch, not `hist`'s 59 rectangles: the same bars, drawn and laid out as one artist (the
+        # figure is drawn for every candidate `compare` runs).
+        ax.stairs(counts, bins, fill=True, facecolor="#4c72b0", edgecolor="none")
         ax.set_xscale("log")
         for q, label, style in ((values.mean(), "mean", "-"), (np.quantile(values, 0.99), "p99", "--")):
             if q > 0:

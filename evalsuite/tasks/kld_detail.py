@@ -18,7 +18,7 @@ from evalsuite import metrics
 from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
 from evalsuite.tasks.logits_file import read_rows
-from evalsuite.tasks.window_logits import check_same_shape, kld_per_token, log_softmax64, window_paths
+from evalsuite.tasks.window_logits import check_same_shape, kld_per_token, window_paths
 
 TOP_K_AGREEMENT = 5  # top-K agreement is reported for K = 1 .. 5
 TOKENS_ARTIFACT = "ppl_tokens.npz"
@@ -40,7 +40,9 @@ class TokenDetail:
 def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenDetail:
     """The per-token detail of two observations (the reference possibly recorded). Against a live reference
     both sides' logits are read and normalised once for every statistic, the forward KLD included: the same
-    arithmetic as `kld_per_token`, row for row, at a third of the reads and log-softmaxes."""
+    arithmetic as `kld_per_token`, row for row, at a third of the reads and log-softmaxes. What it needs of a
+    keyed reference's rows is kept (`ReferenceRows`): the next candidate against the same reference gets the
+    same bits without normalising or ranking the reference again."""
     k = TOP_K_AGREEMENT
     if ref.meta.get("kind") == "recorded":
         top_ckpt = [
@@ -50,28 +52,135 @@ def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenD
         a = ref.arrays
         conf = np.exp(a["top_logp"][:, 0].astype(np.float64))
         return TokenDetail(conf, a["top_ids"][:, :k], np.concatenate(top_ckpt), None)
-    conf, top_ref, top_ckpt, forward, reverse = [], [], [], [], []
+    known = _REFERENCE_ROWS.get(ref.key) if ref.key else None
+    rows = known or ReferenceRows.empty()
+    top_ckpt, forward, reverse = [], [], []
     pairs = zip(
         read_rows(window_paths(ref), chunk_rows), read_rows(window_paths(ckpt), chunk_rows), strict=True
     )
-    for x, y in pairs:
-        check_same_shape(x, y)
-        y64 = y.double()
-        top_ckpt.append(y64.topk(k, dim=-1).indices.numpy())
-        lp_ref, lp_ckpt = log_softmax64(x), torch.log_softmax(y64, dim=-1)
-        top = lp_ref.topk(k, dim=-1)
-        conf.append(top.values[:, 0].exp().numpy())
-        top_ref.append(top.indices.numpy())
-        lp_ref_np, lp_ckpt_np = lp_ref.numpy(), lp_ckpt.numpy()
-        forward.append(metrics.kl_divergence(lp_ref_np, lp_ckpt_np))
-        reverse.append(metrics.kl_divergence(lp_ckpt_np, lp_ref_np))
+    start, work = 0, None
+    for block_ref, block_ckpt in pairs:
+        check_same_shape(block_ref, block_ckpt)
+        if work is None:
+            work = _Workspace(block_ref.shape[-1])
+        for i in range(0, len(block_ref), work.rows):
+            x, y = block_ref[i : i + work.rows], block_ckpt[i : i + work.rows]
+            y64, lp_ckpt, lp_ref, scratch = work.views(len(x))
+            y64.copy_(y)
+            top_ckpt.append(y64.topk(k, dim=-1).indices.numpy())
+            torch.log_softmax(y64, dim=-1, out=lp_ckpt)
+            x64 = y64.copy_(x)  # the candidate's float64 rows are done with
+            if known is not None:
+                lp_ref = known.log_softmax(x64, start)
+            else:
+                rows.add(x64, k, out=lp_ref)
+            start += len(x)
+            f, r = metrics.kl_divergence_both(lp_ref.numpy(), lp_ckpt.numpy(), scratch)
+            forward.append(f)
+            reverse.append(r)
+    if known is None:
+        rows.finish()
+        if ref.key:
+            _keep_reference_rows(ref.key, rows)
     return TokenDetail(
-        np.concatenate(conf),
-        np.concatenate(top_ref),
+        rows.conf,
+        rows.top,
         np.concatenate(top_ckpt),
         np.concatenate(reverse),
         np.concatenate(forward),
     )
+
+
+# Rows are normalised this many bytes of float64 at a time: a few rows of a vocabulary stay in a core's L2
+# cache through log-softmax, top-k and both KLD passes (16 rows of a 49 k vocabulary are 6 MB: every pass
+# went to memory, a third slower). Per-row arithmetic: the numbers do not depend on it.
+CACHE_BYTES = 1 << 20
+
+
+class _Workspace:
+    """The float64 buffers `token_detail` computes a few rows in, allocated once per call rather than five
+    vocabulary-sized temporaries per row block."""
+
+    def __init__(self, vocab: int) -> None:
+        self.rows = max(1, CACHE_BYTES // (8 * vocab))
+        self._torch = torch.empty((3, self.rows, vocab), dtype=torch.float64)
+        self._numpy = np.empty((2, self.rows, vocab), dtype=np.float64)
+
+    def views(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[np.ndarray, np.ndarray]]:
+        """Three tensors and the metrics' two scratch arrays, for `n` <= `rows` rows."""
+        a, b, c = (t[:n] for t in self._torch)
+        return a, b, c, (self._numpy[0, :n], self._numpy[1, :n])
+
+
+@dataclass
+class ReferenceRows:
+    """What `token_detail` needs of the reference's rows and can keep for every candidate `compare` runs
+    against it, 3 numbers and 5 ids per scored token rather than its vocabulary-sized log-probs: each
+    row's maximum logit and log-normaliser, from which its float64 log-softmax is rebuilt bit for bit;
+    its top-1 probability; its top tokens."""
+
+    max_logit: torch.Tensor
+    log_norm: torch.Tensor
+    conf: np.ndarray
+    top: np.ndarray
+    rebuildable: bool = True
+    _parts: dict[str, list[Any]] | None = None
+
+    @classmethod
+    def empty(cls) -> ReferenceRows:
+        """Rows to be added, one block after another, by `add`."""
+        return cls(torch.empty(0), torch.empty(0), np.empty(0), np.empty(0), _parts={"conf": [], "top": []})
+
+    def add(self, x64: torch.Tensor, k: int, out: torch.Tensor) -> None:
+        """The float64 log-softmax of the reference rows `x64` (their logits in float64, overwritten) into
+        `out`, noting what later candidates need of them."""
+        assert self._parts is not None
+        lp = torch.log_softmax(x64, dim=-1, out=out)
+        top = lp.topk(k, dim=-1)
+        # The top log-prob is x_max − max − log Σ exp(x − max) = −log Σ …: the normaliser comes free.
+        max_logit = x64.amax(dim=-1, keepdim=True)
+        log_norm = -top.values[:, :1]
+        if self.rebuildable:
+            # torch's log-softmax on this machine must be (x − max) − log Σ, two roundings in this order,
+            # for the rebuilt rows to be its own; checked on every row once, kept for every candidate.
+            x64 -= max_logit
+            x64 -= log_norm
+            self.rebuildable = torch.equal(x64, lp)
+        self._parts.setdefault("max", []).append(max_logit)
+        self._parts.setdefault("norm", []).append(log_norm)
+        self._parts["conf"].append(top.values[:, 0].exp().numpy())
+        self._parts["top"].append(top.indices.numpy())
+
+    def finish(self) -> None:
+        """Join what `add` noted, once every row was added; the rows are then read-only."""
+        assert self._parts is not None
+        parts, self._parts = self._parts, None
+        self.max_logit, self.log_norm = torch.cat(parts["max"]), torch.cat(parts["norm"])
+        self.conf, self.top = np.concatenate(parts["conf"]), np.concatenate(parts["top"])
+        for array in (self.conf, self.top):  # shared by every candidate's TokenDetail: nobody may edit them
+            array.setflags(write=False)
+
+    def log_softmax(self, x64: torch.Tensor, start: int) -> torch.Tensor:
+        """The float64 log-softmax of reference rows `start …` from their logits in float64, `x64`, in
+        place: bit for bit what `add` wrote."""
+        if not self.rebuildable:
+            return torch.log_softmax(x64, dim=-1)
+        rows = slice(start, start + len(x64))
+        x64 -= self.max_logit[rows]
+        x64 -= self.log_norm[rows]
+        return x64
+
+
+# The reference's rows by its observation's key: `compare` runs every candidate against one reference, whose
+# log-normalisers and top tokens are otherwise computed again for each.
+_REFERENCE_ROWS: dict[str, ReferenceRows] = {}
+_REFERENCE_ROWS_KEEP = 4
+
+
+def _keep_reference_rows(key: str, rows: ReferenceRows) -> None:
+    while len(_REFERENCE_ROWS) >= _REFERENCE_ROWS_KEEP:
+        del _REFERENCE_ROWS[next(iter(_REFERENCE_ROWS))]
+    _REFERENCE_ROWS[key] = rows
 
 
 def _bucket_name(lo: float, hi: float) -> str:

@@ -83,3 +83,26 @@ def test_reverse_kl_is_the_forward_kl_with_the_sides_swapped():
     by_hand = 0.25 * math.log(0.5) + 0.75 * math.log(1.5)
     assert metrics.kl_divergence(q, p)[0] == pytest.approx(by_hand, rel=1e-14)
     assert metrics.kl_divergence(q, p)[0] != pytest.approx(metrics.kl_divergence(p, q)[0])
+
+
+def _bits(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a, dtype=np.float64).tobytes()
+
+
+def test_both_kl_directions_at_once_are_bit_for_bit_the_two_single_ones():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((7, 300)) * 4
+    p = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    q = p + rng.standard_normal(p.shape) * 0.1
+    q[1] = p[1]  # identical rows: +0.0 both ways, never −0.0
+    p[2, :5] = -np.inf  # tokens the first side never gives
+    q[3, :5] = -np.inf  # … and the second: an infinite divergence one way
+    q[4, 7] = np.nan
+    for scratch in (None, (np.empty_like(p), np.empty_like(p))):
+        with np.errstate(invalid="ignore"):  # −inf − −inf, as in the one-way function
+            forward, reverse = metrics.kl_divergence_both(p, q, scratch)
+            assert _bits(forward) == _bits(metrics.kl_divergence(p, q))
+            assert _bits(reverse) == _bits(metrics.kl_divergence(q, p))
+    assert np.signbit(reverse[1]) == np.signbit(forward[1]) == False  # noqa: E712
+    one = metrics.kl_divergence_both(p[0], q[0])
+    assert (one[0], one[1]) == (metrics.kl_divergence(p[0], q[0]), metrics.kl_divergence(q[0], p[0]))
