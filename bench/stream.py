@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,17 +47,47 @@ IMPORTS = (
     "import psutil, evalsuite.cli, evalsuite.runner, evalsuite.registry, evalsuite.backends.hf, "
     "evalsuite.backends.streamed, evalsuite.backends.intref, evalsuite.backends.exl3, "
     "transformers.models.minicpmv4_7, "
-    "compressed_tensors.compressors; print(psutil.Process().memory_info().rss)"
+    "compressed_tensors.compressors; import re; status = open('/proc/self/status').read(); "
+    "anon = sum(int(re.search(rf'{k}:\\s+(\\d+)', status).group(1)) * 1024 "
+    "for k in ('RssAnon', 'RssShmem')); "
+    "print(psutil.Process().memory_info().rss, anon)"
 )
 
 
+def anonymous_bytes(pid: int | str) -> int:
+    """A process's resident anonymous memory (RssAnon + RssShmem of /proc/PID/status): what it holds that is
+    not a page of a file it maps (0 once it has gone)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return sum(int(fields.get(k, "0 kB").split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
+
+
 def rss_after_imports() -> int:
+    """RSS of a process that has imported what `evalsuite run` imports."""
+    return imports_footprint()[0]
+
+
+def imports_footprint() -> tuple[int, int]:
+    """(RSS, anonymous memory) of a process that has imported what `evalsuite run` imports."""
     out = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    rss, anon = out.stdout.strip().splitlines()[-1].split()
+    return int(rss), int(anon)
 
 
 def timed_run(args: list[str], cgroup: Path | None) -> tuple[int, float, int]:
     """(exit status, wall seconds, peak RSS in bytes) of `evalsuite ARGS`, in `cgroup` when given."""
+    code, seconds, peak, _ = sampled_run(args, cgroup)
+    return code, seconds, peak
+
+
+def sampled_run(args: list[str], cgroup: Path | None) -> tuple[int, float, int, int]:
+    """`timed_run`, with the peak of the run's anonymous memory sampled every 20 ms besides. The RSS peak
+    counts the pages of the safetensors files a run maps while it reads them, though they are page cache the
+    kernel reclaims at will (a run under a cgroup limit never needs them resident); the anonymous peak is
+    what the run itself holds."""
     command = [sys.executable, "-m", "evalsuite.cli", *args]
     if cgroup is not None:
         # The shell joins the cgroup and becomes the run (exec): the limit applies from its first byte.
@@ -64,13 +95,24 @@ def timed_run(args: list[str], cgroup: Path | None) -> tuple[int, float, int]:
         command = ["sh", "-c", script, "sh", *command]
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak_anon = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            peak_anon[0] = max(peak_anon[0], anonymous_bytes(child.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     _, status, usage = os.wait4(child.pid, 0)
+    done.set()
+    sampler.join()
     seconds = time.perf_counter() - start
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode not in (0, 1):
         tail = child.stderr.read().decode(errors="replace")[-2000:] if child.stderr else ""
         print(f"run exited with {child.returncode}:\n{tail}", file=sys.stderr)
-    return child.returncode, seconds, usage.ru_maxrss * 1024
+    return child.returncode, seconds, usage.ru_maxrss * 1024, peak_anon[0]
 
 
 def main() -> int:
@@ -101,7 +143,7 @@ def main() -> int:
     for folder in (ref, ckpt):  # digests cached, files read once: both runs start alike
         Checkpoint.open(folder).content_sha256(DigestCache.default())
 
-    baseline = rss_after_imports()
+    baseline, baseline_anon = imports_footprint()
     limit = baseline + int(LIMIT_FRACTION * model_bytes)
     print(f"{what} {model_bytes / 1e9:.2f} GB; RSS after imports {baseline / 1e6:.0f} MB")
     print(f"limit: {limit / 1e6:.0f} MB = RSS after imports + {LIMIT_FRACTION} × those bytes")
@@ -113,7 +155,7 @@ def main() -> int:
         cgroup.mkdir()
         try:
             (cgroup / "memory.limit_in_bytes").write_text(str(limit))
-            code, streamed_s, streamed_peak = timed_run(
+            code, streamed_s, streamed_peak, streamed_anon = sampled_run(
                 [*base, "--stream", "--out", f"{tmp}/streamed"], cgroup
             )
             cgroup_peak = int((cgroup / "memory.max_usage_in_bytes").read_text())
@@ -127,7 +169,10 @@ def main() -> int:
             f"streamed: finished under the limit in {streamed_s:.0f} s "
             f"(cgroup peak {cgroup_peak / 1e6:.0f} MB, page cache included; {failcnt} times at the limit); "
             f"peak RSS {streamed_peak / 1e6:.0f} MB; "
-            f"(peak RSS − RSS after imports) / model bytes = {(streamed_peak - baseline) / model_bytes:.3f}"
+            f"(peak RSS − RSS after imports) / model bytes = {(streamed_peak - baseline) / model_bytes:.3f}; "
+            f"anonymous memory: peak {streamed_anon / 1e6:.0f} MB, "
+            f"after imports {baseline_anon / 1e6:.0f} MB, "
+            f"(peak − after imports) / model bytes = {(streamed_anon - baseline_anon) / model_bytes:.3f}"
             "  (goal <= 0.2)",
             flush=True,
         )
