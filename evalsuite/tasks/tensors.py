@@ -139,10 +139,10 @@ class Tensors:
         "worst_rel_err": "relative Frobenius error of the worst decoded tensor against its source",
         "worst_channel_rel_err": "the same for the worst single output channel (above 1: further than zeros)",
         "worst_channel_err": "the worst output channel's error norm over the larger of its own norm and its "
-        "tensor's RMS channel norm (reported: error-compensating quantizers move channels far on purpose)",
+        "tensor's RMS channel norm (bounded; holds for outlier channels, not for every GPTQ pack)",
         "worst_channel_gain_err": "the worst output channel's error component along the channel itself, over "
-        "its norm times the larger of its norm and the tensor's RMS channel norm (bounded: a wrong scale is "
-        "along the weights, a quantizer's rounding and GPTQ's compensation are not)",
+        "its norm times the larger of its norm and the tensor's RMS channel norm (reported: a wrong scale "
+        "lies along the weights, and so does coarse rounding's shrinking of a channel)",
         "payload_bytes": "bytes of every tensor the candidate stores",
         "tile_outliers": "EXL3 16×16 tiles whose error in the rotated basis is an outlier against the median "
         "tile of their own tensor (a damaged trellis tile)",

@@ -173,11 +173,9 @@ def test_trellis_words_flipped_in_one_tensor_fail_tensors_naming_it(tiny_exl3_pa
     res = run_cli("run", "--ckpt", copy, "--ref", ref, "--tasks", "tensors", "--out", out, "--quiet")
     assert res.returncode == 1, res.stderr
     entry = results(out)["tasks"]["tensors"]
-    # A word in every tile of a K=2 trellis: the decoded gate has lost much of its weights' direction too.
-    assert failed_checks(entry) == {"worst_rel_err", "worst_channel_gain_err"}
+    assert failed_checks(entry) == {"worst_rel_err"}
     named = {d["tensor"]: d["detail"] for d in entry["details"] if d["check"] == "worst_rel_err"}
     assert list(named) == [f"{EXPERT_GATE}.weight"]
-    assert entry["metrics"]["worst_channel_gain_err_tensor"].startswith(f"{EXPERT_GATE}.weight")
     rows = tensor_rows(out, entry)
     assert rows[f"{EXPERT_GATE}.weight"]["rel_err"] > 0.35
     down = f"{EXPERT_DOWN}.weight"

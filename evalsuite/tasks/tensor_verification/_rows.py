@@ -241,10 +241,10 @@ class ErrorAccumulator:
             j = int(np.argmax(ratio))  # argmax takes a NaN first: a NaN channel is the worst there is
             row.worst_channel_err, row.worst_channel_err_channel = float(ratio[j]), j
             # The error's component along the channel itself, ⟨w_r, x_r − w_r⟩ / (‖w_r‖ · max(‖w_r‖, RMS)),
-            # from the three norms (x = w + d: ‖x‖² = ‖w‖² + 2⟨w, d⟩ + ‖d‖²). A quantizer's rounding, GPTQ's
-            # compensation included, leaves it near 0 (its error is not along the weights); a wrong scale of
-            # the channel by a factor f puts it at f − 1, of one group by about (f − 1) × the group's share
-            # of the channel's energy; a channel zeroed or swapped for another, at about 1.
+            # from the three norms (x = w + d: ‖x‖² = ‖w‖² + 2⟨w, d⟩ + ‖d‖²). A wrong scale of the channel by
+            # a factor f puts it at f − 1, of one group by about (f − 1) × the group's share of the channel's
+            # energy, a channel zeroed or swapped at about 1; GPTQ's compensation leaves it small, but coarse
+            # rounding that sends a channel's small weights to zero does not (README), so it is reported.
             along = (self._cand_sq - norm - err) / 2
             with np.errstate(divide="ignore", invalid="ignore"):
                 # A channel zero in the source has no direction of its own: its error is worst_channel_err's.
