@@ -289,7 +289,7 @@ class HFBackend:
         keep = positions.to(self.device)
         for window in windows:
             ids = window.reshape(1, -1).to(self.device)
-            with mlp_in_chunks(self.model):
+            with mlp_in_chunks(self.model, length=ids.shape[1]):
                 logits = self.model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits[0]
             yield logits
 
@@ -300,7 +300,11 @@ class HFBackend:
         head = self.model.get_output_embeddings()
         for window in windows:
             ids = window.reshape(1, -1).to(self.device)
-            with head_input_kept(self.model) as stand_in, mlp_in_chunks(self.model), torch.inference_mode():
+            with (
+                head_input_kept(self.model) as stand_in,
+                mlp_in_chunks(self.model, length=ids.shape[1]),
+                torch.inference_mode(),
+            ):
                 self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
             yield scored_states(self.model, stand_in, head)
 

@@ -568,7 +568,7 @@ class StreamedBackend:
         states = [call.hidden for call in calls]
         for index in range(self.n_layers):
             # As a loaded model runs a long window (`HFBackend`): the MLP a chunk of positions at a time.
-            with self.resident(index) as layer, mlp_in_chunks(layer):
+            with self.resident(index) as layer, mlp_in_chunks(layer, length=int(windows.shape[-1])):
                 states = [self.forward_layer(layer, index, h, c) for h, c in zip(states, calls, strict=True)]
         return list(zip(states, calls, strict=True))
 

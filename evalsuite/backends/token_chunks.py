@@ -79,13 +79,15 @@ _NO_FORWARD = object()
 
 
 @contextlib.contextmanager
-def mlp_in_chunks(model: nn.Module, rows: int | None = None) -> Iterator[int]:
+def mlp_in_chunks(model: nn.Module, length: int | None = None, rows: int | None = None) -> Iterator[int]:
     """For the block, in every decoder layer of `model` (a model, or one decoder layer), the MLP and the
     Linears outside it applied `rows` positions at a time to inputs longer than that (`_split_modules`);
     yields how many MLPs are split, and restores the modules' forwards afterwards, whatever happens. `rows`
-    None: `MLP_CHUNK_ROWS`."""
+    None: `MLP_CHUNK_ROWS`. Given the window's `length`, nothing is wrapped for a window that fits one chunk
+    (the 512-token protocol's), so its forward pays no walk over the model's modules."""
     rows = MLP_CHUNK_ROWS if rows is None else rows
-    layers = _decoder_layers(model) if rows > 0 else []
+    fits = length is not None and length <= rows
+    layers = _decoder_layers(model) if rows > 0 and not fits else []
     modules = [m for layer in layers for m in _split_modules(layer)]
     # compressed-tensors sets a quantized module's forward on the instance: it is wrapped, then put back.
     previous = [m.__dict__.get("forward", _NO_FORWARD) for m in modules]

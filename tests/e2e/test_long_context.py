@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from evalsuite.backends import token_chunks
 from evalsuite.backends.hf import HFBackend
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed import StreamedBackend
@@ -44,6 +45,11 @@ def _spec(folder: Path, head_rows: int) -> Path:
     path = folder / f"ppl-long-{head_rows}.toml"
     path.write_text(SPEC.replace("HEAD_ROWS", str(head_rows)), encoding="utf-8")
     return path
+
+
+def _long_window() -> tuple[torch.Tensor, torch.Tensor]:
+    """One window of `WINDOW` token ids and every position of it that predicts a next token."""
+    return torch.from_numpy(np.arange(WINDOW, dtype=np.int64) % 500)[None], torch.arange(0, WINDOW - 1)
 
 
 def _run(out: Path, ckpt: Path, ref: Path, spec: Path, *extra: str | Path) -> dict:
@@ -141,8 +147,7 @@ def test_the_head_per_chunk_gives_the_logits_of_the_whole_head_loaded_and_stream
     token, so the W4A8 copy's INT8 head applied to (positions, hidden) instead of the forward's (1, positions,
     hidden) gives other logits."""
     checkpoint = Checkpoint.open(tiny_pair[TINY_W4A8])
-    window = torch.from_numpy(np.arange(WINDOW, dtype=np.int64) % 500)[None]
-    positions = torch.arange(0, WINDOW - 1)
+    window, positions = _long_window()
     backend = HFBackend(checkpoint, BackendOptions())
     try:
         whole = next(iter(backend.window_logits(window, positions)))
@@ -166,11 +171,8 @@ def test_past_the_mlp_chunk_the_mlps_run_per_chunk_loaded_and_streamed_alike(tin
     shared expert) a chunk of positions at a time: the logits are those of the whole MLP to the rounding of a
     shorter matrix product, loaded and streamed give the same ones bit for bit, and the model's own MLP
     forward is back afterwards."""
-    from evalsuite.backends import token_chunks
-
     checkpoint = Checkpoint.open(tiny_pair[TINY_BF16])
-    window = torch.from_numpy(np.arange(WINDOW, dtype=np.int64) % 500)[None]
-    positions = torch.arange(0, WINDOW - 1)
+    window, positions = _long_window()
     backend = HFBackend(checkpoint, BackendOptions())
     try:
         whole = next(iter(backend.window_logits(window, positions)))
