@@ -10,11 +10,11 @@ on different corpora can never be compared by accident.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from evalsuite.errors import DependencyError, InputError
+from evalsuite.offline import hub_offline
 
 WIKITEXT2 = "wikitext-2-raw-v1"
 PYTHON_DOCS = "python-docs"
@@ -62,15 +62,13 @@ def wikitext2_test_text(*, allow_download: bool = False) -> str:
     Without `allow_download` only the local `datasets` cache is consulted, so a machine without network
     fails at once instead of retrying the hub for half a minute.
     """
-    if not allow_download:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
         import datasets
     except ImportError as exc:  # pragma: no cover - datasets is a hard dependency
         raise DependencyError("the `datasets` package is needed for WikiText-2") from exc
     try:
-        rows = datasets.load_dataset("Salesforce/wikitext", WIKITEXT2, split="test")
+        with hub_offline(not allow_download):
+            rows = datasets.load_dataset("Salesforce/wikitext", WIKITEXT2, split="test")
     except Exception as exc:
         hint = (
             ""

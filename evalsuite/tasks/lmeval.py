@@ -19,7 +19,6 @@ import inspect
 import itertools
 import json
 import logging
-import os
 from collections.abc import Iterator, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -32,6 +31,7 @@ from evalsuite import metrics
 from evalsuite.backends import HFModelAccess, exposes_model
 from evalsuite.errors import DependencyError, InputError
 from evalsuite.observation import Observation
+from evalsuite.offline import hub_offline
 from evalsuite.run_folder import write_atomic
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec, default_spec_path
@@ -466,18 +466,16 @@ class LmEval:
                     "lm-eval a Transformers model"
                 )
         lm_eval_api()
-        if not self.context.allow_download:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         folders = [shipped_task_folder()]
         if self.spec.include_path:
             user = Path(self.spec.include_path).expanduser().resolve()
             if not user.is_dir():
                 raise InputError("include_path is not a folder of lm-eval task YAMLs", user)
             folders.append(user)
-        manager, leaves = load_tasks(
-            list(self.spec.tasks), tuple(map(str, folders)), self.context.allow_download
-        )
+        with hub_offline(not self.context.allow_download):
+            manager, leaves = load_tasks(
+                list(self.spec.tasks), tuple(map(str, folders)), self.context.allow_download
+            )
         for name, leaf in leaves.items():
             if getattr(leaf, "MULTIMODAL", False):
                 raise InputError(f"lm-eval task {name!r} needs images or audio; lmeval runs text tasks only")

@@ -6,6 +6,8 @@ split's schema and shape: no copy of WikiText-2 can be had offline."""
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,6 +22,7 @@ from evalsuite.corpus import (
     load_corpus,
     python_docs_text,
     wikitext2_from_path,
+    wikitext2_test_text,
 )
 from evalsuite.errors import DependencyError, InputError
 from evalsuite.task import RunContext
@@ -100,3 +103,32 @@ def test_auto_says_why_it_fell_back(monkeypatch):
     )
     assert values["corpus_sha256"] == hashlib.sha256(python_docs_text().encode()).hexdigest()
     assert "corpus_fallback" not in corpus_provenance(RunContext(corpus_name=PYTHON_DOCS))
+
+
+def test_wikitext2_not_in_the_cache_never_reaches_the_network_with_the_hub_imported(monkeypatch, tmp_path):
+    # Imported first, as in any process that loaded a model before the corpus: their offline switches were
+    # read then, with the variable unset, so only the module constants can keep them off the network.
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    # empty caches: a machine that has WikiText-2 cached would otherwise read it
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    attempts: list[object] = []
+
+    def refuse(address: object, *args: object, **kwargs: object) -> None:
+        attempts.append(address)
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", lambda self, address: refuse(address))
+    with pytest.raises(DependencyError, match="not in the local cache"):
+        wikitext2_test_text()
+    assert attempts == []
+    # and the switches are the caller's again afterwards
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False
+    assert "HF_HUB_OFFLINE" not in os.environ
