@@ -8,6 +8,8 @@ reference costs a comparison, not a model."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -32,6 +34,7 @@ from evalsuite.fixtures import (
     TINY_W4A8,
     build_fixtures,
 )
+from evalsuite.fixtures.cache import build_lock, write_json
 
 FIXTURES = Path(
     os.environ.get("EVALSUITE_TEST_FIXTURES", Path.home() / ".cache" / "evalsuite" / "test-fixtures")
@@ -216,28 +219,52 @@ TINY_TASKS = "ppl,smoke,vision,tensors,intref"
 SMOLLM2_TASKS = "ppl,smoke,tensors,intref"
 
 
+def shared_run(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], CliResult]) -> Run:
+    """`make(out)` once for the whole test session, whichever pytest-xdist worker asks first: the others wait
+    for it and read its folder, as pytest-xdist's documentation shows for session fixtures. A session
+    fixture alone runs once per worker, and the runs shared here are used by files on both workers."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the one folder every worker of this session has in common
+    shared = root / "shared-runs"
+    shared.mkdir(exist_ok=True)
+    folder, saved = shared / name, shared / f"{name}.cli.json"
+    with build_lock(shared, name):
+        if not saved.is_file():
+            shutil.rmtree(folder, ignore_errors=True)  # a run of this session that died half-way
+            folder.mkdir()
+            cli = make(folder / "run")
+            write_json(saved, dataclasses.asdict(cli))
+    return Run(CliResult(**json.loads(saved.read_text(encoding="utf-8"))), folder / "run")
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tiny_pair, tmp_path_factory) -> Run:
     """The tiny MiniCPM-V 4.7 W4A8 copy against its source through every built-in task, once."""
-    out = tmp_path_factory.mktemp("tiny-run") / "run"
-    return run_pair(tiny_pair[TINY_W4A8], tiny_pair[TINY_BF16], out, TINY_TASKS)
+    return shared_run(
+        tmp_path_factory,
+        "tiny-run",
+        lambda out: run_pair(tiny_pair[TINY_W4A8], tiny_pair[TINY_BF16], out, TINY_TASKS).cli,
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_recording(tiny_pair, tmp_path_factory) -> Path:
     """A recording of the tiny source for every recordable built-in task."""
-    out = tmp_path_factory.mktemp("tiny-recording") / "rec"
-    args = ("record", "--ckpt", tiny_pair[TINY_BF16], "--tasks", "ppl,smoke,vision,intref")
-    res = run_cli(*args, "--corpus", "python-docs", "--out", out, "--quiet")
-    assert res.returncode == 0, res.stderr
-    return out
+
+    def record(out: Path) -> CliResult:
+        args = ("record", "--ckpt", tiny_pair[TINY_BF16], "--tasks", "ppl,smoke,vision,intref")
+        return run_cli(*args, "--corpus", "python-docs", "--out", out, "--quiet")
+
+    recorded = shared_run(tmp_path_factory, "tiny-recording", record)
+    assert recorded.cli.returncode == 0, recorded.cli.stderr
+    return recorded.out
 
 
 @pytest.fixture(scope="session")
 def tiny_replay(tiny_pair, tiny_run, tiny_recording, tmp_path_factory) -> Run:
     """`tiny_run` again with the recording as reference: the candidate's observations are reused, so no
     model is loaded at all."""
-    out = tmp_path_factory.mktemp("tiny-replay") / "run"
     args = (
         "run",
         "--ckpt",
@@ -247,14 +274,18 @@ def tiny_replay(tiny_pair, tiny_run, tiny_recording, tmp_path_factory) -> Run:
         "--tasks",
         "ppl,smoke,vision,intref",
     )
-    return rerun(tiny_run, out, *args, "--corpus", "python-docs")
+    replay = (*args, "--corpus", "python-docs")
+    return shared_run(tmp_path_factory, "tiny-replay", lambda out: rerun(tiny_run, out, *replay).cli)
 
 
 @pytest.fixture(scope="session")
 def smollm2_run(smollm2_pair, tmp_path_factory) -> Run:
     """SmolLM2-135M W4A8 against its BF16 source through every text task, once."""
-    out = tmp_path_factory.mktemp("smollm2-run") / "run"
-    return run_pair(smollm2_pair[SMOLLM2_W4A8], smollm2_pair[SMOLLM2_BF16], out, SMOLLM2_TASKS)
+    return shared_run(
+        tmp_path_factory,
+        "smollm2-run",
+        lambda out: run_pair(smollm2_pair[SMOLLM2_W4A8], smollm2_pair[SMOLLM2_BF16], out, SMOLLM2_TASKS).cli,
+    )
 
 
 def cli_in_process(*args: str | Path) -> tuple[int, list[str], str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import functools
 import re
 from pathlib import Path
 
@@ -137,10 +138,16 @@ def test_every_module_sits_on_a_floor_of_architecture_md():
     assert unplaced == [], f"modules missing from ARCHITECTURE.md's floors: {unplaced}"
 
 
+@functools.cache
+def package_graph() -> dict[str, set[str]]:
+    """The package's graph, parsed once for the tests that each look at one module of it."""
+    return import_graph()
+
+
 @pytest.mark.parametrize("module", sorted(package_modules()))
 def test_imports_go_to_the_same_floor_or_below(module):
     table = floors()
-    graph = import_graph()
+    graph = package_graph()
     mine = floor_of(module, table)
     upward = [t for t in sorted(graph[module]) if (floor_of(t, table) or 0) > (mine or 0)]
     assert upward == [], f"{module} (floor {mine}) imports from higher floors: {upward}"
