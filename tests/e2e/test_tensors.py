@@ -135,14 +135,16 @@ def test_one_changed_scale_fails_naming_the_tensor(tiny_pair, candidate, tmp_pat
     edit_tensors(candidate, scale_one_channel)
     code, entry, _ = run_tensors(candidate, tiny_pair[TINY_BF16], tmp_path / "run")
     assert code == 1
-    assert "worst_channel_err" in failed_checks(entry)
+    assert "worst_channel_gain_err" in failed_checks(entry)
     m = entry["metrics"]
     assert m["worst_channel_rel_err_tensor"] == f"{module}.weight (output channel 5)"
     assert m["worst_channel_rel_err"] == pytest.approx(3.0, rel=0.2)  # ×4 scale: error 3× the channel
     assert m["worst_channel_err_tensor"] == f"{module}.weight (output channel 5)"
     assert m["worst_channel_err"] > 1.5  # 3× a channel of about the tensor's RMS norm
+    # all of it along the channel itself: its gain is off by 3 (less where the channel is under the RMS norm)
+    assert m["worst_channel_gain_err"] > 1.5
     assert m["decode_exact"] is True  # both decoders read the same (wrong) scale
-    assert list(named(entry, "worst_channel_err")) == [f"{module}.weight (output channel 5)"]
+    assert list(named(entry, "worst_channel_gain_err")) == [f"{module}.weight (output channel 5)"]
 
 
 def test_one_dropped_tensor_fails_naming_it(tiny_pair, candidate, tmp_path):
