@@ -315,17 +315,35 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
     return RunPlan(ref, ckpt, tasks, inputs, skipped, observations, wiring, provenance)
 
 
-# Load plans found good in this process, by the checkpoint's content digest and the options: `compare` plans
-# its first candidate twice (with the reference, then in its own run), and a check builds the whole model on
-# the meta device (1.5 to 2 s for a 135 M model). Only a pass is kept: a refused plan is checked again.
+# Load plans found good in this process, by what the check reads and the options: `compare` plans its first
+# candidate twice (with the reference, then in its own run), and a check builds the whole model on the meta
+# device (a second or two for a 135 M model). Only a pass is kept: a refused plan is checked again.
 _LOADABLE: dict[tuple[str, BackendOptions], None] = {}
 _LOADABLE_KEEP = 64
+# Backends whose check reads the configs and the safetensors headers, never tensor data: for them, two
+# checkpoints with the same structure (a pack and its recalibrated twin, the same scheme with other scales)
+# have the same plan. EXL3's check reads trellis markers, and the streamed one the layers' tensors.
+_HEADER_ONLY_CHECKS = ("hf", "intref")
+
+
+def load_plan_key(side: Side, options: BackendOptions, digests: DigestCache) -> str:
+    """What a side's load-plan check depends on: for a header-only check, the checkpoint's `fingerprint`
+    (config.json and every shard's raw header) and the bytes of its other small files (configs the loader
+    reads beside config.json); else every byte of its content."""
+    checkpoint = side.checkpoint
+    if checkpoint is None or options.stream or options.backend not in _HEADER_ONLY_CHECKS:
+        return f"content:{side.content_sha256(digests)}"
+    shards = set(checkpoint.shards)
+    others = [p for p in checkpoint.content_files() if p not in shards]
+    digests_of = digests.sha256_many(others)
+    files = ",".join(f"{p.relative_to(checkpoint.path).as_posix()}={digests_of[p]}" for p in others)
+    return f"structure:{checkpoint.fingerprint}:{hashlib.sha256(files.encode()).hexdigest()}"
 
 
 def check_load_plan_once(side: Side, options: BackendOptions, digests: DigestCache) -> None:
-    """`check_load_plan` for a side's checkpoint, skipped where the same bytes passed it under the same
-    options earlier in this process."""
-    key = (side.content_sha256(digests), options)
+    """`check_load_plan` for a side's checkpoint, skipped where a checkpoint with what the check reads
+    passed it under the same options earlier in this process."""
+    key = (load_plan_key(side, options, digests), options)
     if key in _LOADABLE:
         return
     check_load_plan(side.checkpoint, options)

@@ -1,34 +1,68 @@
-"""`check_load_plan_once`: a load plan that passed is not checked again for the same bytes and options."""
+"""`check_load_plan_once`: a load plan that passed is not checked again for what the check reads (the same
+structure for a header-only check, the same bytes for the others) and the same options."""
 
-from types import SimpleNamespace
+import json
 
 import pytest
 
 from evalsuite import plan
 from evalsuite.backends.options import BackendOptions
+from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
+from evalsuite.fixtures import TINY_W4A8
+from evalsuite.side import open_side
+from tests.conftest import copy_checkpoint, edit_tensors, wrong_scale_copy
 
 
-def test_a_passed_load_plan_is_checked_once_and_a_refused_one_every_time(monkeypatch):
+@pytest.fixture
+def checked(monkeypatch):
+    """The checkpoint folders `check_load_plan` was asked about, in order (a folder named `broken*` is
+    refused)."""
     monkeypatch.setattr(plan, "_LOADABLE", {})
-    checked = []
+    asked: list[str] = []
 
     def check(checkpoint, options):
-        checked.append(checkpoint)
-        if checkpoint == "broken":
-            raise InputError("cannot load")
+        asked.append(checkpoint.path.name)
+        if checkpoint.path.name.startswith("broken"):
+            raise InputError("cannot load", checkpoint.path)
 
     monkeypatch.setattr(plan, "check_load_plan", check)
-    good = SimpleNamespace(checkpoint="good", content_sha256=lambda digests: "aaa")
-    copy = SimpleNamespace(checkpoint="copy", content_sha256=lambda digests: "aaa")  # the same bytes
-    broken = SimpleNamespace(checkpoint="broken", content_sha256=lambda digests: "bbb")
-    options = BackendOptions()
-    for side in (good, good, copy):
-        plan.check_load_plan_once(side, options, None)
-    assert checked == ["good"]
-    plan.check_load_plan_once(good, BackendOptions(dtype="float32"), None)  # other options: checked again
-    assert checked == ["good", "good"]
+    return asked
+
+
+def test_a_plan_is_checked_once_per_structure_and_a_refused_one_every_time(tiny_pair, tmp_path, checked):
+    source = tiny_pair[TINY_W4A8]
+    good = copy_checkpoint(source, tmp_path / "good")
+    rescaled = wrong_scale_copy(source, tmp_path / "rescaled", 1.01)  # other bytes, the same headers
+    edited = copy_checkpoint(source, tmp_path / "edited")
+    config = json.loads((edited / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    (edited / "config.json").write_text(json.dumps(config))
+    broken = copy_checkpoint(source, tmp_path / "broken")
+    edit_tensors(broken, lambda tensors: tensors.pop(next(iter(tensors))))  # a tensor short: another header
+    digests, options = DigestCache(), BackendOptions()
+
+    def once(folder, opts=options):
+        plan.check_load_plan_once(open_side("ckpt", str(folder), opts.check()), opts.check(), digests)
+
+    for folder in (good, good, rescaled):
+        once(folder)
+    assert checked == ["good"]  # a recalibrated twin has the plan its structure gives
+    once(edited)
+    assert checked == ["good", "edited"]  # another config: checked again
+    once(good, BackendOptions(dtype="float32"))  # other options: checked again
+    assert checked == ["good", "edited", "good"]
     for _ in range(2):
         with pytest.raises(InputError):
-            plan.check_load_plan_once(broken, options, None)
-    assert checked == ["good", "good", "broken", "broken"]
+            once(broken, BackendOptions(dtype="float32"))
+    assert checked == ["good", "edited", "good", "broken", "broken"]
+
+
+def test_a_check_that_reads_tensor_data_is_keyed_by_the_bytes(tiny_pair, tmp_path, checked):
+    source = tiny_pair[TINY_W4A8]
+    good = copy_checkpoint(source, tmp_path / "good")
+    rescaled = wrong_scale_copy(source, tmp_path / "rescaled", 1.01)
+    streamed = BackendOptions(stream=True).check()
+    for folder in (good, good, rescaled):
+        plan.check_load_plan_once(open_side("ckpt", str(folder), streamed), streamed, DigestCache())
+    assert checked == ["good", "rescaled"]
