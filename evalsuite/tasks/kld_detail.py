@@ -6,7 +6,10 @@ Computed from the two observations' files a few rows at a time, like the forward
 
 from __future__ import annotations
 
+import contextlib
 import io
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,26 +61,32 @@ def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenD
     pairs = zip(
         read_rows(window_paths(ref), chunk_rows), read_rows(window_paths(ckpt), chunk_rows), strict=True
     )
-    start, work = 0, None
-    for block_ref, block_ckpt in pairs:
-        check_same_shape(block_ref, block_ckpt)
-        if work is None:
-            work = _Workspace(block_ref.shape[-1])
-        for i in range(0, len(block_ref), work.rows):
-            x, y = block_ref[i : i + work.rows], block_ckpt[i : i + work.rows]
-            y64, lp_ckpt, lp_ref, scratch = work.views(len(x))
-            y64.copy_(y)
-            top_ckpt.append(y64.topk(k, dim=-1).indices.numpy())
-            torch.log_softmax(y64, dim=-1, out=lp_ckpt)
-            x64 = y64.copy_(x)  # the candidate's float64 rows are done with
-            if known is not None:
-                lp_ref = known.log_softmax(x64, start)
-            else:
-                rows.add(x64, k, out=lp_ref)
-            start += len(x)
-            f, r = metrics.kl_divergence_both(lp_ref.numpy(), lp_ckpt.numpy(), scratch)
-            forward.append(f)
-            reverse.append(r)
+    start = 0
+    workers = max(1, min(DETAIL_THREADS, torch.get_num_threads()))
+    spaces: list[_Workspace] = []
+    with _one_torch_thread_each(workers) as pool:
+        for block_ref, block_ckpt in pairs:
+            check_same_shape(block_ref, block_ckpt)
+            if not spaces:
+                spaces = [_Workspace(block_ref.shape[-1]) for _ in range(workers)]
+            # Each thread takes a contiguous share of the block's rows, whole workspace-sized pieces of it,
+            # and the shares are joined in row order: per-row arithmetic, so the same bits as one thread.
+            n = len(block_ref)
+            step = -(-n // (workers * spaces[0].rows)) * spaces[0].rows
+            bounds = [(a, min(a + step, n)) for a in range(0, n, step)]
+            parts = [
+                (block_ref[a:b], block_ckpt[a:b], start + a, spaces[i], known)
+                for i, (a, b) in enumerate(bounds)
+            ]
+            done = list(pool.map(_detail_rows, parts)) if pool is not None else [_detail_rows(parts[0])]
+            for share in done:
+                top_ckpt += share.top_ckpt
+                forward += share.forward
+                reverse += share.reverse
+                if known is None:
+                    assert share.rows is not None
+                    rows.join(share.rows)
+            start += n
     if known is None:
         rows.finish()
         if ref.key:
@@ -89,6 +98,62 @@ def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenD
         np.concatenate(reverse),
         np.concatenate(forward),
     )
+
+
+# Threads `token_detail` splits each block of rows between (at most torch's own thread count): its float64
+# passes are numpy's, which run on one core each, and torch's top-k and log-softmax over a few rows, which
+# gain nothing from a second thread of their own.
+DETAIL_THREADS = 2
+
+
+@contextlib.contextmanager
+def _one_torch_thread_each(workers: int) -> Iterator[ThreadPoolExecutor | None]:
+    """A pool of `workers` threads, torch held to one intra-op thread meanwhile (two callers each starting
+    torch's whole pool would put twice as many threads as cores to work); None for one worker."""
+    if workers == 1:
+        yield None
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kld-detail") as pool:
+            yield pool
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass
+class _Share:
+    """What one thread computed of a block's rows, in row order."""
+
+    top_ckpt: list[np.ndarray]
+    forward: list[np.ndarray]
+    reverse: list[np.ndarray]
+    rows: ReferenceRows | None
+
+
+def _detail_rows(part: tuple[torch.Tensor, torch.Tensor, int, _Workspace, ReferenceRows | None]) -> _Share:
+    """`token_detail`'s statistics of consecutive rows (reference rows `x`, candidate rows `y`, the first of
+    them row `start` of the observation), a workspace's worth of rows at a time."""
+    x_rows, y_rows, start, work, known = part
+    k = TOP_K_AGREEMENT
+    share = _Share([], [], [], None if known is not None else ReferenceRows.empty())
+    for i in range(0, len(x_rows), work.rows):
+        x, y = x_rows[i : i + work.rows], y_rows[i : i + work.rows]
+        y64, lp_ckpt, lp_ref, scratch = work.views(len(x))
+        y64.copy_(y)
+        share.top_ckpt.append(y64.topk(k, dim=-1).indices.numpy())
+        torch.log_softmax(y64, dim=-1, out=lp_ckpt)
+        x64 = y64.copy_(x)  # the candidate's float64 rows are done with
+        if known is not None:
+            lp_ref = known.log_softmax(x64, start + i)
+        else:
+            assert share.rows is not None
+            share.rows.add(x64, k, out=lp_ref)
+        f, r = metrics.kl_divergence_both(lp_ref.numpy(), lp_ckpt.numpy(), scratch)
+        share.forward.append(f)
+        share.reverse.append(r)
+    return share
 
 
 # Rows are normalised this many bytes of float64 at a time: a few rows of a vocabulary stay in a core's L2
@@ -150,6 +215,13 @@ class ReferenceRows:
         self._parts.setdefault("norm", []).append(log_norm)
         self._parts["conf"].append(top.values[:, 0].exp().numpy())
         self._parts["top"].append(top.indices.numpy())
+
+    def join(self, later: ReferenceRows) -> None:
+        """Append what `add` noted in `later` (rows that follow this one's, not yet finished) to this one."""
+        assert self._parts is not None and later._parts is not None
+        for name, values in later._parts.items():
+            self._parts.setdefault(name, []).extend(values)
+        self.rebuildable = self.rebuildable and later.rebuildable
 
     def finish(self) -> None:
         """Join what `add` noted, once every row was added; the rows are then read-only."""

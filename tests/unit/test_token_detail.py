@@ -2,6 +2,7 @@
 reference's rows it keeps for the next candidate compared against the same reference."""
 
 import numpy as np
+import pytest
 import torch
 
 from evalsuite import metrics
@@ -33,8 +34,21 @@ def _by_definition(ref: list[torch.Tensor], ckpt: list[torch.Tensor]) -> dict[st
     }
 
 
-def test_token_detail_is_the_same_bits_for_the_first_candidate_and_the_next(tmp_path, monkeypatch):
+@pytest.fixture
+def three_torch_threads():
+    """Room for up to three threads of `token_detail` (it never takes more than torch's own count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_token_detail_is_the_same_bits_for_the_first_candidate_and_the_next(
+    tmp_path, monkeypatch, three_torch_threads, threads
+):
     monkeypatch.setattr(kld_detail, "_REFERENCE_ROWS", {})
+    monkeypatch.setattr(kld_detail, "DETAIL_THREADS", threads)  # each block's rows split between threads
     monkeypatch.setattr(kld_detail, "CACHE_BYTES", 3 * 8 * 1000)  # 3 rows at a time: blocks split unevenly
     torch.manual_seed(0)
     ref = [(torch.randn(n, 1000) * 4).to(torch.bfloat16) for n in (11, 6)]
@@ -49,6 +63,7 @@ def test_token_detail_is_the_same_bits_for_the_first_candidate_and_the_next(tmp_
         for name, expected in _by_definition(ref, sides).items():
             got = getattr(detail, name)
             assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes(), name
+    assert torch.get_num_threads() == 3  # torch's own thread count is the caller's again
 
 
 def test_a_reference_without_a_key_is_never_kept(tmp_path, monkeypatch):
