@@ -5,7 +5,8 @@ The candidates are the W4A8 copy and three copies of it with every weight scale 
 (compare ratios, not seconds; these machines are noisy):
   (a) `compare` (noise floor off, in this process) over the observations it cannot avoid: the reference's and
       the 4 candidates', each a load and the `ppl` windows forwarded, timed on their own in this process
-      (goal <= 1.05: compare adds little beyond observing);
+      (goal <= 1.05: compare adds little beyond observing); `--rounds` rounds of both, one after the other,
+      each round's ratio and their median printed;
   (b) `evalsuite compare` as a command over four separate `evalsuite run` commands, one per candidate, each
       a fresh process as a user runs them (goal <= 0.6: the reference is observed once, not four times);
   and what the noise floor adds to `compare` (one more reference forward, in the same load). The floor is on
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,6 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
     parser.add_argument("--pair", choices=("smollm2", "tiny"), default="smollm2")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of (a), observations then compare")
     args = parser.parse_args()
     source, quantized = (SMOLLM2_BF16, SMOLLM2_W4A8) if args.pair == "smollm2" else (TINY_BF16, TINY_W4A8)
     pair = build_fixtures(args.fixtures, [source, quantized])
@@ -104,38 +107,60 @@ def main() -> None:
         root = Path(tmp)
         candidates = [pair[quantized]]
         candidates += [scaled_copy(candidates[0], root / f"w4a8-x{f}", f) for f in SCALES]
-        # (a) in this process: the observations alone, then compare (imports are warm for both)
-        observe = observation_seconds(ref, ref, root / "obs" / "ref")
-        for i, c in enumerate(candidates):
-            observe += observation_seconds(c, ref, root / "obs" / f"c{i}")
-        timings = {}
-        for floor in (False, True):
+        # (a) in this process: the observations alone, then compare (imports are warm for both), in rounds
+        # A B A B: a single pair of timings moves by a fifth between runs on these machines.
+        ratios, observed, compared = [], [], []
+        for r in range(args.rounds):
+            observe = observation_seconds(ref, ref, root / f"obs-{r}" / "ref")
+            for i, c in enumerate(candidates):
+                observe += observation_seconds(c, ref, root / f"obs-{r}" / f"c{i}")
             request = CompareRequest(
-                ref=str(ref), ckpts=list(map(str, candidates)), tasks=["ppl"], out=root / f"cmp-{floor}",
-                context=CONTEXT, noise_floor=floor,
+                ref=str(ref), ckpts=list(map(str, candidates)), tasks=["ppl"], out=root / f"cmp-{r}",
+                context=CONTEXT, noise_floor=False,
             )  # fmt: skip
             t0 = time.perf_counter()
             compare(request)
-            timings[floor] = time.perf_counter() - t0
-        # (b) as commands, as a user runs them
+            seconds = time.perf_counter() - t0
+            observed.append(observe)
+            compared.append(seconds)
+            ratios.append(seconds / observe)
+        timings = {False: statistics.median(compared)}
+        request = CompareRequest(
+            ref=str(ref), ckpts=list(map(str, candidates)), tasks=["ppl"], out=root / "cmp-floor",
+            context=CONTEXT, noise_floor=True,
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        compare(request)
+        timings[True] = time.perf_counter() - t0
+        # (b) as commands, as a user runs them, in the same rounds
         common = ("--tasks", "ppl", "--corpus", "python-docs")
-        separate = sum(
-            cli("run", "--ckpt", c, "--ref", ref, *common, "--out", root / f"run-{i}")
-            for i, c in enumerate(candidates)
-        )
         ckpts = [a for c in candidates for a in ("--ckpt", c)]
-        command = cli("compare", "--ref", ref, *ckpts, *common, "--no-noise-floor", "--out", root / "cmd")
+        commands = []
+        for r in range(args.rounds):
+            separate = sum(
+                cli("run", "--ckpt", c, "--ref", ref, *common, "--out", root / f"run-{r}-{i}")
+                for i, c in enumerate(candidates)
+            )
+            out = root / f"cmd-{r}"
+            command = cli("compare", "--ref", ref, *ckpts, *common, "--no-noise-floor", "--out", out)
+            commands.append((command, separate))
     load_after = load_average()
     n = len(candidates)
     print(f"{ref.name} pair, {n} candidates, task ppl; timings taken in one run (a shared, busy machine)")
-    print(f"observations alone (1 reference + {n} candidates): {observe:.1f} s")
-    print(f"compare in process: {timings[False]:.1f} s; with the noise floor: {timings[True]:.1f} s")
-    print(f"(a) compare / observations = {timings[False] / observe:.3f}   (goal <= 1.05)")
-    print(f"evalsuite compare: {command:.1f} s; {n} separate evalsuite run: {separate:.1f} s")
-    print(f"(b) compare / separate runs = {command / separate:.3f}   (goal <= 0.6)")
+    for r, (o, c, q) in enumerate(zip(observed, compared, ratios, strict=True)):
+        print(f"(a) round {r + 1}: observations alone (1 reference + {n} candidates) {o:.1f} s, "
+              f"compare {c:.1f} s: {q:.3f}")  # fmt: skip
+    print(f"compare in process (median): {timings[False]:.1f} s; with the noise floor: {timings[True]:.1f} s")
+    median = statistics.median(ratios)
+    print(f"(a) compare / observations, median of {len(ratios)} rounds = {median:.3f}   (goal <= 1.05)")
+    for r, (command, separate) in enumerate(commands):
+        print(f"(b) round {r + 1}: evalsuite compare {command:.1f} s; {n} separate evalsuite run "
+              f"{separate:.1f} s: {command / separate:.3f}")  # fmt: skip
+    b = statistics.median(command / separate for command, separate in commands)
+    print(f"(b) compare / separate runs, median of {len(commands)} rounds = {b:.3f}   (goal <= 0.6)")
     floor = timings[True] / timings[False]
     print(f"noise floor: compare with it / without = {floor:.3f}")
-    print(f"(b) with the floor (derived: (b) x the line above) = {command / separate * floor:.3f}")
+    print(f"(b) with the floor (derived: (b) x the line above) = {b * floor:.3f}")
     print(f"load average (1, 5, 15 min) at the start: {load_before}; at the end: {load_after}")
 
 
