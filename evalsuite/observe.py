@@ -11,6 +11,7 @@ from typing import Any
 from evalsuite.backends import load_backend, load_pair
 from evalsuite.backends.options import BackendOptions
 from evalsuite.observation import Observation
+from evalsuite.offline import hub_offline
 from evalsuite.plan import PlannedObservation, RunPlan, is_saved, recorded_observation, saved_folder
 from evalsuite.run_folder import RunFolder
 from evalsuite.side import Side
@@ -61,7 +62,10 @@ def observe_all(
                 inputs = planned.inputs
                 if planned.consumes:
                     inputs = {**inputs, "observed": {k: observed[key] for k, key in planned.consumes.items()}}
-                obs = planned.need.observer.observe(backend, inputs, work, labelled)
+                # An observer that hands the model to a field tool (lm-eval loads its tasks' data again)
+                # reads only local caches, unless the run was allowed to download.
+                with hub_offline(not plan.allow_download):
+                    obs = planned.need.observer.observe(backend, inputs, work, labelled)
                 obs.key = planned.key
                 obs.meta["tasks"] = sorted(planned.tasks)
                 obs.save(work)

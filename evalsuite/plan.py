@@ -159,6 +159,8 @@ class RunPlan:
     observations: dict[str, PlannedObservation]  # by key, in observation order (reference first)
     wiring: dict[str, dict[str, str]]  # task -> label -> key
     provenance: dict[str, dict[str, str]] = field(default_factory=dict)  # task -> where its spec came from
+    # Whether observing may fetch from the Hub (`--allow-download`); else only local caches are read.
+    allow_download: bool = False
 
 
 def side_options(side: Side, need: Need) -> BackendOptions:
@@ -312,7 +314,9 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
     for role, options in sorted(loads, key=lambda load: load[0] != "ref"):
         check_load_plan_once(ref if role == "ref" else ckpt, options, digests)
     provenance = {t.name: spec_provenance(t, request) for t in tasks}
-    return RunPlan(ref, ckpt, tasks, inputs, skipped, observations, wiring, provenance)
+    return RunPlan(
+        ref, ckpt, tasks, inputs, skipped, observations, wiring, provenance, request.context.allow_download
+    )
 
 
 # Load plans found good in this process, by what the check reads and the options: `compare` plans its first

@@ -288,7 +288,8 @@ def record(
     observations, _ = plan_observations(tasks, inputs, {"ref": side, "ckpt": side}, digests, roles=("ref",))
     for options in {p.options for p in observations.values()}:
         check_load_plan(side.checkpoint, options)
-    plan = RunPlan(side, side, tasks, inputs, {}, observations, {})
+    allow_download = request.context.allow_download
+    plan = RunPlan(side, side, tasks, inputs, {}, observations, {}, allow_download=allow_download)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.observing-", dir=out.parent) as work:
         observed = observe_all(plan, RunFolder(Path(work)), False, progress or no_progress, on_load)
         entries = []
