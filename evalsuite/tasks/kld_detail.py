@@ -78,7 +78,7 @@ def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenD
                 (block_ref[a:b], block_ckpt[a:b], start + a, spaces[i], known)
                 for i, (a, b) in enumerate(bounds)
             ]
-            done = list(pool.map(_detail_rows, parts)) if pool is not None else [_detail_rows(parts[0])]
+            done = (pool.map if pool is not None else map)(_detail_rows, parts)
             for share in done:
                 top_ckpt += share.top_ckpt
                 forward += share.forward
