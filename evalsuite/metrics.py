@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
+import torch
 from numpy.typing import ArrayLike, NDArray
 
 
@@ -96,6 +97,23 @@ def paired_log_ratio(nll_ref: ArrayLike, nll_ckpt: ArrayLike) -> Estimate:
     return mean_with_stderr(ckpt - ref)
 
 
+def exp64(x: NDArray[np.float64], out: NDArray[np.float64] | None = None) -> NDArray[np.float64]:
+    """e^x elementwise in float64 (into `out` when given), by torch's vectorised exp on the same memory.
+
+    Why not numpy's: on a CPU without AVX-512, numpy evaluates float64 exp one element at a time through
+    libm, several times slower than torch's SIMD kernel, and the KL divergences take two exps per vocabulary
+    entry per scored token (the bulk of `compare`'s work beyond forwarding; bench/compare.py). Every exp of a
+    full-vocabulary statistic goes through here, so the fused passes stay bit for bit the definitions.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    if not x.flags.writeable:  # torch shares memory only with writeable arrays; it never writes to `x`
+        x = x.copy()
+    if out is None:
+        out = np.empty_like(x)
+    torch.exp(torch.from_numpy(x), out=torch.from_numpy(out))
+    return out
+
+
 def kl_divergence(logp_ref: ArrayLike, logp_ckpt: ArrayLike) -> NDArray[np.float64]:
     """Per-row KL(P_ref ‖ P_ckpt) = Σ_v p_ref(v) (log p_ref(v) − log p_ckpt(v)), from log-probabilities.
 
@@ -105,7 +123,7 @@ def kl_divergence(logp_ref: ArrayLike, logp_ckpt: ArrayLike) -> NDArray[np.float
     ckpt = np.asarray(logp_ckpt, dtype=np.float64)
     if ref.shape != ckpt.shape:
         raise ValueError(f"log-prob arrays differ in shape: {ref.shape} vs {ckpt.shape}")
-    p_ref = np.exp(ref)
+    p_ref = exp64(ref)
     # In place: the same IEEE operations as np.where(p_ref > 0, p_ref * (ref - ckpt), 0) with two fewer
     # vocabulary-sized temporaries, on the pass `compare` makes once per candidate.
     terms = np.subtract(ref, ckpt)
@@ -138,13 +156,13 @@ def kl_divergence_both(
         return kl_divergence(a, b), kl_divergence(b, a)
     diff, terms = scratch if scratch is not None else (np.empty_like(a), np.empty_like(a))
     np.subtract(a, b, out=diff)
-    np.exp(a, out=terms)
+    exp64(a, out=terms)
     impossible = _not_positive(terms)
     terms *= diff
     if impossible is not None:
         terms[impossible] = 0.0
     forward = terms.sum(axis=-1)
-    np.exp(b, out=terms)
+    exp64(b, out=terms)
     impossible = _not_positive(terms)
     terms *= diff
     if impossible is not None:

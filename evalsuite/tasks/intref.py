@@ -24,6 +24,7 @@ from evalsuite.observation import Observation
 from evalsuite.side import Side
 from evalsuite.spec import TaskSpec
 from evalsuite.task import Inputs, Need, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.tasks.noise_floor import NoiseFloorOptions, NoisyWindowLogits
 from evalsuite.tasks.ppl import CompareOptions
 from evalsuite.tasks.window_logits import (
     RecordOptions,
@@ -43,6 +44,9 @@ class IntrefSpec(TaskSpec):
     protocol: WindowProtocol = WindowProtocol()
     record: RecordOptions = RecordOptions()
     compare: CompareOptions = CompareOptions()
+    # The `hf` execution again with rounding-sized noise on its decoder layers: how far two roundings of the
+    # one candidate part on their own, the floor the integer execution is judged above.
+    hf_floor: NoiseFloorOptions = NoiseFloorOptions(enabled=True)
 
 
 @task("intref")
@@ -66,6 +70,10 @@ class IntegerReference:
         "kld_int_vs_hf_p99",
         "kld_int_vs_hf_max",
         "same_top_int_vs_hf",
+        "kld_hf_floor",
+        "same_top_hf_floor",
+        "kld_int_vs_hf_above_floor",
+        "same_top_int_vs_hf_below_floor",
         "int_layers",
         "int_experts",
     )
@@ -80,6 +88,13 @@ class IntegerReference:
         "kld_int_mean": "mean KL(ref ‖ int): the integer model against the reference",
         "kld_int_vs_hf": "mean KL(int ‖ hf): how far Transformers' execution is from the integer model",
         "same_top_int_vs_hf": "share of positions where the integer and Transformers executions agree on top",
+        "kld_hf_floor": "mean KL(hf ‖ hf with rounding-sized noise on each decoder layer): how far two "
+        "roundings of the same candidate part on their own",
+        "same_top_hf_floor": "share of positions where the hf execution and its noisy rerun agree on top",
+        "kld_int_vs_hf_above_floor": "kld_int_vs_hf − kld_hf_floor, paired by token: the integer execution's "
+        "distance from Transformers' beyond what rounding alone puts between two executions",
+        "same_top_int_vs_hf_below_floor": "same_top_hf_floor − same_top_int_vs_hf: top-token disagreement "
+        "beyond rounding's own",
         "int_layers": "integer Linear layers that ran (of int_layers_total)",
         "int_experts": "routed experts that ran in integers (of int_experts_total)",
         "activation_divisor": "per-token activation scale = max|x| / this divisor (the spec's convention)",
@@ -102,11 +117,20 @@ class IntegerReference:
     def needs(self) -> list[Need]:
         observer = WindowLogits(self.spec.protocol, self.spec.record, self.spec.compare.kld_chunk_rows)
         conventions = tuple(sorted(self.spec.activations.model_dump(mode="json").items()))
-        return [
+        needs = [
             Need("ref", "ref", observer),
             Need("int", "ckpt", observer, backend="intref", conventions=conventions),
             Need("hf", "ckpt", observer, backend="hf"),
         ]
+        if self.spec.hf_floor.enabled:
+            noisy = NoisyWindowLogits(
+                self.spec.protocol,
+                self.spec.record,
+                self.spec.compare.kld_chunk_rows,
+                noise=self.spec.hf_floor,
+            )
+            needs.append(Need("hf_floor", "ckpt", noisy, backend="hf"))
+        return needs
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
         ref, ints, hf = observed["ref"], observed["int"], observed["hf"]
@@ -164,6 +188,8 @@ class IntegerReference:
             "int_experts": execution["int_experts"],
             "int_experts_total": execution["int_experts_total"],
         }
+        if "hf_floor" in observed:
+            values.update(_floor_metrics(hf, observed["hf_floor"], kld_ih, same_ih, windows, chunk))
         checks, _ = self.spec.threshold_checks(values)
         plots.kld_histogram(
             kld_ih, artifacts / "intref_kld_int_vs_hf.png", "full-vocabulary", title="KL(int ‖ hf)"
@@ -173,3 +199,33 @@ class IntegerReference:
             checks,
             artifacts={"kld_int_vs_hf_histogram": f"{artifacts.name}/intref_kld_int_vs_hf.png"},
         )
+
+
+def _floor_metrics(
+    hf: Observation,
+    floor: Observation,
+    kld_ih: np.ndarray,
+    same_ih: np.ndarray,
+    windows: np.ndarray,
+    chunk_rows: int,
+) -> dict[str, Any]:
+    """The `hf` execution against its noisy rerun, and the integer execution's distance from `hf` beyond
+    it: per-token differences paired by token, with window-clustered standard errors."""
+    same_inputs({"hf": hf, "hf_floor": floor})
+    kld_floor, _ = kld_per_token(hf, floor, chunk_rows)
+    floor_mean = metrics.mean_with_stderr(kld_floor)
+    same_floor = hf.arrays["top"] == floor.arrays["top"]
+    same_top_floor = metrics.rate_with_stderr(same_floor)
+    above = metrics.paired_difference(kld_floor, kld_ih)
+    return {
+        "kld_hf_floor": floor_mean.value,
+        "kld_hf_floor_stderr_window": metrics.clustered_stderr(kld_floor, windows),
+        "same_top_hf_floor": same_top_floor.value,
+        "kld_int_vs_hf_floor_ratio": metrics.ratio_to_floor(float(np.mean(kld_ih)), floor_mean.value),
+        "kld_int_vs_hf_above_floor": above.value,
+        "kld_int_vs_hf_above_floor_stderr_window": metrics.clustered_stderr(kld_ih - kld_floor, windows),
+        "same_top_int_vs_hf_below_floor": same_top_floor.value - float(np.mean(same_ih)),
+        "same_top_int_vs_hf_below_floor_stderr_window": metrics.clustered_stderr(
+            same_floor.astype(np.float64) - same_ih.astype(np.float64), windows
+        ),
+    }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,9 +19,10 @@ import numpy as np
 import torch
 
 from evalsuite import metrics
+from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
-from evalsuite.tasks.logits_file import read_rows
+from evalsuite.tasks.logits_file import read_header, read_rows
 from evalsuite.tasks.window_logits import check_same_shape, kld_per_token, window_paths
 
 TOP_K_AGREEMENT = 5  # top-K agreement is reported for K = 1 .. 5
@@ -56,37 +58,30 @@ def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenD
         conf = np.exp(a["top_logp"][:, 0].astype(np.float64))
         return TokenDetail(conf, a["top_ids"][:, :k], np.concatenate(top_ckpt), None)
     known = _REFERENCE_ROWS.get(ref.key) if ref.key else None
+    ref_paths, ckpt_paths = window_paths(ref), window_paths(ckpt)
+    if len(ref_paths) != len(ckpt_paths):
+        raise InputError(f"the sides hold {len(ref_paths)} and {len(ckpt_paths)} windows of logits")
+    first_rows = np.cumsum([0] + [read_header(path)[0][0] for path in ref_paths])
+    workers = max(1, min(DETAIL_THREADS, torch.get_num_threads(), len(ref_paths)))
+    # Each thread takes a contiguous run of windows, reads them itself and works through them a workspace
+    # of rows at a time; the shares are joined in row order. Per-row arithmetic: the same bits as one thread.
+    bounds = np.linspace(0, len(ref_paths), workers + 1).round().astype(int)
+    parts = [
+        _WindowRun(ref_paths[a:b], ckpt_paths[a:b], int(first_rows[a]), chunk_rows, known)
+        for a, b in itertools.pairwise(bounds)
+        if b > a
+    ]
+    with _one_torch_thread_each(len(parts)) as pool:
+        shares = list((pool.map if pool is not None else map)(_detail_windows, parts))
     rows = known or ReferenceRows.empty()
     top_ckpt, forward, reverse = [], [], []
-    pairs = zip(
-        read_rows(window_paths(ref), chunk_rows), read_rows(window_paths(ckpt), chunk_rows), strict=True
-    )
-    start = 0
-    workers = max(1, min(DETAIL_THREADS, torch.get_num_threads()))
-    spaces: list[_Workspace] = []
-    with _one_torch_thread_each(workers) as pool:
-        for block_ref, block_ckpt in pairs:
-            check_same_shape(block_ref, block_ckpt)
-            if not spaces:
-                spaces = [_Workspace(block_ref.shape[-1]) for _ in range(workers)]
-            # Each thread takes a contiguous share of the block's rows, whole workspace-sized pieces of it,
-            # and the shares are joined in row order: per-row arithmetic, so the same bits as one thread.
-            n = len(block_ref)
-            step = -(-n // (workers * spaces[0].rows)) * spaces[0].rows
-            bounds = [(a, min(a + step, n)) for a in range(0, n, step)]
-            parts = [
-                (block_ref[a:b], block_ckpt[a:b], start + a, spaces[i], known)
-                for i, (a, b) in enumerate(bounds)
-            ]
-            done = (pool.map if pool is not None else map)(_detail_rows, parts)
-            for share in done:
-                top_ckpt += share.top_ckpt
-                forward += share.forward
-                reverse += share.reverse
-                if known is None:
-                    assert share.rows is not None
-                    rows.join(share.rows)
-            start += n
+    for share in shares:
+        top_ckpt += share.top_ckpt
+        forward += share.forward
+        reverse += share.reverse
+        if known is None:
+            assert share.rows is not None
+            rows.join(share.rows)
     if known is None:
         rows.finish()
         if ref.key:
@@ -132,12 +127,46 @@ class _Share:
     rows: ReferenceRows | None
 
 
-def _detail_rows(part: tuple[torch.Tensor, torch.Tensor, int, _Workspace, ReferenceRows | None]) -> _Share:
+@dataclass
+class _WindowRun:
+    """Consecutive windows of both sides' logits files, the first of their rows row `start` of the
+    observation: one thread's share of `token_detail`."""
+
+    ref_paths: list[Path]
+    ckpt_paths: list[Path]
+    start: int
+    chunk_rows: int
+    known: ReferenceRows | None
+
+
+def _detail_windows(run: _WindowRun) -> _Share:
+    """`token_detail`'s statistics of a run of windows, read `chunk_rows` rows at a time into this thread's
+    own buffers."""
+    share = _Share([], [], [], None if run.known is not None else ReferenceRows.empty())
+    pairs = zip(
+        read_rows(run.ref_paths, run.chunk_rows), read_rows(run.ckpt_paths, run.chunk_rows), strict=True
+    )
+    work: _Workspace | None = None
+    start = run.start
+    for block_ref, block_ckpt in pairs:
+        check_same_shape(block_ref, block_ckpt)
+        work = work or _Workspace(block_ref.shape[-1])
+        _detail_rows(block_ref, block_ckpt, start, work, run.known, share)
+        start += len(block_ref)
+    return share
+
+
+def _detail_rows(
+    x_rows: torch.Tensor,
+    y_rows: torch.Tensor,
+    start: int,
+    work: _Workspace,
+    known: ReferenceRows | None,
+    share: _Share,
+) -> None:
     """`token_detail`'s statistics of consecutive rows (reference rows `x`, candidate rows `y`, the first of
-    them row `start` of the observation), a workspace's worth of rows at a time."""
-    x_rows, y_rows, start, work, known = part
+    them row `start` of the observation), a workspace's worth of rows at a time, appended to `share`."""
     k = TOP_K_AGREEMENT
-    share = _Share([], [], [], None if known is not None else ReferenceRows.empty())
     for i in range(0, len(x_rows), work.rows):
         x, y = x_rows[i : i + work.rows], y_rows[i : i + work.rows]
         y64, lp_ckpt, lp_ref, scratch = work.views(len(x))
@@ -153,7 +182,6 @@ def _detail_rows(part: tuple[torch.Tensor, torch.Tensor, int, _Workspace, Refere
         f, r = metrics.kl_divergence_both(lp_ref.numpy(), lp_ckpt.numpy(), scratch)
         share.forward.append(f)
         share.reverse.append(r)
-    return share
 
 
 # Rows are normalised this many bytes of float64 at a time: a few rows of a vocabulary stay in a core's L2

@@ -177,12 +177,14 @@ def test_smollm2_pair_passes_intref_with_every_layer_integer(smollm2_demo_rerun)
 
 
 def test_intref_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tiny_run, tmp_path):
-    """Every weight scale ×4: bounds the good tiny copy meets (1.0008, 1.5e-6, 0.978) all fail."""
+    """Every weight scale ×4: bounds the good tiny copy meets (1.0008, 1.5e-6, 0.978) all fail, and so do the
+    bounds beyond the `hf` execution's own rounding floor (the shipped top-token one; the KLD one tightened to
+    the tiny pair's scale)."""
     broken = wrong_scale_copy(tiny_pair["tiny-minicpmv47-w4a8"], tmp_path / "wrong-scale")
     bounds = tmp_path / "tiny.toml"
     bounds.write_text(
         "[intref]\nppl_int_ratio = { max = 1.01 }\nkld_int_vs_hf = { max = 1e-4 }\n"
-        "same_top_int_vs_hf = { min = 0.95 }\n"
+        "same_top_int_vs_hf = { min = 0.95 }\nkld_int_vs_hf_above_floor = { max = 1e-4 }\n"
     )
     args = (
         "--ref",
@@ -204,4 +206,6 @@ def test_intref_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tiny_ru
         "ppl_int_ratio",
         "kld_int_vs_hf",
         "same_top_int_vs_hf",
+        "kld_int_vs_hf_above_floor",
+        "same_top_int_vs_hf_below_floor",
     }

@@ -219,9 +219,9 @@ def test_every_smollm2_llmcompressor_pack_passes_tensors_and_runs(llmc_smollm2, 
     integer = scheme in INTEGER_PACKS
     run = "intref,ppl" if integer else "ppl"
     # The protocol is not under test here: its first 2 windows of 512 tokens, not 8, for both tasks. The
-    # integer and the Transformers executions of a 135 M model part at the demo pair's chaotic floor
-    # (tasks/intref.toml: KLD about 0.046 between two roundings of the same model), so they are judged by
-    # the demo's bounds, which say why they are loose.
+    # PPL bounds are the demo's (a 4-bit pack of a 135 M model loses more than a good pack may); the integer
+    # execution against Transformers' is held to the shipped bounds beyond the `hf` execution's own rounding
+    # floor, which a 135 M model's chaotic W4A8 rounding puts far above 0 (tasks/intref.toml).
     extra: list[str | Path] = ["--thresholds", demo_thresholds(run, tmp_path)]
     for name in run.split(","):
         short = tmp_path / f"{name}-2-windows.toml"
@@ -237,5 +237,6 @@ def test_every_smollm2_llmcompressor_pack_passes_tensors_and_runs(llmc_smollm2, 
         return
     intref = tasks["intref"]
     assert intref["status"] in ("pass", "fail") and intref["metrics"]["int_layers"] == 30 * 7
-    against_hf = {c["name"]: c["passed"] for c in intref["checks"] if c["name"].endswith("_vs_hf")}
-    assert against_hf == {"kld_int_vs_hf": True, "same_top_int_vs_hf": True}, intref["metrics"]
+    against_hf = {c["name"]: c["passed"] for c in intref["checks"] if "_vs_hf" in c["name"]}
+    expected = {"kld_int_vs_hf_above_floor": True, "same_top_int_vs_hf_below_floor": True}
+    assert against_hf == expected, intref["metrics"]
