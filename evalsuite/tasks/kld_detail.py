@@ -22,7 +22,7 @@ from evalsuite import metrics
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
-from evalsuite.tasks.logits_file import read_header, read_rows
+from evalsuite.tasks.logits_file import Header, read_header, read_rows
 from evalsuite.tasks.window_logits import check_same_shape, kld_per_token, window_paths
 
 TOP_K_AGREEMENT = 5  # top-K agreement is reported for K = 1 .. 5
@@ -61,13 +61,23 @@ def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenD
     ref_paths, ckpt_paths = window_paths(ref), window_paths(ckpt)
     if len(ref_paths) != len(ckpt_paths):
         raise InputError(f"the sides hold {len(ref_paths)} and {len(ckpt_paths)} windows of logits")
-    first_rows = np.cumsum([0] + [read_header(path)[0][0] for path in ref_paths])
+    # Headers are read here, not in the threads (`read_rows` says why).
+    ref_headers, ckpt_headers = [read_header(p) for p in ref_paths], [read_header(p) for p in ckpt_paths]
+    first_rows = np.cumsum([0] + [header[0][0] for header in ref_headers])
     workers = max(1, min(DETAIL_THREADS, torch.get_num_threads(), len(ref_paths)))
     # Each thread takes a contiguous run of windows, reads them itself and works through them a workspace
     # of rows at a time; the shares are joined in row order. Per-row arithmetic: the same bits as one thread.
     bounds = np.linspace(0, len(ref_paths), workers + 1).round().astype(int)
     parts = [
-        _WindowRun(ref_paths[a:b], ckpt_paths[a:b], int(first_rows[a]), chunk_rows, known)
+        _WindowRun(
+            ref_paths[a:b],
+            ckpt_paths[a:b],
+            ref_headers[a:b],
+            ckpt_headers[a:b],
+            int(first_rows[a]),
+            chunk_rows,
+            known,
+        )
         for a, b in itertools.pairwise(bounds)
         if b > a
     ]
@@ -134,6 +144,8 @@ class _WindowRun:
 
     ref_paths: list[Path]
     ckpt_paths: list[Path]
+    ref_headers: list[Header]
+    ckpt_headers: list[Header]
     start: int
     chunk_rows: int
     known: ReferenceRows | None
@@ -144,7 +156,9 @@ def _detail_windows(run: _WindowRun) -> _Share:
     own buffers."""
     share = _Share([], [], [], None if run.known is not None else ReferenceRows.empty())
     pairs = zip(
-        read_rows(run.ref_paths, run.chunk_rows), read_rows(run.ckpt_paths, run.chunk_rows), strict=True
+        read_rows(run.ref_paths, run.chunk_rows, run.ref_headers),
+        read_rows(run.ckpt_paths, run.chunk_rows, run.ckpt_headers),
+        strict=True,
     )
     work: _Workspace | None = None
     start = run.start

@@ -102,7 +102,7 @@ def write_window_chunks(folder: Path, window: int, n_rows: int, chunks: Iterator
     return final
 
 
-def read_header(path: Path) -> tuple[tuple[int, int], torch.dtype, int]:
+def read_header(path: Path) -> Header:
     """(shape, dtype, data offset) of a logits file; InputError unless a row-major 2-D logits array."""
     with path.open("rb") as fh:
         fmt = np.lib.format
@@ -119,12 +119,18 @@ def read_header(path: Path) -> tuple[tuple[int, int], torch.dtype, int]:
     return shape, dtypes[descr], offset
 
 
-def read_rows(paths: list[Path], n_rows: int) -> Iterator[torch.Tensor]:
+Header = tuple[tuple[int, int], torch.dtype, int]
+
+
+def read_rows(paths: list[Path], n_rows: int, headers: list[Header] | None = None) -> Iterator[torch.Tensor]:
     """Successive blocks of up to `n_rows` rows of the files in order (a block never spans two files),
-    read into one reused buffer: each block is valid until the next."""
+    read into one reused buffer: each block is valid until the next. `headers`: the files' `read_header`s,
+    when read already. numpy parses a header with `ast.literal_eval`, which CPython 3.11.7 fails in two
+    threads at once (a spurious "AST constructor recursion depth mismatch", seen in a full test run), so
+    threads reading files are handed their headers."""
     buffer: torch.Tensor | None = None
-    for path in paths:
-        shape, dtype, offset = read_header(path)
+    for i, path in enumerate(paths):
+        shape, dtype, offset = headers[i] if headers is not None else read_header(path)
         if buffer is None or buffer.dtype != dtype or buffer.shape[1] != shape[1]:
             buffer = torch.empty((n_rows, shape[1]), dtype=dtype)
         raw = buffer.view(torch.uint16) if dtype == torch.bfloat16 else buffer

@@ -48,7 +48,7 @@ def test_token_detail_is_the_same_bits_for_the_first_candidate_and_the_next(
     tmp_path, monkeypatch, three_torch_threads, threads
 ):
     monkeypatch.setattr(kld_detail, "_REFERENCE_ROWS", {})
-    monkeypatch.setattr(kld_detail, "DETAIL_THREADS", threads)  # each block's rows split between threads
+    monkeypatch.setattr(kld_detail, "DETAIL_THREADS", threads)  # windows split between threads
     monkeypatch.setattr(kld_detail, "CACHE_BYTES", 3 * 8 * 1000)  # 3 rows at a time: blocks split unevenly
     torch.manual_seed(0)
     ref = [(torch.randn(n, 1000) * 4).to(torch.bfloat16) for n in (11, 6)]
