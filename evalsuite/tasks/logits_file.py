@@ -102,6 +102,10 @@ def write_window_chunks(folder: Path, window: int, n_rows: int, chunks: Iterator
     return final
 
 
+# A logits file's (shape, dtype, data offset), as `read_header` returns it.
+Header = tuple[tuple[int, int], torch.dtype, int]
+
+
 def read_header(path: Path) -> Header:
     """(shape, dtype, data offset) of a logits file; InputError unless a row-major 2-D logits array."""
     with path.open("rb") as fh:
@@ -117,9 +121,6 @@ def read_header(path: Path) -> Header:
     if fortran or len(shape) != 2 or descr not in dtypes:
         raise InputError("not a row-major 2-D logits array", path)
     return shape, dtypes[descr], offset
-
-
-Header = tuple[tuple[int, int], torch.dtype, int]
 
 
 def read_rows(paths: list[Path], n_rows: int, headers: list[Header] | None = None) -> Iterator[torch.Tensor]:
