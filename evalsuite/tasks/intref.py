@@ -24,6 +24,7 @@ from evalsuite.observation import Observation
 from evalsuite.side import Side
 from evalsuite.spec import TaskSpec
 from evalsuite.task import Inputs, Need, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.tasks.kld_detail import above_floor
 from evalsuite.tasks.noise_floor import NoiseFloorOptions, NoisyWindowLogits
 from evalsuite.tasks.ppl import CompareOptions
 from evalsuite.tasks.window_logits import (
@@ -216,14 +217,14 @@ def _floor_metrics(
     floor_mean = metrics.mean_with_stderr(kld_floor)
     same_floor = hf.arrays["top"] == floor.arrays["top"]
     same_top_floor = metrics.rate_with_stderr(same_floor)
-    above = metrics.paired_difference(kld_floor, kld_ih)
+    above, above_se, ratio = above_floor(kld_ih, kld_floor, floor_mean.value, windows)
     return {
         "kld_hf_floor": floor_mean.value,
         "kld_hf_floor_stderr_window": metrics.clustered_stderr(kld_floor, windows),
         "same_top_hf_floor": same_top_floor.value,
-        "kld_int_vs_hf_floor_ratio": metrics.ratio_to_floor(float(np.mean(kld_ih)), floor_mean.value),
+        "kld_int_vs_hf_floor_ratio": ratio,
         "kld_int_vs_hf_above_floor": above.value,
-        "kld_int_vs_hf_above_floor_stderr_window": metrics.clustered_stderr(kld_ih - kld_floor, windows),
+        "kld_int_vs_hf_above_floor_stderr_window": above_se,
         "same_top_int_vs_hf_below_floor": same_top_floor.value - float(np.mean(same_ih)),
         "same_top_int_vs_hf_below_floor_stderr_window": metrics.clustered_stderr(
             same_floor.astype(np.float64) - same_ih.astype(np.float64), windows

@@ -338,19 +338,27 @@ def floor_metrics(
     1.96 window-clustered standard errors. Also the floor's per-token KLD."""
     floor_kld = _floor_kld(ref, floor, chunk_rows)
     est = metrics.mean_with_stderr(floor_kld)
-    excess = metrics.paired_difference(floor_kld, kld)
-    excess_se = metrics.clustered_stderr(kld - floor_kld, windows)
-    kld_mean = float(np.mean(kld))
+    excess, excess_se, ratio = above_floor(kld, floor_kld, est.value, windows)
     within = excess.value <= 0 or not metrics.distinguishable(excess, excess_se)
     return {
         "kld_floor": est.value,
         "kld_floor_stderr": est.stderr,
         "kld_floor_stderr_window": metrics.clustered_stderr(floor_kld, windows),
-        "kld_floor_ratio": metrics.ratio_to_floor(kld_mean, est.value),
+        "kld_floor_ratio": ratio,
         "kld_above_floor": excess.value,
         "kld_above_floor_stderr_window": excess_se,
         "within_noise_floor": bool(within),
     }, floor_kld
+
+
+def above_floor(
+    kld: np.ndarray, floor_kld: np.ndarray, floor_mean: float, windows: np.ndarray
+) -> tuple[metrics.Estimate, float, float]:
+    """A per-token KLD's excess over a noise floor's, paired by token, its window-clustered standard error,
+    and its mean in units of the floor's mean (`floor_mean`)."""
+    excess = metrics.paired_difference(floor_kld, kld)
+    excess_se = metrics.clustered_stderr(kld - floor_kld, windows)
+    return excess, excess_se, metrics.ratio_to_floor(float(np.mean(kld)), floor_mean)
 
 
 # The floor's per-token KLD by the two observations' keys: it is the reference's alone, the same for every
