@@ -42,9 +42,9 @@ FIXTURES = Path(
 TINY = (TINY_BF16, TINY_W4A8)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Two workers share two cores: a second torch thread in a worker's own (in-process) runs only spins in
-    # OpenMP barriers while the other worker's core is busy, which made a 1 s refusal take 24 s. The CLI runs
-    # in child processes keep torch's default, so their numbers are those a user gets.
+    # Two workers share two cores: a second torch thread only spins in OpenMP barriers while the other
+    # worker's core is busy, which made a 1 s refusal take 24 s in a worker's own (in-process) runs, and
+    # cost the CLI runs in child processes a quarter of the tier's CPU time (see `run_cli`).
     import torch
 
     torch.set_num_threads(1)
@@ -95,8 +95,13 @@ class CliResult:
 def run_cli(
     *args: str | Path, cwd: Path | None = None, timeout: float = 1200, env: dict[str, str] | None = None
 ) -> CliResult:
-    """Run `evalsuite ARGS` as a subprocess, the way users and CI run it (`env` adds variables)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    """Run `evalsuite ARGS` as a subprocess, the way users and CI run it (`env` adds variables).
+
+    Under pytest-xdist each child gets one OpenMP thread unless the caller's environment sets a count: its
+    second thread would spin in barriers against the other worker (measured in one A/B pair of default-tier
+    runs: 552 s with torch's default, 414 s with one thread, every test green both times)."""
+    threads = {"OMP_NUM_THREADS": "1"} if os.environ.get("PYTEST_XDIST_WORKER") else {}
+    env = {**threads, **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "evalsuite.cli", *map(str, args)],
         capture_output=True,

@@ -335,3 +335,16 @@ def test_sides_given_other_choices_or_other_tasks_are_refused(tmp_path):
     other.meta["lmeval_tasks_sha256"] = "f" * 64
     with pytest.raises(InputError, match="other configs or documents"):
         lmeval_task().compare({"ref": observation(REF), "ckpt": other}, tmp_path)
+
+
+def test_lm_eval_s_environment_survey_is_off_inside_and_restored_after():
+    import lm_eval.evaluator as evaluator
+
+    from evalsuite.tasks.lmeval import without_environment_survey
+
+    before = evaluator.add_env_info, evaluator.get_git_commit_hash
+    with without_environment_survey():
+        storage: dict = {}
+        evaluator.add_env_info(storage)
+        assert storage == {} and evaluator.get_git_commit_hash() is None
+    assert (evaluator.add_env_info, evaluator.get_git_commit_hash) == before
