@@ -98,8 +98,8 @@ def run_cli(
     """Run `evalsuite ARGS` as a subprocess, the way users and CI run it (`env` adds variables).
 
     Under pytest-xdist each child gets one OpenMP thread unless the caller's environment sets a count: its
-    second thread would spin in barriers against the other worker (measured in one A/B pair of default-tier
-    runs: 552 s with torch's default, 414 s with one thread, every test green both times)."""
+    second thread would spin in barriers against the other worker (README: the default tier's time with and
+    without it)."""
     threads = {"OMP_NUM_THREADS": "1"} if os.environ.get("PYTEST_XDIST_WORKER") else {}
     env = {**threads, **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(
