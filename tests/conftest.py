@@ -44,7 +44,7 @@ TINY = (TINY_BF16, TINY_W4A8)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers share two cores: a second torch thread only spins in OpenMP barriers while the other
     # worker's core is busy, which made a 1 s refusal take 24 s in a worker's own (in-process) runs, and
-    # cost the CLI runs in child processes a quarter of the tier's CPU time (see `run_cli`).
+    # cost the CLI runs in child processes much of the tier's CPU time (see `run_cli`).
     import torch
 
     torch.set_num_threads(1)

@@ -152,23 +152,21 @@ def quiet_lm_eval() -> Iterator[None]:
 @contextlib.contextmanager
 def without_environment_survey() -> Iterator[None]:
     """`simple_evaluate` without the survey of the machine it appends to every result: lm-eval has no switch
-    for it, and it runs `git`, `pip`, `conda` and `nvidia-smi` in subprocesses (torch's `collect_env`, about a
-    second per call here) for keys evalsuite never reads (`pretty_env_info`, `git_hash`, `upper_git_hash`);
-    what evalsuite records of the machine is its own `machine` block. Where a later lm-eval moves these
-    functions, its survey simply runs."""
+    for it, and it runs `git`, `pip`, `conda` and `nvidia-smi` in subprocesses (torch's `collect_env`) for
+    keys evalsuite never reads (`pretty_env_info`, `git_hash`, `upper_git_hash`); what evalsuite records of
+    the machine is its own `machine` block. Where a later lm-eval moves these functions, its survey simply
+    runs."""
     import lm_eval.evaluator as evaluator
 
-    saved = {name: getattr(evaluator, name, None) for name in ("add_env_info", "get_git_commit_hash")}
-    if saved["add_env_info"] is not None:
-        evaluator.add_env_info = lambda storage: None
-    if saved["get_git_commit_hash"] is not None:
-        evaluator.get_git_commit_hash = lambda: None
+    no_ops = {"add_env_info": lambda storage: None, "get_git_commit_hash": lambda: None}
+    saved = {name: getattr(evaluator, name) for name in no_ops if hasattr(evaluator, name)}
+    for name in saved:
+        setattr(evaluator, name, no_ops[name])
     try:
         yield
     finally:
         for name, value in saved.items():
-            if value is not None:
-                setattr(evaluator, name, value)
+            setattr(evaluator, name, value)
 
 
 def shipped_task_folder() -> Path:
