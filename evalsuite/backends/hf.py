@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
-from evalsuite.backends.options import DTYPE_NAMES, BackendOptions
+from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION, DTYPE_NAMES, BackendOptions
 from evalsuite.backends.packed_zero_points import zero_points_packed_on_meta
 from evalsuite.backends.token_chunks import mlp_in_chunks
 from evalsuite.checkpoint import Checkpoint
@@ -110,7 +110,40 @@ def transformers_config(checkpoint: Checkpoint, options: BackendOptions) -> tupl
         raise InputError(
             f"Transformers cannot read the config: {_first_line(exc)}", checkpoint.path
         ) from None
+    if options.convention_map.get(ADD_ACTIVATION_QUANTIZATION):
+        config.quantization_config = with_activation_quantization(
+            getattr(config, "quantization_config", None), checkpoint
+        )
+        kwargs["config"] = config  # from_pretrained would read the files' config again otherwise
     return config, kwargs
+
+
+# The input activations `ADD_ACTIVATION_QUANTIZATION` gives a weight-only group: compressed-tensors' own
+# dynamic symmetric per-token INT8 quantization, the convention intref adds to such groups.
+DYNAMIC_INT8_PER_TOKEN = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "strategy": "token",
+    "dynamic": True,
+}
+
+
+def with_activation_quantization(qc: Any, checkpoint: Checkpoint) -> dict[str, Any]:
+    """A copy of a compressed-tensors quantization config whose weight-only groups quantize their input
+    activations dynamically per token in INT8 (`DYNAMIC_INT8_PER_TOKEN`); the checkpoint is not touched."""
+    import copy
+
+    if not isinstance(qc, dict) or not isinstance(qc.get("config_groups"), dict):
+        raise InputError(
+            "activation quantization can only be added to a compressed-tensors config with config_groups",
+            checkpoint.path,
+        )
+    qc = copy.deepcopy(qc)
+    for group in qc["config_groups"].values():
+        if isinstance(group, dict) and not group.get("input_activations"):
+            group["input_activations"] = dict(DYNAMIC_INT8_PER_TOKEN)
+    return qc
 
 
 def refuse_partial_load(checkpoint: Checkpoint, info: dict[str, Any]) -> None:
@@ -199,6 +232,17 @@ def check_hf_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
     del model
 
 
+def hf_execution(model_class: str, options: BackendOptions) -> str:
+    """Transformers' execution in words, with the activation quantization added where a convention adds it."""
+    words = f"Transformers {_version('transformers')} ({model_class})"
+    if options.convention_map.get(ADD_ACTIVATION_QUANTIZATION):
+        words += (
+            "; compressed-tensors' dynamic per-token INT8 activations added to the weight-only groups, "
+            "as intref adds them"
+        )
+    return words
+
+
 def _version(package: str) -> str:
     from importlib.metadata import version
 
@@ -268,7 +312,7 @@ class HFBackend:
         """Transformers' own execution of the checkpoint's format."""
         return {
             "backend": "hf",
-            "execution": f"Transformers {_version('transformers')} ({type(self.model).__name__})",
+            "execution": hf_execution(type(self.model).__name__, self.options),
             "format": self.checkpoint.format,
         }
 

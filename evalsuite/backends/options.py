@@ -26,6 +26,12 @@ BACKEND_NAMES = ("hf", "intref", "exl3")
 AUTO_BACKEND = "auto"
 
 
+# Convention of backend `hf`, set by the `intref` task for a weight-only candidate: the config groups that
+# keep 16-bit activations run with dynamic per-token INT8 activation quantization, as intref runs them, so
+# that both executions compute the one W·A8 model.
+ADD_ACTIVATION_QUANTIZATION = "add_activation_quantization"
+
+
 @dataclass(frozen=True)
 class BackendOptions:
     """How one side runs. `conventions` are backend-specific settings (intref's activation divisor and

@@ -59,8 +59,8 @@ from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, score
 from evalsuite.backends.hf import (
     DTYPES,
     _first_line,
-    _version,
     from_pretrained_with_report,
+    hf_execution,
     image_features,
     quiet_transformers,
     refuse_partial_load,
@@ -483,7 +483,7 @@ class StreamedBackend:
         else:
             doc = {
                 "backend": "hf",
-                "execution": f"Transformers {_version('transformers')} ({type(self.model).__name__})",
+                "execution": hf_execution(type(self.model).__name__, self.options),
                 "format": self.checkpoint.format,
             }
         doc["execution"] += ", streamed one decoder layer at a time"

@@ -18,7 +18,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from evalsuite import metrics, plots
-from evalsuite.backends.intref_plan import ActivationConvention, unsupported_reason
+from evalsuite.backends.intref_plan import ActivationConvention, integer_modules
+from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.side import Side
@@ -85,7 +86,8 @@ class IntegerReference:
         "hf_convention": "how Transformers executed the same candidate",
         "ppl_int": "perplexity of the candidate executed in integers (INT8 activations × INT4/INT8 weights)",
         "ppl_int_ratio": "ppl_int / ppl_ref: the W4A8 model's own PPL increase over the reference",
-        "ppl_hf": "perplexity of the same candidate as Transformers runs it (dequantized weights)",
+        "ppl_hf": "perplexity of the same candidate as Transformers runs it (dequantized weights; "
+        "activations as hf_convention says)",
         "kld_int_mean": "mean KL(ref ‖ int): the integer model against the reference",
         "kld_int_vs_hf": "mean KL(int ‖ hf): how far Transformers' execution is from the integer model",
         "same_top_int_vs_hf": "share of positions where the integer and Transformers executions agree on top",
@@ -104,15 +106,24 @@ class IntegerReference:
     def __init__(self, spec: IntrefSpec, context: RunContext) -> None:
         self.spec = spec
         self.context = context
+        # The `hf` execution's conventions, decided from the candidate's scheme in `prepare`.
+        self._hf_conventions: tuple[tuple[str, Any], ...] = ()
 
     def prepare(self, ref: Side, ckpt: Side) -> Inputs:
         """The `ppl` inputs; skipped, with the reason, for a candidate the integer path cannot execute.
 
         `evalsuite record` prepares one side as both (it records the reference, which needs no integer path).
         """
-        reason = unsupported_reason(ckpt.checkpoint) if ckpt is not ref else None
-        if reason is not None:
-            raise TaskSkipped(reason)
+        if ckpt is not ref:
+            try:
+                modules = integer_modules(ckpt.checkpoint)
+            except InputError as exc:
+                raise TaskSkipped(str(exc).removeprefix(f"{ckpt.checkpoint.path}: ")) from None
+            # A weight-only scheme runs in integers with activations intref quantizes itself: Transformers'
+            # execution then quantizes them too, or the two would be two models, not two executions of one.
+            self._hf_conventions = (
+                ((ADD_ACTIVATION_QUANTIZATION, True),) if any(m.weight_only for m in modules.values()) else ()
+            )
         return prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt)
 
     def needs(self) -> list[Need]:
@@ -121,7 +132,7 @@ class IntegerReference:
         needs = [
             Need("ref", "ref", observer),
             Need("int", "ckpt", observer, backend="intref", conventions=conventions),
-            Need("hf", "ckpt", observer, backend="hf"),
+            Need("hf", "ckpt", observer, backend="hf", conventions=self._hf_conventions),
         ]
         if self.spec.hf_floor.enabled:
             noisy = NoisyWindowLogits(
@@ -130,7 +141,7 @@ class IntegerReference:
                 self.spec.compare.kld_chunk_rows,
                 noise=self.spec.hf_floor,
             )
-            needs.append(Need("hf_floor", "ckpt", noisy, backend="hf"))
+            needs.append(Need("hf_floor", "ckpt", noisy, backend="hf", conventions=self._hf_conventions))
         return needs
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
