@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field
+
 from evalsuite.backends.layer_noise import BF16_ROUNDING, noisy_window_logits
 from evalsuite.observation import Observation
 from evalsuite.spec import StrictModel
@@ -22,7 +24,9 @@ class NoiseFloorOptions(StrictModel):
     """`[noise_floor]` of the ppl spec: off in `run`, on in `compare` (the reference run again with noise)."""
 
     enabled: bool = False
-    scale: float = BF16_ROUNDING
+    # Relative noise on each layer's output: positive (zero would make the floor 0 by construction) and
+    # below 1 (noise as large as the signal is no rounding).
+    scale: float = Field(default=BF16_ROUNDING, gt=0, lt=1)
     seed: int = 0
 
 

@@ -16,6 +16,7 @@ from evalsuite.checkpoint import Checkpoint
 from evalsuite.corpus import python_docs_text
 from evalsuite.errors import InputError
 from tests.conftest import (
+    cli_in_process,
     config_edited_copy,
     copy_checkpoint,
     edit_tensors,
@@ -209,3 +210,28 @@ def test_intref_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tiny_ru
         "kld_int_vs_hf_above_floor",
         "same_top_int_vs_hf_below_floor",
     }
+
+
+@pytest.mark.parametrize(
+    ("task", "table", "value"),
+    [("intref", "hf_floor", "0.0"), ("intref", "hf_floor", "1.5"), ("ppl", "noise_floor", "-0.001")],
+)
+def test_a_noise_floor_scale_that_is_no_rounding_is_refused_naming_the_file(
+    tiny_pair, tmp_path, task, table, value
+):
+    from evalsuite.spec import default_spec_path
+
+    text = default_spec_path(task).read_text()
+    if f"[{table}]" in text:
+        text = re.sub(rf"(\[{table}\][^\[]*?)scale = [^\n#]+", rf"\g<1>scale = {value}", text, count=1)
+    else:
+        text += f"\n[{table}]\nscale = {value}\n"
+    assert f"scale = {value}" in text
+    spec = tmp_path / f"{task}.toml"
+    spec.write_text(text)
+    pair = (tiny_pair["tiny-minicpmv47-w4a8"], tiny_pair["tiny-minicpmv47-bf16"])
+    args = ("run", "--ckpt", pair[0], "--ref", pair[1], "--tasks", task, "--spec", f"{task}={spec}")
+    code, errors, _ = cli_in_process(*args, "--out", tmp_path / "out", "--quiet")
+    assert code == 2 and len(errors) == 1, errors
+    assert str(spec) in errors[0] and "scale" in errors[0], errors
+    assert not (tmp_path / "out" / "results.json").exists()
