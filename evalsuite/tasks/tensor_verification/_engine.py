@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
 import os
+import signal
+import sys
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -330,21 +333,126 @@ def _jobs(pairs: list[Pair], source: dict[str, TensorInfo]) -> Iterator[list[Pai
         yield job
 
 
+# Workers that measure jobs at once: processes forked from this one, each with its own GIL, or threads of
+# this one. A job is a chain of short numpy and torch calls, and the Python between them holds the GIL: on a
+# checkpoint of many small experts two threads measured no faster than one (README, `tensors`), while two
+# forked processes share nothing but the page cache. Forking needs a platform that forks safely (Linux);
+# elsewhere, and for one worker, threads.
+WorkerKind = Literal["process", "thread"]
+
+
+def default_worker_kind(workers: int) -> WorkerKind:
+    """Processes where there is more than one worker and this platform forks (Linux), else threads."""
+    forks = sys.platform == "linux" and "fork" in multiprocessing.get_all_start_methods()
+    return "process" if workers > 1 and forks else "thread"
+
+
+Measured = list[tuple[TensorRow, list[Problem]]]
+
+
+@dataclass(frozen=True)
+class _Work:
+    """What every job of one verification is measured against."""
+
+    source: Checkpoint
+    candidate: Checkpoint
+    verifier: FormatVerifier | None
+    rules: ModuleRules
+
+    def measure(self, job: list[Pair], reader: ShardReader) -> Measured:
+        return _measure_pairs(job, self.source, self.candidate, self.verifier, self.rules, reader)
+
+
+def _measured_in_threads(jobs: list[list[Pair]], work: _Work, workers: int) -> Iterator[Measured]:
+    """Each job's rows and problems, in job order, measured by `workers` threads of this process."""
+    local, readers = threading.local(), []
+
+    def measure(job: list[Pair]) -> Measured:
+        reader = getattr(local, "reader", None)
+        if reader is None:
+            reader = local.reader = ShardReader()
+            readers.append(reader)
+        return work.measure(job, reader)
+
+    try:
+        with one_torch_thread(), ThreadPoolExecutor(workers, thread_name_prefix="tensors") as pool:
+            yield from pool.map(measure, jobs)
+    finally:
+        for reader in readers:
+            reader.__exit__()
+
+
+# What forked workers inherit instead of receiving it pickled: set just before the pool forks, cleared after.
+_FORKED: dict[str, Any] = {}
+
+
+def _measured_in_processes(jobs: list[list[Pair]], work: _Work, workers: int) -> Iterator[Measured]:
+    """Each job's rows and problems, in job order, measured by `workers` processes forked from this one.
+
+    The children inherit the checkpoints, the verifier and the jobs (nothing of them is pickled) and send back
+    only rows, problems and the config matches they computed, which the parent's verifier keeps for
+    `check_config` (matching is regular expressions in Python: milliseconds per module). What the measure
+    imports on first use is imported here first, or each child would import it again."""
+    if work.candidate.format == "compressed-tensors":
+        import compressed_tensors.compressors
+        import compressed_tensors.quantization
+        import compressed_tensors.utils.match  # noqa: F401
+    cache = getattr(work.verifier, "_coverage", None)
+    _FORKED.update(work=work, jobs=jobs)
+    context = multiprocessing.get_context("fork")
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_forked_worker)
+    try:
+        for measured, matched in pool.map(_forked_measure, range(len(jobs))):
+            if cache is not None:
+                cache.update(matched)
+            yield measured
+    except BaseException:
+        # An interrupt (or a failed job) stops the pool at the jobs running now, not after the rest.
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    else:
+        pool.shutdown(wait=True)
+    finally:
+        _FORKED.clear()
+
+
+def _forked_worker() -> None:
+    """A forked worker's start: one torch thread, its own reader, and an interrupt left to the parent (which
+    stops the pool), so that Ctrl-C prints no traceback per child."""
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    _FORKED["reader"] = ShardReader()
+
+
+def _forked_measure(index: int) -> tuple[Measured, dict[Any, Any]]:
+    """Job `index` measured in a forked worker, with the config matches it added to the verifier's cache."""
+    work: _Work = _FORKED["work"]
+    cache = getattr(work.verifier, "_coverage", None)
+    before = set(cache) if cache is not None else set()
+    measured = work.measure(_FORKED["jobs"][index], _FORKED["reader"])
+    matched = {key: value for key, value in cache.items() if key not in before} if cache is not None else {}
+    return measured, matched
+
+
 def verify_tensors(
     source: Checkpoint,
     candidate: Checkpoint,
     rules: ModuleRules,
     workers: int | None = None,
     library_check: LibraryCheck = "sample",
+    worker_kind: WorkerKind | None = None,
 ) -> Verification:
     """Stream the source tensor by tensor (shard by shard, in file order) with the candidate tensors each one
     pairs with; classify and measure every pair, then check the candidate's config against the tensors.
 
-    `workers` threads (default: the CPU count, at most 4) measure jobs of consecutive tensors (`_jobs`) at
-    once, each with its own reader and buffers, so memory grows by a few blocks per worker (and the rows the
-    library cross-checks, at most `LIBRARY_BATCH_ELEMENTS` per scheme), never by a tensor. The arithmetic
-    (numpy, torch, hashlib, file reads) releases the GIL. `library_check` says which rows of a
-    compressed-tensors weight its library decodes too, beside evalsuite's decode of every row.
+    `workers` (default: the CPU count, at most 4) measure jobs of consecutive tensors (`_jobs`) at once, each
+    with its own reader and buffers, so memory grows by a few blocks per worker (and the rows the library
+    cross-checks, at most `LIBRARY_BATCH_ELEMENTS` per scheme), never by a tensor; `worker_kind` (default
+    `default_worker_kind`) says whether they are forked processes or threads, which give the same rows.
+    `library_check` says which rows of a compressed-tensors weight its library decodes too, beside
+    evalsuite's decode of every row.
     """
     verifier = format_verifier(candidate, library_check)
     pairs, unexpected = pair_tensors(
@@ -357,27 +465,16 @@ def verify_tensors(
     # Source order: each shard read once, front to back.
     where = {name: (shard_order[info.shard], info.data_begin) for name, info in source.tensors.items()}
     pairs.sort(key=lambda p: where[p.tied_to or p.source])
-    workers = workers or min(4, os.cpu_count() or 1)
-    local, readers = threading.local(), []
-
-    def measure(job: list[Pair]) -> list[tuple[TensorRow, list[Problem]]]:
-        reader = getattr(local, "reader", None)
-        if reader is None:
-            reader = local.reader = ShardReader()
-            readers.append(reader)
-        return _measure_pairs(job, source, candidate, verifier, rules, reader)
-
+    workers = workers or min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    kind = worker_kind or default_worker_kind(workers)
     rows: list[TensorRow] = []
     problems: list[Problem] = []
-    try:
-        with one_torch_thread(), ThreadPoolExecutor(workers, thread_name_prefix="tensors") as pool:
-            for measured in pool.map(measure, _jobs(pairs, source.tensors)):
-                for row, found in measured:
-                    rows.append(row)
-                    problems += found
-    finally:
-        for reader in readers:
-            reader.__exit__()
+    measure = _measured_in_processes if kind == "process" else _measured_in_threads
+    work = _Work(source, candidate, verifier, rules)
+    for measured in measure(list(_jobs(pairs, source.tensors)), work, workers):
+        for row, found in measured:
+            rows.append(row)
+            problems += found
     rows.sort(key=lambda r: r.name)
     extra: list[UnexpectedRow] = []
     for name in unexpected:
