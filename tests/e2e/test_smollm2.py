@@ -84,6 +84,24 @@ def same_kernels(environment: dict) -> bool:
 # against itself under other kernels at a KLD of about 0.002, PPL about 0.1% apart and 2% of top tokens
 # flipped; this bound holds that with room, and still fails on what a changed computation would move.
 ACROSS_MACHINES = 0.02
+# The figures that bound holds for across kernels: means and rates over all 2,040 scored tokens. Extremes,
+# tails, standard errors, confidence buckets and differences of two near-equal executions are set by a
+# handful of tokens, which other roundings move by far more (between an AVX2 and an AVX-512 BF16 machine:
+# kld_max 23 %, the floor-relative intref figures 87 % and more); across kernels those are checked for their
+# presence and type only, and the file-only `tensors` figures exactly.
+ACROSS_MACHINES_FIGURES = {
+    "ppl": ("ppl_ref", "ppl_ckpt", "ppl_ratio", "kld_mean", "same_top_p", "delta_p_mean"),
+    "intref": (
+        "ppl_ref",
+        "ppl_int",
+        "ppl_int_ratio",
+        "ppl_hf",
+        "kld_int_mean",
+        "same_top_int",
+        "kld_int_vs_hf",
+        "same_top_int_vs_hf",
+    ),
+}
 
 
 def test_replay_against_the_committed_recording_matches_the_live_run(smollm2_run, smollm2_replay):
@@ -97,7 +115,16 @@ def test_replay_against_the_committed_recording_matches_the_live_run(smollm2_run
     assert replay["kld_mean"] == pytest.approx(live["kld_mean"], rel=0.01)
     assert replay["kld_median"] == pytest.approx(live["kld_median"], rel=0.05)
     assert replay["kld_p99"] == pytest.approx(live["kld_p99"], rel=0.05)
-    assert smollm2_replay.task("smoke")["details"] == smollm2_run.task("smoke")["details"]
+    replayed, lived = smollm2_replay.task("smoke")["details"], smollm2_run.task("smoke")["details"]
+    if same_kernels(recorded):
+        assert replayed == lived
+    else:
+        # The recorded reference's greedy answers are the recording machine's (its own roundings); the
+        # candidate's, live on both runs, must be the same.
+        def candidate(details: list[dict]) -> list[tuple]:
+            return [(d["id"], d["ckpt_answer"], d["ckpt_pass"]) for d in details]
+
+        assert candidate(replayed) == candidate(lived)
     assert smollm2_replay.metrics("intref")["ppl_int"] == smollm2_run.metrics("intref")["ppl_int"]
 
 
@@ -105,12 +132,18 @@ def test_the_committed_report_is_what_the_demo_writes(smollm2_run):
     """reports/smollm2-135m-w4a8 (committed) holds the demo's metrics as this code computes them."""
     committed = json.loads((REPO / "reports" / "smollm2-135m-w4a8" / "results.json").read_text())
     # Another CPU's kernels round a few bf16 logits differently (1e-6 is far below any error bar shown).
-    rel = 1e-6 if same_kernels(committed.get("environment") or {}) else ACROSS_MACHINES
+    same = same_kernels(committed.get("environment") or {})
     for task in ("ppl", "intref", "tensors"):
+        # `tensors` reads files only: its figures are the same on any machine.
+        rel = 1e-6 if same or task == "tensors" else ACROSS_MACHINES
         live = smollm2_run.metrics(task)
         assert committed["tasks"][task]["metrics"].keys() == live.keys(), task
         for name, value in committed["tasks"][task]["metrics"].items():
             if name.endswith("_execution"):
                 continue  # names the Transformers version, which CI may not share
-            expected = pytest.approx(live[name], rel=rel) if isinstance(value, float) else live[name]
-            assert value == expected, (task, name)
+            if not isinstance(value, float):
+                assert value == live[name], (task, name)
+            elif rel == 1e-6 or name in ACROSS_MACHINES_FIGURES[task]:
+                assert value == pytest.approx(live[name], rel=rel), (task, name)
+            else:
+                assert isinstance(live[name], float), (task, name)
