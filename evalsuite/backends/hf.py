@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
+from evalsuite.backends.intref_plan import DYNAMIC_INT8_PER_TOKEN
 from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION, DTYPE_NAMES, BackendOptions
 from evalsuite.backends.packed_zero_points import zero_points_packed_on_meta
 from evalsuite.backends.token_chunks import mlp_in_chunks
@@ -116,17 +117,6 @@ def transformers_config(checkpoint: Checkpoint, options: BackendOptions) -> tupl
         )
         kwargs["config"] = config  # from_pretrained would read the files' config again otherwise
     return config, kwargs
-
-
-# The input activations `ADD_ACTIVATION_QUANTIZATION` gives a weight-only group: compressed-tensors' own
-# dynamic symmetric per-token INT8 quantization, the convention intref adds to such groups.
-DYNAMIC_INT8_PER_TOKEN = {
-    "num_bits": 8,
-    "type": "int",
-    "symmetric": True,
-    "strategy": "token",
-    "dynamic": True,
-}
 
 
 def with_activation_quantization(qc: Any, checkpoint: Checkpoint) -> dict[str, Any]:

@@ -47,6 +47,18 @@ class ActivationConvention(StrictModel):
             raise InputError(f"invalid intref activation convention: {exc.errors()[0]['msg']}") from None
 
 
+# The input activations the integer path executes: dynamic symmetric per-token INT8, as compressed-tensors
+# writes them in a config group. Backend `hf` gives a weight-only group these very ones when a task asks it
+# to run a candidate as intref does (`ADD_ACTIVATION_QUANTIZATION`).
+DYNAMIC_INT8_PER_TOKEN = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "strategy": "token",
+    "dynamic": True,
+}
+
+
 @dataclass(frozen=True)
 class QuantizedModule:
     """A module the file stores quantized: its name, weight bits and logical shape, and how it is stored:
@@ -203,12 +215,10 @@ def _check_quantization_config(qc: dict[str, Any], path: Path) -> None:
             )
         if inputs is None:
             continue  # weight-only: the integer path quantizes activations itself (and reports so)
-        a_ok = (
-            inputs.get("num_bits") == 8
-            and inputs.get("type") == "int"
-            and inputs.get("symmetric") is True
-            and inputs.get("strategy") == "token"
-            and inputs.get("dynamic") is True
+        # The flags must be JSON `true` itself (a 1 is not), the rest equal.
+        a_ok = all(
+            inputs.get(key) is value if isinstance(value, bool) else inputs.get(key) == value
+            for key, value in DYNAMIC_INT8_PER_TOKEN.items()
         )
         if not a_ok:
             raise InputError(
@@ -221,10 +231,15 @@ def _check_quantization_config(qc: dict[str, Any], path: Path) -> None:
             raise InputError(f"{where} quantizes output activations; the integer path does not", path)
 
 
-def unsupported_reason(checkpoint: Checkpoint) -> str | None:
-    """Why the integer path cannot execute this checkpoint (from its files), or None when it can."""
+def integer_modules_or_reason(checkpoint: Checkpoint) -> dict[str, QuantizedModule] | str:
+    """`integer_modules`, or why the integer path cannot execute this checkpoint (from its files)."""
     try:
-        integer_modules(checkpoint)
+        return integer_modules(checkpoint)
     except InputError as exc:
         return str(exc).removeprefix(f"{checkpoint.path}: ")
-    return None
+
+
+def unsupported_reason(checkpoint: Checkpoint) -> str | None:
+    """Why the integer path cannot execute this checkpoint (from its files), or None when it can."""
+    found = integer_modules_or_reason(checkpoint)
+    return found if isinstance(found, str) else None

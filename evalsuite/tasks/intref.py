@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from evalsuite import metrics, plots
-from evalsuite.backends.intref_plan import ActivationConvention, integer_modules
+from evalsuite.backends.intref_plan import ActivationConvention, integer_modules_or_reason
 from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
@@ -115,10 +115,9 @@ class IntegerReference:
         `evalsuite record` prepares one side as both (it records the reference, which needs no integer path).
         """
         if ckpt is not ref:
-            try:
-                modules = integer_modules(ckpt.checkpoint)
-            except InputError as exc:
-                raise TaskSkipped(str(exc).removeprefix(f"{ckpt.checkpoint.path}: ")) from None
+            modules = integer_modules_or_reason(ckpt.checkpoint)
+            if isinstance(modules, str):
+                raise TaskSkipped(modules)
             # A weight-only scheme runs in integers with activations intref quantizes itself: Transformers'
             # execution then quantizes them too, or the two would be two models, not two executions of one.
             self._hf_conventions = (

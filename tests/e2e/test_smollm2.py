@@ -135,7 +135,8 @@ def test_the_committed_report_is_what_the_demo_writes(smollm2_run):
     same = same_kernels(committed.get("environment") or {})
     for task in ("ppl", "intref", "tensors"):
         # `tensors` reads files only: its figures are the same on any machine.
-        rel = 1e-6 if same or task == "tensors" else ACROSS_MACHINES
+        exact = same or task == "tensors"
+        rel = 1e-6 if exact else ACROSS_MACHINES
         live = smollm2_run.metrics(task)
         assert committed["tasks"][task]["metrics"].keys() == live.keys(), task
         for name, value in committed["tasks"][task]["metrics"].items():
@@ -143,7 +144,7 @@ def test_the_committed_report_is_what_the_demo_writes(smollm2_run):
                 continue  # names the Transformers version, which CI may not share
             if not isinstance(value, float):
                 assert value == live[name], (task, name)
-            elif rel == 1e-6 or name in ACROSS_MACHINES_FIGURES[task]:
+            elif exact or name in ACROSS_MACHINES_FIGURES[task]:
                 assert value == pytest.approx(live[name], rel=rel), (task, name)
             else:
                 assert isinstance(live[name], float), (task, name)

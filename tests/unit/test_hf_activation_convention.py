@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from evalsuite.backends.hf import DYNAMIC_INT8_PER_TOKEN, HFBackend, with_activation_quantization
+from evalsuite.backends.hf import HFBackend, with_activation_quantization
+from evalsuite.backends.intref_plan import DYNAMIC_INT8_PER_TOKEN
 from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION, BackendOptions
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError

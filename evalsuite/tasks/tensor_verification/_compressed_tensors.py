@@ -164,15 +164,15 @@ class CompressedTensorsVerifier:
         self.skeleton = skeleton or {}
         # The config's word on each module, asked once per module in `measure` and again in `check_config`:
         # compressed-tensors' matching is regular expressions in Python, milliseconds per module, which a
-        # checkpoint of thousands of small expert weights pays thousands of times.
-        self._coverage: dict[tuple[str, ModuleKind], Coverage] = {}
+        # checkpoint of thousands of small expert weights pays thousands of times (see `FormatVerifier`).
+        self.module_matches: dict[tuple[str, ModuleKind], Coverage] = {}
 
     def covering(self, module: str, kind: ModuleKind) -> Coverage:
         """`SchemeLookup.covering` of a module, with the skeleton's instance of it, computed once."""
         key = (module, kind)
-        found = self._coverage.get(key)
+        found = self.module_matches.get(key)
         if found is None:
-            found = self._coverage[key] = self.lookup.covering(module, kind, self.skeleton.get(module))
+            found = self.module_matches[key] = self.lookup.covering(module, kind, self.skeleton.get(module))
         return found
 
     def measure(

@@ -55,6 +55,10 @@ class FormatVerifier(Protocol):
         themselves."""
         ...
 
+    # What `measure_many` computed per module and `check_config` asks again (the config's word on each
+    # module), kept by key: a forked worker's additions are sent back and merged into the parent's.
+    module_matches: dict[Any, Any]
+
 
 def format_verifier(candidate: Checkpoint, library_check: LibraryCheck = "sample") -> FormatVerifier | None:
     """How a candidate's quantized format is verified; None for a dense (unquantized) candidate.
@@ -397,14 +401,13 @@ def _measured_in_processes(jobs: list[list[Pair]], work: _Work, workers: int) ->
         import compressed_tensors.compressors
         import compressed_tensors.quantization
         import compressed_tensors.utils.match  # noqa: F401
-    cache = getattr(work.verifier, "_coverage", None)
+    cache = work.verifier.module_matches if work.verifier is not None else {}
     _FORKED.update(work=work, jobs=jobs)
     context = multiprocessing.get_context("fork")
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_forked_worker)
     try:
         for measured, matched in pool.map(_forked_measure, range(len(jobs))):
-            if cache is not None:
-                cache.update(matched)
+            cache.update(matched)
             yield measured
     except BaseException:
         # An interrupt (or a failed job) stops the pool at the jobs running now, not after the rest.
@@ -429,11 +432,10 @@ def _forked_worker() -> None:
 def _forked_measure(index: int) -> tuple[Measured, dict[Any, Any]]:
     """Job `index` measured in a forked worker, with the config matches it added to the verifier's cache."""
     work: _Work = _FORKED["work"]
-    cache = getattr(work.verifier, "_coverage", None)
-    before = set(cache) if cache is not None else set()
+    cache = work.verifier.module_matches if work.verifier is not None else {}
+    before = set(cache)
     measured = work.measure(_FORKED["jobs"][index], _FORKED["reader"])
-    matched = {key: value for key, value in cache.items() if key not in before} if cache is not None else {}
-    return measured, matched
+    return measured, {key: value for key, value in cache.items() if key not in before}
 
 
 def verify_tensors(
@@ -465,7 +467,8 @@ def verify_tensors(
     # Source order: each shard read once, front to back.
     where = {name: (shard_order[info.shard], info.data_begin) for name, info in source.tensors.items()}
     pairs.sort(key=lambda p: where[p.tied_to or p.source])
-    workers = workers or min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = workers or min(4, usable or 1)
     kind = worker_kind or default_worker_kind(workers)
     rows: list[TensorRow] = []
     problems: list[Problem] = []

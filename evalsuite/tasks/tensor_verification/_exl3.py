@@ -54,6 +54,7 @@ class Exl3Verifier:
 
     def __init__(self, format: Exl3) -> None:
         self.format = format
+        self.module_matches: dict[Any, Any] = {}  # nothing of `measure_many` is asked again in check_config
 
     def measure_many(
         self, modules: Sequence[tuple[TensorInfo, dict[str, TensorInfo], TensorRow]], reader: ShardReader
