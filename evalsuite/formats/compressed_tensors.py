@@ -398,7 +398,9 @@ def library_decode(
     Every array is as stored, for the same rows: `weight` the int32 words (pack-quantized), uint8 FP4 pairs
     (nvfp4 / mxfp4), int8 values or FP8 bytes, `scale` the scale rows (bf16 and FP8 as their raw bits),
     `zero_point` the zero points (pack-quantized packs them along the rows, 32 / b rows per word),
-    `global_scale` NVFP4's one float32. The decompressor does not apply `weight_g_idx`.
+    `global_scale` NVFP4's float32: the tensor's one, as stored, or one per row, shape (rows, 1, 1), for the
+    rows of several tensors in one call (the decompressor divides each group scale by it elementwise, so each
+    row by its own tensor's). The decompressor does not apply `weight_g_idx`.
     """
     import torch
 

@@ -546,3 +546,41 @@ def test_decode_by_table_is_bit_identical_to_the_formula(
             ours = ct_decode.reference_decode(*args, global_scale=global_scale)
             spec = _decode_by_formula(*args, global_scale)
         assert np.array_equal(ours.view(np.uint32), spec.view(np.uint32))
+
+
+def _nvfp4_library_calls(llmc_tiny, monkeypatch, differ_when_batched: bool):
+    """verify_tensors of llm-compressor's NVFP4A16 pack of the tiny Llama, with every call of the library's
+    decoder recorded (the real decoder; with `differ_when_batched`, a call holding rows of several tensors
+    returns column 1 decoded differently)."""
+    from evalsuite.tasks.tensor_verification import _compressed_tensors
+
+    calls: list[int] = []
+
+    def recorded(*args, **kwargs):
+        decoded = ct.library_decode(*args, **kwargs)
+        global_scale = kwargs.get("global_scale")
+        calls.append(1 if global_scale is None else int(np.unique(global_scale).size))
+        if differ_when_batched and calls[-1] > 1:
+            decoded[:, 1] += 1
+        return decoded
+
+    monkeypatch.setattr(_compressed_tensors, "library_decode", recorded)
+    source = Checkpoint.open(llmc_tiny["tiny-llama-bf16"])
+    candidate = Checkpoint.open(llmc_tiny["tiny-llama-llmc"] / "nvfp4a16")
+    return verify_tensors(source, candidate, RULES, workers=1), calls
+
+
+def test_nvfp4_weights_are_cross_checked_many_tensors_a_call(llmc_tiny, monkeypatch):
+    found, calls = _nvfp4_library_calls(llmc_tiny, monkeypatch, differ_when_batched=False)
+    nvfp4 = [r for r in found.rows if r.get("format") == "nvfp4-pack-quantized"]
+    assert len(nvfp4) > 1 and all(r["decode_exact"] is True and r["library_checked_rows"] for r in nvfp4)
+    # Each tensor's own global scale rides with its rows: far fewer calls than tensors, each holding several.
+    assert len(calls) < len(nvfp4) and max(calls) > 1
+    assert found.summary()["decode_exact"] is True and not found.problems
+
+
+def test_a_difference_only_a_batched_nvfp4_decode_shows_is_not_reported(llmc_tiny, monkeypatch):
+    found, calls = _nvfp4_library_calls(llmc_tiny, monkeypatch, differ_when_batched=True)
+    # Every batched difference was decoded again on its own, as stored, where both decodes agree.
+    assert max(calls) > 1 and calls.count(1) > 0
+    assert found.summary()["decode_exact"] is True and not found.problems

@@ -84,6 +84,7 @@ class _Sample:
     weight: np.ndarray
     scale: np.ndarray
     ours: np.ndarray
+    global_scale: float | None = None  # NVFP4's, the tensor's one
 
 
 @dataclass
@@ -94,8 +95,12 @@ class LibraryBatch:
     One decompressor call costs about 0.3 ms before its first weight: a checkpoint of thousands of small
     experts paid more for those calls than for decoding all its weights. Rows of weights stored alike (the
     same `StoredQuantization`, columns and scale dtype) decode as one weight when their scales are per row
-    (channel or group strategy) and nothing is per tensor (no zero points packed along rows, no NVFP4 global
-    scale, no g_idx): those are batched; the others are decoded run by run, as they are met.
+    (channel, group or NVFP4's tensor_group strategy) and nothing else is per tensor (no zero points packed
+    along rows, no g_idx): those are batched; the others are decoded run by run, as they are met. NVFP4's
+    one global scale per tensor goes with each row of the batch (the decompressor divides every group scale
+    by it elementwise, so each row is divided by its own tensor's). A batched decode that differs from
+    evalsuite's is confirmed by decoding that run again on its own, as the format stores it, before it is
+    reported: a batch can never be the cause of a reported difference.
     """
 
     # (stored, cols, scale dtype) → the samples pending and their element count
@@ -122,12 +127,24 @@ class LibraryBatch:
         self.sizes.pop(key)
         weight = np.concatenate([s.weight for s in samples])
         scale = np.concatenate([s.scale for s in samples])
-        theirs = library_decode(stored, weight, scale, scale_dtype, cols)
+        global_scale = None
+        if samples[0].global_scale is not None:
+            each = np.array([s.global_scale for s in samples], dtype=np.float32)
+            global_scale = np.repeat(each, [s.ours.shape[0] for s in samples]).reshape(-1, 1, 1)
+        theirs = library_decode(stored, weight, scale, scale_dtype, cols, global_scale=global_scale)
         at_row = 0
         for s in samples:
             rows = s.ours.shape[0]
-            if s.index not in self.mismatches:
-                difference = _difference(s.ours, theirs[at_row : at_row + rows], s.first, s.shape, cols)
+            if s.index not in self.mismatches and first_difference(s.ours, theirs[at_row : at_row + rows]):
+                alone = library_decode(
+                    stored,
+                    s.weight,
+                    s.scale,
+                    scale_dtype,
+                    cols,
+                    global_scale=None if s.global_scale is None else np.float32([s.global_scale]),
+                )
+                difference = _difference(s.ours, alone, s.first, s.shape, cols)
                 if difference is not None:
                     self.mismatches[s.index] = difference
             at_row += rows
@@ -292,8 +309,14 @@ class CompressedTensorsVerifier:
             )
 
         runs = library_runs(source.name, rows, align, self.library_check) if independent else []
+        one_global = global_scale is not None and global_scale.size == 1
         batched = (
-            stored.strategy in ("channel", "group") and zp is None and g_idx is None and global_scale is None
+            zp is None
+            and g_idx is None
+            and (
+                (stored.strategy in ("channel", "group") and global_scale is None)
+                or (stored.strategy == "tensor_group" and one_global)
+            )
         )
         key = (stored, cols, scale_info.dtype)
         errors, mismatch, checked = ErrorAccumulator(), None, 0
@@ -337,6 +360,7 @@ class CompressedTensorsVerifier:
                         block[rows_ab].copy(),
                         scale[scales_of(a, b)].copy(),
                         ours.copy(),
+                        float(global_scale[0]) if one_global else None,
                     )
                     batch.add(key, sample)
                     continue
