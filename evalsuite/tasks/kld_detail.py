@@ -200,8 +200,10 @@ def _detail_rows(
 
 # Rows are normalised this many bytes of float64 at a time: a few rows of a vocabulary stay in a core's L2
 # cache through log-softmax, top-k and both KLD passes (16 rows of a 49 k vocabulary are 6 MB: every pass
-# went to memory, a third slower). Per-row arithmetic: the numbers do not depend on it.
-CACHE_BYTES = 1 << 20
+# went to memory, a third slower on one machine), while each of the dozen torch and numpy calls per block
+# still covers enough rows to pay for itself (one or two rows of a 49 k vocabulary did not: bench figures in
+# the README). Per-row arithmetic: the numbers do not depend on it.
+CACHE_BYTES = 2 << 20
 
 
 class _Workspace:
