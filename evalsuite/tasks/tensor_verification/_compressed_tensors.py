@@ -184,6 +184,12 @@ class CompressedTensorsVerifier:
         # checkpoint of thousands of small expert weights pays thousands of times (see `FormatVerifier`).
         self.module_matches: dict[tuple[str, ModuleKind], Coverage] = {}
 
+    def before_fork(self) -> None:
+        """compressed-tensors' compressors, schemes and matching: `measure_many` imports them on first use."""
+        import compressed_tensors.compressors
+        import compressed_tensors.quantization
+        import compressed_tensors.utils.match  # noqa: F401
+
     def covering(self, module: str, kind: ModuleKind) -> Coverage:
         """`SchemeLookup.covering` of a module, with the skeleton's instance of it, computed once."""
         key = (module, kind)

@@ -55,6 +55,11 @@ class FormatVerifier(Protocol):
         themselves."""
         ...
 
+    def before_fork(self) -> None:
+        """Import what `measure_many` imports on first use, before the workers fork: each would import it
+        again otherwise."""
+        ...
+
     # What `measure_many` computed per module and `check_config` asks again (the config's word on each
     # module), kept by key: a forked worker's additions are sent back and merged into the parent's.
     module_matches: dict[Any, Any]
@@ -395,12 +400,10 @@ def _measured_in_processes(jobs: list[list[Pair]], work: _Work, workers: int) ->
 
     The children inherit the checkpoints, the verifier and the jobs (nothing of them is pickled) and send back
     only rows, problems and the config matches they computed, which the parent's verifier keeps for
-    `check_config` (matching is regular expressions in Python: milliseconds per module). What the measure
-    imports on first use is imported here first, or each child would import it again."""
-    if work.candidate.format == "compressed-tensors":
-        import compressed_tensors.compressors
-        import compressed_tensors.quantization
-        import compressed_tensors.utils.match  # noqa: F401
+    `check_config` (matching is regular expressions in Python: milliseconds per module). What the verifier
+    imports on first use it imports first (`FormatVerifier.before_fork`)."""
+    if work.verifier is not None:
+        work.verifier.before_fork()
     cache = work.verifier.module_matches if work.verifier is not None else {}
     _FORKED.update(work=work, jobs=jobs)
     context = multiprocessing.get_context("fork")

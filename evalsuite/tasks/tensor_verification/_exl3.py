@@ -56,6 +56,9 @@ class Exl3Verifier:
         self.format = format
         self.module_matches: dict[Any, Any] = {}  # nothing of `measure_many` is asked again in check_config
 
+    def before_fork(self) -> None:
+        """Nothing: what the EXL3 decode imports on first use (torch) the run has imported already."""
+
     def measure_many(
         self, modules: Sequence[tuple[TensorInfo, dict[str, TensorInfo], TensorRow]], reader: ShardReader
     ) -> list[list[Problem]]:
