@@ -32,7 +32,8 @@ def _figure(width: float = 6.4, height: float = 3.6, margins: dict[str, float] |
     return fig
 
 
-_SUPERSCRIPT = str.maketrans("-−0123456789", "⁻⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+# matplotlib writes the exponent with `%d`: an ASCII hyphen-minus, never U+2212.
+_SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
 _MATHTEXT_POWER = re.compile(r"^\$\\mathdefault\{(?:(\d+(?:\.\d+)?)\\times)?10\^\{(-?\d+)\}\}\$$")
 
 
