@@ -142,8 +142,12 @@ def kl_divergence_both(
 
     Rounding to nearest is symmetric, so b − a is exactly −(a − b) and each reverse term p_b (b − a) exactly
     −(p_b (a − b)); a sum of negated terms is the negated sum. Only the sign of a zero can differ (a − a is
-    +0, not −0), and a NaN's sign bit: rows whose reverse sum is 0 or NaN are summed again as
-    `kl_divergence(b, a)` sums them.
+    +0, not −0), and a NaN's sign bit.
+
+    The terms are summed unmasked. Where p is +0 (an underflow) and a − b finite, the term is ±0 where
+    `kl_divergence` writes +0, which changes no sum but a zero one; where p is 0 or NaN and the term NaN, the
+    sum is NaN. So only rows whose sum is 0 or NaN can differ from the definition, and those are summed again
+    as `kl_divergence` sums them: a mask pass over every row costs more than the rare row summed twice.
 
     `scratch`, two float64 arrays of the inputs' shape, is where the vocabulary-sized intermediates go (their
     contents are overwritten): a caller looping over rows allocates them once, not twice a call.
@@ -157,29 +161,16 @@ def kl_divergence_both(
     diff, terms = scratch if scratch is not None else (np.empty_like(a), np.empty_like(a))
     np.subtract(a, b, out=diff)
     exp64(a, out=terms)
-    impossible = _not_positive(terms)
     terms *= diff
-    if impossible is not None:
-        terms[impossible] = 0.0
     forward = terms.sum(axis=-1)
     exp64(b, out=terms)
-    impossible = _not_positive(terms)
     terms *= diff
-    if impossible is not None:
-        terms[impossible] = 0.0
     reverse = np.negative(terms.sum(axis=-1))
-    redo = (reverse == 0) | np.isnan(reverse)
-    if redo.any():
-        reverse[redo] = kl_divergence(b[redo], a[redo])
+    for sums, p, q in ((forward, a, b), (reverse, b, a)):
+        redo = (sums == 0) | np.isnan(sums)
+        if redo.any():
+            sums[redo] = kl_divergence(p[redo], q[redo])
     return forward, reverse
-
-
-def _not_positive(p: NDArray[np.float64]) -> NDArray[np.bool_] | None:
-    """Where a probability is not positive (exactly 0, or NaN), or None where there is none: one reduction
-    decides, cheaper on vocabulary-sized rows than building the mask."""
-    if p.min(initial=np.inf) > 0:  # NaN compares false: an array with a NaN is masked
-        return None
-    return ~(p > 0)
 
 
 def kl_divergence_top_k_tail(

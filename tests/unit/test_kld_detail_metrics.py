@@ -98,6 +98,8 @@ def test_both_kl_directions_at_once_are_bit_for_bit_the_two_single_ones():
     p[2, :5] = -np.inf  # tokens the first side never gives
     q[3, :5] = -np.inf  # … and the second: an infinite divergence one way
     q[4, 7] = np.nan
+    p[5, :3], q[5, :3] = -800.0, -700.0  # e^-800 underflows to +0: terms 0 · (−100) = −0, not +0
+    q[6, :3] = -900.0  # … the other way round
     for scratch in (None, (np.empty_like(p), np.empty_like(p))):
         with np.errstate(invalid="ignore"):  # −inf − −inf, as in the one-way function
             forward, reverse = metrics.kl_divergence_both(p, q, scratch)
