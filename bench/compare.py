@@ -13,6 +13,9 @@ The candidates are the W4A8 copy and three copies of it with every weight scale 
       loads, the forwards, the saves): what it adds beyond observing, free of the forward's drift between
       two separate timings, which on a machine where an observation takes a minute is larger than the
       5 % (a) looks for;
+  (a'') the CPU seconds of both sides of (a), every thread's: compare's spread over every core with none
+      ever idle is the least wall time any overlapping of its own work with its observations could reach,
+      printed over the observations' wall time, a floor under (a) for this work on this machine;
   and what the noise floor adds to `compare` (one more reference forward, in the same load). The floor is on
   by default in `compare`, and no `run` has one: (a) and (b) measure `compare` without it, so that both sides
   of each ratio do the same work; (b) with the floor is also printed, derived from the in-process ratio.
@@ -67,21 +70,22 @@ def scaled_copy(src: Path, dst: Path, factor: float) -> Path:
     return dst
 
 
-def observation_seconds(path: Path, ref: Path, folder: Path) -> float:
-    """One side's `ppl` observation on its own: the load, the windows forwarded, the logits saved."""
+def observation_seconds(path: Path, ref: Path, folder: Path) -> tuple[float, float]:
+    """One side's `ppl` observation on its own (the load, the windows forwarded, the logits saved): its
+    seconds and the CPU seconds this process spent meanwhile, every thread's."""
     (task,) = build_tasks(["ppl"], CONTEXT)
     side = open_side("ckpt", str(path), BackendOptions().check())
     ref_side = open_side("ref", str(ref), BackendOptions().check())
     inputs = task.prepare(ref_side, side)
     observer = task.needs()[0].observer
     folder.mkdir(parents=True)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     backend = load_backend(side.checkpoint, side.options)
     try:
         observer.observe(backend, inputs, folder, lambda what, total: lambda: None)
     finally:
         backend.close()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - cpu0
 
 
 @contextlib.contextmanager
@@ -148,21 +152,23 @@ def main() -> None:
         # (a) in this process: the observations alone, then compare (imports are warm for both), in rounds
         # A B A B: a single pair of timings moves by a fifth between runs on these machines.
         parts = set(args.parts.split(","))
-        ratios, observed, compared, inside = [], [], [], []
+        ratios, observed, compared, inside, cpu = [], [], [], [], []
         for r in range(args.rounds if "a" in parts else 0):
-            observe = observation_seconds(ref, ref, root / f"obs-{r}" / "ref")
+            sides = [observation_seconds(ref, ref, root / f"obs-{r}" / "ref")]
             for i, c in enumerate(candidates):
-                observe += observation_seconds(c, ref, root / f"obs-{r}" / f"c{i}")
+                sides.append(observation_seconds(c, ref, root / f"obs-{r}" / f"c{i}"))
+            observe, observe_cpu = (sum(column) for column in zip(*sides, strict=True))
             request = CompareRequest(
                 ref=str(ref), ckpts=list(map(str, candidates)), tasks=["ppl"], out=root / f"cmp-{r}",
                 context=CONTEXT, noise_floor=False,
             )  # fmt: skip
             spent: list[float] = []
             with timed_observations(spent):
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 compare(request)
-                seconds = time.perf_counter() - t0
+                seconds, compare_cpu = time.perf_counter() - t0, time.process_time() - cpu0
             inside.append((sum(spent), seconds))
+            cpu.append((observe_cpu, compare_cpu))
             observed.append(observe)
             compared.append(seconds)
             ratios.append(seconds / observe)
@@ -201,6 +207,14 @@ def main() -> None:
         for r, (own, total) in enumerate(inside):
             print(f"(a') round {r + 1}: compare {total:.1f} s, of which its own observations {own:.1f} s: "
                   f"{total / own:.3f} ({total - own:.1f} s beyond observing)")  # fmt: skip
+        # CPU time is what no overlapping of compare's work with its observations can shrink: spread over
+        # every core without a moment idle, compare's CPU seconds set a floor under its wall time.
+        cores = len(os.sched_getaffinity(0))
+        for r, ((obs_cpu, cmp_cpu), o) in enumerate(zip(cpu, observed, strict=True)):
+            floor = cmp_cpu / (cores * o)
+            print(f"(a'') round {r + 1}: CPU time, observations alone {obs_cpu:.1f} s ({obs_cpu / o:.2f} of "
+                  f"{cores} cores busy), compare {cmp_cpu:.1f} s ({cmp_cpu / obs_cpu:.3f} of it): with every "
+                  f"core busy throughout, it would still take {floor:.3f} x the observations")  # fmt: skip
     for r, (command, separate) in enumerate(commands):
         print(f"(b) round {r + 1}: evalsuite compare {command:.1f} s; {n} separate evalsuite run "
               f"{separate:.1f} s: {command / separate:.3f}")  # fmt: skip
