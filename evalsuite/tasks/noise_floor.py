@@ -6,18 +6,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from pydantic import Field
 
-from evalsuite.backends.layer_noise import BF16_ROUNDING, noisy_window_logits
+from evalsuite.backends.layer_noise import BF16_ROUNDING, noisy_window_logits, perturbed
+from evalsuite.backends.layer_pass import LayerStep, LayerVisitor
 from evalsuite.observation import Observation
 from evalsuite.spec import StrictModel
 from evalsuite.task import Inputs, Progress
-from evalsuite.tasks.window_logits import WindowLogits
+from evalsuite.tasks.window_logits import WindowLogits, WindowLogitsVisitor
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
+    from evalsuite.backends.streamed import StreamedBackend, WindowCall
 
 OBSERVER_NAME = "window-logits-noise"
+NOISY = "noisy"
 
 
 class NoiseFloorOptions(StrictModel):
@@ -58,4 +62,46 @@ class NoisyWindowLogits(WindowLogits):
         return {**super().identity(), "noise": {"scale": self.noise.scale, "seed": self.noise.seed}}
 
     def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
+        from evalsuite.backends.streamed import StreamedBackend
+
+        if isinstance(backend, StreamedBackend):
+            return super().observe(backend, inputs, folder, progress)  # a layer pass, with `visitor` below
         return super().observe(NoisyBackend(backend, self.noise), inputs, folder, progress)
+
+    def visitor(self, backend: StreamedBackend, inputs: Inputs, folder: Path) -> LayerVisitor:
+        """The noisy forward during a shared streamed pass: its own trajectory of states, each layer run on it
+        while the layer is resident, so that the floor reads no layer again."""
+        return NoisyVisitor(self, backend, inputs, folder)
+
+
+class NoisyVisitor(WindowLogitsVisitor):
+    """Carries the noisy states: each layer's output on them, perturbed as `NoisyLayers` perturbs a loaded
+    model's (the same draws), then the head on the last."""
+
+    observer: NoisyWindowLogits
+
+    def begin(self, calls: list[WindowCall], done: int, carry: dict[str, torch.Tensor]) -> None:
+        if done == 0:
+            self.noisy = [call.hidden for call in calls]
+        else:
+            stacked = carry[NOISY].to(self.backend.device)
+            self.noisy = [stacked[w : w + 1] for w in range(len(calls))]
+
+    def visit(self, step: LayerStep) -> None:
+        noise = self.observer.noise
+        self.noisy = [
+            perturbed(
+                step.backend.forward_layer(step.layer, step.index, hidden, call),
+                call.window,
+                step.index,
+                noise.scale,
+                noise.seed,
+            )
+            for hidden, call in zip(self.noisy, step.calls, strict=True)
+        ]
+
+    def carry(self) -> dict[str, torch.Tensor]:
+        return {NOISY: torch.cat(self.noisy)}
+
+    def finish(self, final: list[torch.Tensor], calls: list[WindowCall]) -> Observation:
+        return super().finish(self.noisy, calls)
