@@ -25,13 +25,32 @@ NOISY = "noisy"
 
 
 class NoiseFloorOptions(StrictModel):
-    """`[noise_floor]` of the ppl spec: off in `run`, on in `compare` (the reference run again with noise)."""
+    """`[noise_floor]` of the ppl spec: off in `run`, on in `compare` (the reference run again with noise).
+
+    The floor is drawn `draws` times, with seeds `seed`, `seed` + 1, …: their per-token KLDs are averaged,
+    and the spread of their means is reported beside the floor. A candidate is `within` the floor when the
+    one-sided upper 95% bound of its per-token KLD excess over the floor is at most `margin` × the floor's
+    mean KLD (`evalsuite.claims.equivalence`), `above` when the lower bound exceeds that, else
+    `undetermined`."""
 
     enabled: bool = False
     # Relative noise on each layer's output: positive (zero would make the floor 0 by construction) and
     # below 1 (noise as large as the signal is no rounding).
     scale: float = Field(default=BF16_ROUNDING, gt=0, lt=1)
     seed: int = 0
+    draws: int = Field(default=2, ge=1, le=8)
+    # One floor's worth: a candidate shown to diverge by at most twice the divergence that re-rounding every
+    # layer's output to BF16 causes is as close to the reference as the measurement can tell apart.
+    margin: float = Field(default=1.0, ge=0)
+
+    def draw(self, index: int) -> NoiseFloorOptions:
+        """The options of the `index`-th draw (its own seed)."""
+        return self.model_copy(update={"seed": self.seed + index})
+
+    @staticmethod
+    def label(index: int, base: str = "floor") -> str:
+        """The need label of the `index`-th draw: `floor`, `floor_1`, …"""
+        return base if index == 0 else f"{base}_{index}"
 
 
 class NoisyBackend:
