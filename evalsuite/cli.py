@@ -640,8 +640,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except Exception as exc:
         if is_out_of_memory(exc):  # wherever it happens: the machine's limit, not a bug (exit 4)
-            internal_error(exc)  # the traceback beside the reports, for whoever sizes the machine
-            print(f"evalsuite: error: {out_of_memory_line(exc)}", file=sys.stderr)
+            print(f"evalsuite: error: {out_of_memory_line(exc)}; {write_traceback(exc)}", file=sys.stderr)
             sys.exit(4)
         # Not evalsuite's own: a bug, a library that changed. Never exit 1, which CI reads as a failed check.
         print(internal_error(exc), file=sys.stderr)
@@ -652,6 +651,12 @@ def main(argv: list[str] | None = None) -> None:
 def internal_error(exc: BaseException) -> str:
     """Write the traceback of `exc` beside the run's reports (or to a temporary file) and return the one
     line that names it. The reports themselves are never half-written (each is replaced atomically)."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"evalsuite: internal error: {type(exc).__name__}: {message}; {write_traceback(exc)}"
+
+
+def write_traceback(exc: BaseException) -> str:
+    """Write the traceback of `exc` beside the run's reports (or to a temporary file); say where."""
     text = "".join(traceback.format_exception(exc))
     folder = output_folder.get()
     target = None
@@ -664,9 +669,7 @@ def internal_error(exc: BaseException) -> str:
             continue
         target = candidate
         break
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    where = f"traceback in {target}" if target is not None else "the traceback could not be written"
-    return f"evalsuite: internal error: {type(exc).__name__}: {message}; {where}"
+    return f"traceback in {target}" if target is not None else "the traceback could not be written"
 
 
 if __name__ == "__main__":
