@@ -101,6 +101,10 @@ class Tensors:
         "bpw_claim_error",
         "tile_outliers",
         "worst_tile_ratio",
+        "outlier_channels",
+        "worst_channel_z",
+        "outlier_tensors",
+        "worst_sibling_z",
         "ignored_on_load_tensors",
         "ignored_on_load_bytes",
         "assets_compared",
@@ -147,6 +151,13 @@ class Tensors:
         "tile_outliers": "EXL3 16×16 tiles whose error in the rotated basis is an outlier against the median "
         "tile of their own tensor (a damaged trellis tile)",
         "worst_tile_ratio": "the largest tile error over its tensor's median tile error (EXL3)",
+        "outlier_channels": "output channels of quantized tensors that decode further from their source than "
+        "the tensor's other channels, by a robust z (median absolute deviation) and a ratio to the median "
+        "channel (a damaged row, zero point or channel scale)",
+        "worst_channel_z": "the largest robust z of a channel's error among its tensor's channels",
+        "outlier_tensors": "quantized tensors whose relative error stands out from the tensors of their kind "
+        "in the pack (same projection and scheme), by a robust z and a ratio to their median",
+        "worst_sibling_z": "the largest robust z of a tensor's relative error among the tensors of its kind",
         "ignored_on_load_tensors": "candidate tensors its Transformers model class drops on load (an MTP "
         "head: `_keys_to_ignore_on_load_unexpected`), verified like the others",
         "ignored_on_load_bytes": "their bytes",

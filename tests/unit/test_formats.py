@@ -441,10 +441,16 @@ def test_exl3_bits_per_weight_come_from_the_trellis_width():
     assert exl3.bits_per_weight((4, 2, 40)) == 2.5
 
 
+def layout_problems(found) -> list:
+    """The problems of an `_exl3_pair`'s layout: its all-zero trellis quantizes no source, so its decode's
+    channels stand out from each other (`outlier`), which these tests are not about."""
+    return [p for p in found.problems if p.check != "outlier"]
+
+
 def test_a_consistent_exl3_layout_has_no_problem(tmp_path):
     src, ckpt = _exl3_pair(tmp_path)
     found = verify_tensors(src, ckpt, RULES)
-    assert found.problems == []
+    assert layout_problems(found) == []
     summary = found.summary()
     assert (summary["quantized_other"], summary["protected_identical"], summary["avg_bits_per_weight"]) == (
         1,
@@ -457,8 +463,8 @@ def test_a_consistent_exl3_layout_has_no_problem(tmp_path):
 def test_exl3_tensor_storage_bits_that_disagree_with_the_trellis_name_the_tensor(tmp_path):
     src, ckpt = _exl3_pair(tmp_path, storage_bits=5)
     found = verify_tensors(src, ckpt, RULES)
-    assert [(p.check, p.tensor) for p in found.problems] == [("config", "q.weight")]
-    assert "tensor_storage says 5 bpw, the trellis shape gives 4 bpw" in found.problems[0].detail
+    assert [(p.check, p.tensor) for p in layout_problems(found)] == [("config", "q.weight")]
+    assert "tensor_storage says 5 bpw, the trellis shape gives 4 bpw" in layout_problems(found)[0].detail
 
 
 def test_exl3_codebook_marker_must_hold_its_multiplier(tmp_path):

@@ -23,6 +23,12 @@ from evalsuite.formats.exl3_decode import padded
 from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTensorsVerifier, LibraryCheck
 from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
 from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection, skeleton_modules
+from evalsuite.tasks.tensor_verification._outliers import (
+    channel_detail,
+    is_sibling_outlier,
+    sibling_detail,
+    sibling_outliers,
+)
 from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow, UnexpectedRow
 from evalsuite.tasks.tensor_verification._same import compare_same
 
@@ -224,6 +230,7 @@ class Verification:
                 else None
             ),
         }
+        values.update(_outlier_summary(quantized))
         tiled = [r for r in quantized if r.worst_tile_ratio is not None]
         if tiled:
             worst_tile = max(tiled, key=lambda r: r.worst_tile_ratio)
@@ -235,6 +242,66 @@ class Verification:
             values["claimed_bits"] = claimed
             values["bpw_claim_error"] = abs(avg_bits - claimed) if avg_bits is not None else None
         return values
+
+
+def _outlier_summary(quantized: list[TensorRow]) -> dict[str, Any]:
+    """How many channels and tensors stand out from their siblings, and the most extreme of each (nothing
+    where none was judged: a tensor of too few channels, a kind of too few tensors)."""
+    values: dict[str, Any] = {}
+    channels = [r for r in quantized if r.outlier_channels is not None]
+    if channels:
+        worst = max(channels, key=lambda r: r.worst_channel_z)
+        values["outlier_channels"] = sum(r.outlier_channels for r in channels)
+        values["worst_channel_z"] = worst.worst_channel_z
+        values["worst_channel_z_tensor"] = f"{worst.name} (output channel {worst.worst_channel_z_channel})"
+    tensors = [r for r in quantized if r.sibling_z is not None]
+    if tensors:
+        worst = max(tensors, key=lambda r: r.sibling_z)
+        values["outlier_tensors"] = sum(
+            1 for r in tensors if is_sibling_outlier(r.sibling_z, r.sibling_ratio)
+        )
+        values["worst_sibling_z"] = worst.sibling_z
+        values["worst_sibling_z_tensor"] = worst.name
+    return values
+
+
+def sibling_key(row: TensorRow) -> tuple[Any, ...]:
+    """What makes two quantized tensors siblings, judged against each other: the same part, projection,
+    format and scheme (an expert's projection names no expert: the experts of every layer are siblings)."""
+    stored = row.stored
+    scheme = (
+        (stored.type, stored.strategy, stored.group_size, stored.block, stored.symmetric) if stored else ()
+    )
+    return (row.part, row.projection, row.format, row.bits, row.strategy, scheme, row.codebook)
+
+
+def outlier_problems(rows: Sequence[TensorRow]) -> list[Problem]:
+    """The quantized tensors whose output channels stand out from each other (judged as each was measured),
+    then those whose relative error stands out from their siblings' (judged here, filling each judged row's
+    `sibling_z` and `sibling_ratio`): `_outliers`."""
+    found = [
+        Problem("outlier", r.name, channel_detail(r.channel_judgement, rows_and_cols(r.shape)[0]))
+        for r in rows
+        if r.channel_judgement is not None and r.channel_judgement.channels
+    ]
+    kinds: dict[tuple[Any, ...], list[TensorRow]] = {}
+    for row in rows:
+        if row.tensor_class == "quantized" and row.rel_err is not None:
+            kinds.setdefault(sibling_key(row), []).append(row)
+    for kind in kinds.values():
+        judged = sibling_outliers([r.rel_err for r in kind])
+        if judged is None:
+            continue
+        for row, z, ratio in zip(kind, judged.z, judged.ratio, strict=True):
+            if math.isnan(z):
+                continue
+            row.sibling_z, row.sibling_ratio = float(z), float(ratio)
+            if is_sibling_outlier(row.sibling_z, row.sibling_ratio):
+                detail = sibling_detail(
+                    row.rel_err, row.sibling_z, row.sibling_ratio, judged.median, row.projection, len(kind)
+                )
+                found.append(Problem("outlier", row.name, detail))
+    return found
 
 
 def _cross_check_summary(rows: list[TensorRow], check: LibraryCheck) -> dict[str, Any]:
@@ -493,6 +560,7 @@ def verify_tensors(
         problems.append(
             Problem("unexpected", name, f"{info.dtype} {list(info.shape)} pairs with no source tensor")
         )
+    problems += outlier_problems(rows)
     claims: dict[str, Any] = {}
     if verifier is not None:
         config_problems, claims = verifier.check_config(rows)

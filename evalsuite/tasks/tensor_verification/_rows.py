@@ -12,6 +12,7 @@ import numpy as np
 from evalsuite import metrics
 from evalsuite.formats import ModuleKind, Part
 from evalsuite.formats.compressed_tensors import StoredQuantization
+from evalsuite.tasks.tensor_verification._outliers import ChannelOutliers, channel_outliers
 
 TensorClass = Literal["quantized", "protected", "missing"]
 
@@ -30,7 +31,9 @@ class Problem:
 
 
 # Fields of a TensorRow that are not columns of their own: `to_json` writes what they hold.
-_FORMAT_DETAILS = frozenset({"stored", "codebook", "worst_tile", "worst_tile_ratio", "tile_outliers"})
+_FORMAT_DETAILS = frozenset(
+    {"stored", "codebook", "worst_tile", "worst_tile_ratio", "tile_outliers", "channel_judgement"}
+)
 
 
 @dataclass
@@ -76,6 +79,14 @@ class TensorRow:
     worst_channel_err_channel: int | None = None
     worst_channel_gain_err: float | None = None
     worst_channel_gain_err_channel: int | None = None
+    # A quantized tensor's channels against each other and the tensor against its siblings (`_outliers`):
+    # how many channels stand out, the channel with the largest robust z and that z; the tensor's relative
+    # error over the median of its kind and its robust z among them (None where not judged).
+    outlier_channels: int | None = None
+    worst_channel_z: float | None = None
+    worst_channel_z_channel: int | None = None
+    sibling_ratio: float | None = None
+    sibling_z: float | None = None
     note: str | None = None
     problems: list[str] = field(default_factory=list)
     stored: StoredQuantization | None = None
@@ -85,6 +96,7 @@ class TensorRow:
     worst_tile: str | None = None
     worst_tile_ratio: float | None = None
     tile_outliers: int | None = None
+    channel_judgement: ChannelOutliers | None = None  # the outlier channels, named in a problem
 
     def to_json(self) -> dict[str, Any]:
         """The row of tensors.json."""
@@ -135,10 +147,12 @@ class ErrorAccumulator:
     """
 
     def __init__(self) -> None:
-        # Per block: its first row, its rows' ‖x_r − w_r‖, ‖w_r‖, ‖x_r‖ (float32, 3 × rows), the min and max
-        # of x − w, its elements; the rest is computed from these once, in `_settle`, not block by block.
+        # Per block: its first row, its rows' ‖x_r − w_r‖, ‖w_r‖, ‖x_r‖, max|w_r| (float32, 4 × rows), the
+        # min and max of x − w, its elements; the rest is computed from these once, in `_settle`, not block by
+        # block.
         self._blocks: list[tuple[int, Any, Any, int]] = []
         self._cand_sq = np.zeros(0)
+        self._amax = np.zeros(0)
         self._settled: tuple[metrics.ErrorSums, np.ndarray, np.ndarray, int, float] | None = None
 
     def add(self, r0: int, ref: np.ndarray, cand: np.ndarray, work: np.ndarray | None = None) -> None:
@@ -152,9 +166,11 @@ class ErrorAccumulator:
         # task runs torch on one thread per worker), across rows in float64: the rounding stays near 1e-6
         # relative. Σ r·x follows from the other three, (Σ r² + Σ x² − Σ (x − r)²) / 2, with the same
         # relative accuracy (it is about Σ r² itself), which saves a fourth pass.
-        norms = torch.empty((3, d.shape[0]), dtype=torch.float32)
+        norms = torch.empty((4, d.shape[0]), dtype=torch.float32)
         for i, t in enumerate((d, r, c)):
             torch.linalg.vector_norm(t, dim=1, out=norms[i])
+        # max|w_r|: the yardstick of a uniform grid's step, for judging channels against each other.
+        torch.linalg.vector_norm(r, ord=float("inf"), dim=1, out=norms[3])
         extremes = torch.aminmax(d) if d.numel() else (torch.zeros(()), torch.zeros(()))
         self._blocks.append((r0, norms, extremes, d.numel()))
         self._settled = None
@@ -170,7 +186,9 @@ class ErrorAccumulator:
         if not blocks:
             self._settled = (metrics.ErrorSums(0, 0.0, 0.0, 0.0, 0.0, 0.0), np.zeros(0), np.zeros(0), -1, 0.0)
             return self._settled
-        err, norm, cand_sq = torch.cat([b[1] for b in blocks], dim=1).double().square_().numpy()
+        stacked = torch.cat([b[1] for b in blocks], dim=1).double()
+        self._amax = stacked[3].numpy()
+        err, norm, cand_sq = stacked[:3].square_().numpy()
         self._cand_sq = cand_sq
         low = np.array([float(b[2][0]) for b in blocks])
         high = np.array([float(b[2][1]) for b in blocks])
@@ -251,3 +269,8 @@ class ErrorAccumulator:
                 gain = np.where(norm == 0, 0.0, np.abs(along) / np.sqrt(norm * yardstick))
             g = int(np.argmax(gain))
             row.worst_channel_gain_err, row.worst_channel_gain_err_channel = float(gain[g]), g
+        judged = channel_outliers(err, norm, self._amax) if row.tensor_class == "quantized" else None
+        if judged is not None:
+            row.channel_judgement = judged
+            row.outlier_channels = len(judged.channels)
+            row.worst_channel_z, row.worst_channel_z_channel = judged.worst_z, judged.worst
