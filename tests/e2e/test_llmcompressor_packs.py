@@ -6,6 +6,7 @@ Transformers 5.24 cannot load, runs under `hf` exactly as a BF16 copy of its deq
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -36,6 +37,8 @@ def test_every_llmcompressor_scheme_passes_tensors(llmc_tiny, scheme, tmp_path):
     assert m["avg_bits_per_weight"] == (4.0 if scheme in FOUR_BIT else 8.0)
     assert m["decode_exact"] is True  # evalsuite's own decode agrees with compressed-tensors' bit for bit
     assert m["quantized_int4"] + m["quantized_int8"] + m["quantized_other"] == 14
+    # No channel stands out from its tensor's; two layers are too few to judge a tensor by its siblings.
+    assert m["outlier_channels"] == 0 and "outlier_tensors" in m["not_measured"]
 
 
 def corrupt(packs: Path, scheme: str, dst: Path, edit) -> Path:
@@ -113,6 +116,64 @@ def test_an_fp8_byte_flipped_to_nan_fails_naming_the_tensor(llmc_pair, tmp_path)
     code, entry, _ = run_tensors(candidate, source, tmp_path / "run")
     assert code == 1
     assert f"{MODULE}.weight" in (entry["metrics"]["worst_rel_err_tensor"], *named(entry, "worst_rel_err"))
+
+
+# The issue's kinds of damage, each a few bytes flipped in one place, as llm-compressor's packs were found to
+# pass the absolute bounds with them: zero points one level off (both nibbles of each byte), FP8 weights
+# doubled or halved (the lowest exponent bit; a flip that would make E4M3's NaN is left out: another check
+# finds that), NVFP4 codes moved (each nibble's top exponent bit). SmolLM2's modules and byte counts are the
+# issue's; the tiny Llama has 2 layers and rows of 128 or 256 weights, so fewer bytes.
+FLIPS = {
+    "zero_point": ("w4a16-asym-g64", "self_attn.k_proj", 7),
+    "fp8_row": ("fp8-dynamic", "mlp.up_proj", 11),
+    "nvfp4_row": ("nvfp4a16", "mlp.down_proj", 3),
+}
+
+
+def flip_bytes(kind: str, module: str, count: int):
+    """The edit flipping `count` bytes of one tensor of `module` (see FLIPS)."""
+
+    def flip(tensors):
+        if kind == "zero_point":
+            tensors[f"{module}.weight_zero_point"].view(torch.uint8).view(-1)[:count] ^= 0x11
+        elif kind == "fp8_row":
+            row = tensors[f"{module}.weight"].view(torch.uint8)[0, :count]
+            flipped = row ^ 0x08
+            row.copy_(torch.where((flipped & 0x7F) == 0x7F, row, flipped))
+        else:
+            tensors[f"{module}.weight_packed"][0, :count] ^= 0x22
+
+    return flip
+
+
+def named_channels(detail: str) -> tuple[list[int], int]:
+    """The channels an outlier problem names (at most the first few) and how many it counts."""
+    found = re.match(r"output channels? ([\d, ]+)(?: and \d+ more)? \((\d+) of \d+\)", detail)
+    assert found, detail
+    return [int(c) for c in found.group(1).split(", ")], int(found.group(2))
+
+
+@pytest.mark.parametrize("kind", list(FLIPS))
+def test_a_few_flipped_bytes_within_the_absolute_bounds_fail_naming_tensor_and_channel(
+    llmc_pair, kind, tmp_path
+):
+    source, packs = llmc_pair
+    scheme, projection, layer = FLIPS[kind]
+    tiny = packs.name.startswith("tiny")
+    module = f"model.layers.{1 if tiny else layer}.{projection}"
+    candidate = corrupt(packs, scheme, tmp_path / "ckpt", flip_bytes(kind, module, 8 if tiny else 64))
+    code, entry, _ = run_tensors(candidate, source, tmp_path / "run")
+    assert code == 1
+    # Every absolute bound passes: only the judgement against the siblings fails.
+    assert failed_checks(entry) == {"outlier_channels"}, entry["details"]
+    assert entry["metrics"]["worst_channel_z_tensor"].startswith(f"{module}.weight (output channel ")
+    channels, count = named_channels(named(entry, "outlier")[f"{module}.weight"])
+    if kind == "zero_point":
+        # The zero points are packed 8 channels to an int32 down the rows, a row of words per 8 channels:
+        # the first bytes hold channels 0..7 (and, for SmolLM2's 9 groups, 8..15).
+        assert set(channels) <= set(range(8 if tiny else 16)) and count <= (8 if tiny else 16)
+    else:
+        assert (channels, count) == ([0], 1)
 
 
 def test_a_loading_only_tokenizer_key_is_no_asset_change_but_a_padding_side_is(llmc_tiny, tmp_path):
@@ -216,6 +277,7 @@ def test_every_smollm2_llmcompressor_pack_passes_tensors_and_runs(llmc_smollm2, 
     m = entry["metrics"]
     assert (m["config_mismatches"], m["assets_changed"], m["missing"], m["unexpected"]) == (0, 0, 0, 0)
     assert isinstance(m["worst_rel_err"], float) and m["decode_exact"] is True
+    assert (m["outlier_channels"], m["outlier_tensors"]) == (0, 0)  # GPTQ's included
     assert m["avg_bits_per_weight"] == (4.0 if scheme in FOUR_BIT else 8.0)
     assert m["quantized_int4"] + m["quantized_int8"] + m["quantized_other"] == 30 * 7
     integer = scheme in INTEGER_PACKS
