@@ -43,7 +43,7 @@ def noisy_channels(rows: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarra
 
 
 def test_channels_quantized_alike_have_no_outlier():
-    found = channel_outliers(*noisy_channels())
+    found = channel_outliers(*noisy_channels(), 4096)
     assert found is not None and found.channels == () and found.judged == 64
     assert found.worst_z < 8
 
@@ -51,7 +51,7 @@ def test_channels_quantized_alike_have_no_outlier():
 def test_a_channel_twice_as_far_off_is_named():
     err_sq, norm_sq, amax = noisy_channels()
     err_sq[5] *= 2.0**2
-    found = channel_outliers(err_sq, norm_sq, amax)
+    found = channel_outliers(err_sq, norm_sq, amax, 4096)
     assert found.channels == (5,) and found.worst == 5
     assert found.ratio[0] == pytest.approx(2.0, rel=0.05)
     detail = channel_detail(found, 64)
@@ -64,7 +64,7 @@ def test_a_channel_whose_error_its_largest_weight_explains_is_no_outlier():
     err_sq, norm_sq, amax = noisy_channels()
     err_sq[7] *= 5.0**2
     amax[7] *= 5.0
-    found = channel_outliers(err_sq, norm_sq, amax)
+    found = channel_outliers(err_sq, norm_sq, amax, 4096)
     assert found.channels == ()
 
 
@@ -72,7 +72,7 @@ def test_a_nan_channel_and_an_error_in_a_zero_channel_are_outliers():
     err_sq, norm_sq, amax = noisy_channels()
     err_sq[3] = math.nan
     norm_sq[9], amax[9] = 0.0, 0.0
-    found = channel_outliers(err_sq, norm_sq, amax)
+    found = channel_outliers(err_sq, norm_sq, amax, 4096)
     assert set(found.channels) == {3, 9} and math.isinf(found.worst_z)
     assert "NaN, or from a zero source channel" in channel_detail(found, 64)
 
@@ -80,7 +80,7 @@ def test_a_nan_channel_and_an_error_in_a_zero_channel_are_outliers():
 def test_too_few_channels_with_an_error_are_not_judged():
     err_sq, norm_sq, amax = noisy_channels(rows=MIN_CHANNELS)
     err_sq[:2] = 0.0  # decoded exactly: no error to compare
-    assert channel_outliers(err_sq, norm_sq, amax) is None
+    assert channel_outliers(err_sq, norm_sq, amax, 4096) is None
 
 
 def test_a_slightly_worse_channel_below_the_ratio_is_no_outlier():
@@ -90,7 +90,7 @@ def test_a_slightly_worse_channel_below_the_ratio_is_no_outlier():
     err_sq = (0.05 * (1 + 0.001 * np.linspace(-1, 1, rows))) ** 2
     err_sq[0] = (0.05 * 1.2) ** 2
     assert CHANNEL_RATIO > 1.2
-    assert channel_outliers(err_sq, norm_sq, amax).channels == ()
+    assert channel_outliers(err_sq, norm_sq, amax, 4096).channels == ()
 
 
 def test_a_tensor_twice_as_far_off_as_its_siblings_stands_out():
@@ -112,3 +112,14 @@ def test_too_few_siblings_are_not_judged_and_nan_or_exact_tensors_never_are():
     assert sibling_outliers([0.1] * (MIN_SIBLINGS - 2) + [0.5]) is None
     judged = sibling_outliers([0.1, 0.1, 0.11, 0.09, 0.1, 0.1, math.nan, 0.0])
     assert math.isnan(judged.z[-2]) and math.isnan(judged.z[-1]) and not judged.outlier.any()
+
+
+def test_short_channels_are_judged_no_more_finely_than_their_own_sampling_noise():
+    # 32 channels alike within 0.1% and one 1.35× off: an outlier among channels of 65,536 weights, but a
+    # channel of 64 weights varies by about 1 / √128 ≈ 9% by chance alone, so 1.35× is no outlier there.
+    rows = 32
+    norm_sq, amax = np.ones(rows), np.full(rows, 0.3)
+    err_sq = (0.05 * (1 + 0.001 * np.linspace(-1, 1, rows))) ** 2
+    err_sq[0] = (0.05 * 1.35) ** 2
+    assert channel_outliers(err_sq, norm_sq, amax, 65536).channels == (0,)
+    assert channel_outliers(err_sq, norm_sq, amax, 64).channels == ()

@@ -49,6 +49,11 @@ MIN_CHANNELS = 16
 # The least spread the rule assumes (1.4826 × MAD of the natural logarithm): errors alike within 1% are as
 # alike as rounding makes them, and a z of thousands would say more than the data do.
 MIN_SPREAD = 0.01
+# A channel's error is a norm over its n weights: even where every weight's error is drawn alike, its
+# logarithm varies by about 1 / √(2n) (n Gaussian errors; uniform rounding errors a little less). The
+# channels' spread is taken as at least that, so that a tensor of few, short channels (an MoE expert of 64
+# inputs), whose MAD of a few dozen channels can come out small by chance, makes no outlier of its noisiest.
+CHANNEL_SAMPLING = 1 / np.sqrt(2)
 # Outlier channels named in a problem's detail (tensors.json's row gives the count).
 NAMED_CHANNELS = 8
 
@@ -60,7 +65,8 @@ class ChannelOutliers:
     `channels`: the outliers, worst first, with their robust z (`z`) and error over the median channel's
     (`ratio`: the smaller of the two yardsticks' ratios). `worst`, `worst_z`, `worst_ratio`: the channel with
     the largest z (outlier or not), its z and ratio. `judged`: the channels the median was taken over (those
-    with an error)."""
+    with an error). `nearest`: how close the closest channel came to being an outlier, the largest over the
+    channels of min(z / CHANNEL_Z, ratio / CHANNEL_RATIO) (1 or more: an outlier)."""
 
     channels: tuple[int, ...]
     z: tuple[float, ...]
@@ -69,20 +75,23 @@ class ChannelOutliers:
     worst_z: float
     worst_ratio: float
     judged: int
+    nearest: float
 
 
-def robust_z(logs: np.ndarray) -> tuple[np.ndarray, float]:
-    """Each value's distance from the median in robust standard deviations (1.4826 × MAD, at least
-    `MIN_SPREAD`), and that spread. `logs` must be finite."""
+def robust_z(logs: np.ndarray, least: float = MIN_SPREAD) -> tuple[np.ndarray, float]:
+    """Each value's distance from the median in robust standard deviations (1.4826 × MAD, at least `least`),
+    and that spread. `logs` must be finite."""
     median = float(np.median(logs))
-    spread = max(1.4826 * float(np.median(np.abs(logs - median))), MIN_SPREAD)
+    spread = max(1.4826 * float(np.median(np.abs(logs - median))), least)
     return (logs - median) / spread, spread
 
 
-def channel_outliers(err_sq: np.ndarray, norm_sq: np.ndarray, amax: np.ndarray) -> ChannelOutliers | None:
+def channel_outliers(
+    err_sq: np.ndarray, norm_sq: np.ndarray, amax: np.ndarray, cols: int
+) -> ChannelOutliers | None:
     """Judge every output channel of a decoded tensor from its squared error ‖x_r − w_r‖², its source's
-    squared norm ‖w_r‖² and largest magnitude max|w_r| (see the module's docstring). None when fewer than
-    `MIN_CHANNELS` channels have an error to compare."""
+    squared norm ‖w_r‖² and largest magnitude max|w_r| (see the module's docstring), each channel `cols`
+    weights long. None when fewer than `MIN_CHANNELS` channels have an error to compare."""
     err_sq, norm_sq, amax = (np.asarray(a, dtype=np.float64) for a in (err_sq, norm_sq, amax))
     with np.errstate(invalid="ignore"):
         # A NaN error, or an error where the source channel is zero: no yardstick measures it, it stands out.
@@ -92,7 +101,8 @@ def channel_outliers(err_sq: np.ndarray, norm_sq: np.ndarray, amax: np.ndarray) 
         return None
     log_err = 0.5 * np.log(err_sq[judged])
     log_norm, log_max = 0.5 * np.log(norm_sq[judged]), np.log(amax[judged])
-    fits = [robust_z(log_err - (1 - a) * log_norm - a * log_max) for a in ALPHAS]
+    least = max(MIN_SPREAD, CHANNEL_SAMPLING / np.sqrt(max(cols, 1)))
+    fits = [robust_z(log_err - (1 - a) * log_norm - a * log_max, least) for a in ALPHAS]
     z = min(fits, key=lambda fit: fit[1])[0]
     # Over the median channel by each yardstick (α = 0 and α = 1), the smaller of the two.
     by_norm, by_max = log_err - log_norm, log_err - log_max
@@ -112,6 +122,7 @@ def channel_outliers(err_sq: np.ndarray, norm_sq: np.ndarray, amax: np.ndarray) 
         worst_z=float(full_z[worst]),
         worst_ratio=float(full_ratio[worst]),
         judged=int(judged.sum()),
+        nearest=float(np.max(np.minimum(full_z / CHANNEL_Z, full_ratio / CHANNEL_RATIO))),
     )
 
 

@@ -269,7 +269,8 @@ class ErrorAccumulator:
                 gain = np.where(norm == 0, 0.0, np.abs(along) / np.sqrt(norm * yardstick))
             g = int(np.argmax(gain))
             row.worst_channel_gain_err, row.worst_channel_gain_err_channel = float(gain[g]), g
-        judged = channel_outliers(err, norm, self._amax) if row.tensor_class == "quantized" else None
+        cols = s.n // err.size if err.size else 0
+        judged = channel_outliers(err, norm, self._amax, cols) if row.tensor_class == "quantized" else None
         if judged is not None:
             row.channel_judgement = judged
             row.outlier_channels = len(judged.channels)
