@@ -10,9 +10,11 @@ import pytest
 
 from evalsuite.tasks.tensor_verification._outliers import (
     CHANNEL_RATIO,
+    CHANNEL_Z,
     MIN_CHANNELS,
     MIN_SIBLINGS,
     MIN_SPREAD,
+    TENSOR_Z,
     channel_detail,
     channel_outliers,
     robust_z,
@@ -45,7 +47,7 @@ def noisy_channels(rows: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarra
 def test_channels_quantized_alike_have_no_outlier():
     found = channel_outliers(*noisy_channels(), 4096)
     assert found is not None and found.channels == () and found.judged == 64
-    assert found.worst_z < 8
+    assert found.worst_z < CHANNEL_Z
 
 
 def test_a_channel_twice_as_far_off_is_named():
@@ -94,18 +96,22 @@ def test_a_slightly_worse_channel_below_the_ratio_is_no_outlier():
 
 
 def test_a_tensor_twice_as_far_off_as_its_siblings_stands_out():
-    errors = [0.095, 0.092, 0.105, 0.099, 0.097, 0.1, 0.094, 0.101, 0.183]
+    # 29 siblings spread evenly over 0.092..0.105 (median about 0.0985, MAD about a quarter of the log range).
+    errors = [*np.linspace(0.092, 0.105, 29), 0.2]
     judged = sibling_outliers(errors)
-    assert list(judged.outlier) == [False] * 8 + [True]
-    assert judged.median == pytest.approx(0.099)
-    assert judged.ratio[-1] == pytest.approx(0.183 / 0.099)
+    assert list(judged.outlier) == [False] * 29 + [True]
+    assert judged.median == pytest.approx(0.0985, rel=0.01)
+    assert judged.ratio[-1] == pytest.approx(0.2 / judged.median)
+    assert judged.z[-1] == pytest.approx(
+        math.log(0.2 / 0.0985) / (1.4826 * math.log(0.105 / 0.092) / 4), rel=0.1
+    )
 
 
 def test_a_tensor_a_little_worse_than_tight_siblings_does_not():
     # The first layer's o_proj of a real model quantizes about 1.3× worse than the others, far in MADs.
     errors = [0.092, 0.0921, 0.0922, 0.0919, 0.0918, 0.092, 0.12]
     judged = sibling_outliers(errors)
-    assert judged.z[-1] > 8 and not judged.outlier.any()
+    assert judged.z[-1] > TENSOR_Z and not judged.outlier.any()
 
 
 def test_too_few_siblings_are_not_judged_and_nan_or_exact_tensors_never_are():

@@ -12,7 +12,8 @@ them is here: `_compressed_tensors` decodes every weight with `evalsuite.formats
 has compressed-tensors' decompressor decode a sample of its rows (or all of them) to agree bit for bit
 (`library_runs`; the library's decode of every row where evalsuite has no decode of the format), and checks
 the config's groups against the stored schemes, `_exl3` checks trellis layouts and `tensor_storage`. `_same`
-compares a tensor kept under its name, `_modules` tells modules apart by name and shape (and builds the model
+compares a tensor kept under its name, `_outliers` judges each channel against its tensor's channels and
+each tensor against its siblings, `_modules` tells modules apart by name and shape (and builds the model
 skeleton targets are matched on), `_rows` holds the typed rows of tensors.json, `_engine` pairs and streams.
 """
 
