@@ -8,7 +8,7 @@ every `--pair` given, `verify_tensors` judges each output channel against its te
 tensor against its siblings (`tensor_verification/_outliers.py`). Per pack: channels and tensors judged,
 those flagged (false alarms: every pack here is clean), the largest robust z of each, and the closest
 approach to the rule: max over channels (tensors) of min(z / Z, ratio / R), 1 or more being an outlier.
-Prints a table and, with `--json`, writes the rows.
+Prints a table and, with `--json`, writes the rows (bench/outliers.json: this machine's last run).
 """
 
 from __future__ import annotations
