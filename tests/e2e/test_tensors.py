@@ -147,6 +147,25 @@ def test_one_changed_scale_fails_naming_the_tensor(tiny_pair, candidate, tmp_pat
     assert list(named(entry, "worst_channel_gain_err")) == [f"{module}.weight (output channel 5)"]
 
 
+def test_every_scale_of_one_expert_a_fifth_too_large_fails_as_an_outlier_among_its_siblings(
+    tiny_pair, candidate, tmp_path
+):
+    # One expert's scales all 1.2× theirs: its channels stay alike and its error (about 0.23) stays under
+    # every absolute bound, but it is twice that of the other down projections of the experts (`outlier`).
+    module = "model.language_model.layers.0.mlp.experts.1.down_proj"
+
+    def scale_the_tensor(tensors):
+        tensors[f"{module}.weight_scale"] *= 1.2
+
+    edit_tensors(candidate, scale_the_tensor)
+    code, entry, _ = run_tensors(candidate, tiny_pair[TINY_BF16], tmp_path / "run")
+    assert code == 1
+    assert failed_checks(entry) == {"outlier_tensors"}
+    assert entry["metrics"]["worst_sibling_z_tensor"] == f"{module}.weight"
+    detail = named(entry, "outlier")[f"{module}.weight"]
+    assert "the median" in detail and "mlp.experts.*.down_proj tensors of its scheme" in detail
+
+
 def test_one_dropped_tensor_fails_naming_it(tiny_pair, candidate, tmp_path):
     tensor = "model.language_model.layers.0.mlp.gate.weight"
     edit_tensors(candidate, lambda tensors: tensors.pop(tensor))
