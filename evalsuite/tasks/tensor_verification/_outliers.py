@@ -14,13 +14,14 @@ its tensor's tiles.
   divided by ‖w_r‖^(1−α) · max|w_r|^α, for the α of `ALPHAS` that makes the tensor's channels most alike
   (smallest MAD of the logarithm): the channel's robust z is its distance from their median in MADs. A
   channel is an outlier when its z is at least `CHANNEL_Z` and its error is at least `CHANNEL_RATIO` × the
-  median channel's, by either yardstick (its norm and its largest weight): real weights have channels of
+  median channel's by both yardsticks (its norm and its largest weight): real weights have channels of
   unusual shape (a few very large weights) whose error stands out by one yardstick and not by the other; a
-  damaged channel stands out by both, since damage adds error and leaves the source alone.
+  damaged channel stands out by both, since damage adds error and leaves the source alone. The spread is
+  never taken below a channel's own sampling noise (`CHANNEL_SAMPLING`).
 - **A tensor**: its relative error against the tensors of its kind in the pack (same part, projection,
   format and scheme; at least `MIN_SIBLINGS` of them), the same way: z at least `TENSOR_Z` and its error at
-  least `TENSOR_RATIO` × their median. Layers differ more than channels do (the first and last layers of real
-  models quantize differently), hence a larger ratio.
+  least `TENSOR_RATIO` × their median. Layers differ more than channels do (a real model's first layer
+  quantizes worse than the others, under GPTQ most), hence a larger z and ratio.
 
 A NaN error, or an error in a channel the source holds at zero, stands out by any measure: an outlier.
 The thresholds are constants, as `TILE_OUTLIER_RATIO` is: `tasks/tensors.toml` bounds the counts.
@@ -37,7 +38,7 @@ import numpy as np
 # floating-point grid keeps alike), 1 the error over the channel's largest weight (a uniform grid's step).
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # A channel: robust z and error over the median channel's (by both yardsticks). Clean packs of every writer
-# stay well below either where the other is reached (the figures are in bench/, see the task's docs).
+# stay below either where the other is reached (bench/outliers.py measures how far below).
 CHANNEL_Z = 10.0
 CHANNEL_RATIO = 1.3
 # A tensor among the tensors of its kind, with at least MIN_SIBLINGS of them.
