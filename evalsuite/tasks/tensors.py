@@ -26,7 +26,7 @@ from evalsuite.manifest import ManifestCheck, find_manifests, read_manifest, ver
 from evalsuite.run_folder import write_atomic, write_csv
 from evalsuite.side import Side
 from evalsuite.spec import Check, StrictModel, TaskSpec
-from evalsuite.task import Inputs, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.task import Inputs, Progress, RunContext, TaskResult, TaskSkipped, no_progress, task
 from evalsuite.tasks.assets import AssetComparison, AssetRules, compare_assets
 from evalsuite.tasks.tensor_verification import (
     LibraryCheck,
@@ -190,11 +190,23 @@ class Tensors:
             "manifests": manifests,
         }
 
-    def compare_files(self, ref: Side, ckpt: Side, inputs: dict[str, Any], artifacts: Path) -> TaskResult:
-        """Stream both checkpoints, then metrics, checks, tensors.json and the error plot."""
+    def compare_files(
+        self,
+        ref: Side,
+        ckpt: Side,
+        inputs: dict[str, Any],
+        artifacts: Path,
+        progress: Progress = no_progress,
+    ) -> TaskResult:
+        """Stream both checkpoints (a progress step per batch of tensors measured), then metrics, checks,
+        tensors.json, tensors.csv and the error plot."""
         rules = self.spec.modules
         found = verify_tensors(
-            ref.checkpoint, ckpt.checkpoint, rules, library_check=self.spec.decode.library_check
+            ref.checkpoint,
+            ckpt.checkpoint,
+            rules,
+            library_check=self.spec.decode.library_check,
+            progress=progress,
         )
         values = found.summary()
         values.update(ignored_on_load_summary(ckpt.checkpoint))
