@@ -94,7 +94,7 @@ class MoeCompareOptions(StrictModel):
     hurt_factor: float = Field(2.0, gt=0)
     hurt_min_rel_err: float = Field(0.01, ge=0)
     hot_usage: float = Field(1.0, ge=0)
-    worst_experts: int = Field(10, ge=1)  # rows of the hot-and-hurt table
+    worst_experts: int = Field(10, ge=1)  # rows of the hot-and-hurt and the below-the-floor tables
     coverage_file: str = "calibration_coverage.json"  # in the candidate's folder, read when present
     coverage_floor: float = Field(32.0, ge=0)  # calibration tokens below which an expert is flagged
 
