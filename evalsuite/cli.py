@@ -14,11 +14,12 @@ import dataclasses
 import os
 import sys
 import tempfile
+import time
 import tomllib
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -27,6 +28,9 @@ from typer.exceptions import TyperException
 from evalsuite.backends.options import BackendOptions
 from evalsuite.errors import EvalsuiteError, InputError, ResourceError, is_out_of_memory, out_of_memory_line
 from evalsuite.run_folder import write_atomic
+
+if TYPE_CHECKING:
+    from evalsuite.task import Progress
 
 app = typer.Typer(
     add_completion=False,
@@ -121,23 +125,92 @@ SpecOption = Annotated[
 ]
 
 
-def _progress_factory(progress):
-    def factory(description: str, total: int):
-        task_id = progress.add_task(description, total=total)
-        return lambda: progress.advance(task_id)
+# Most lines one pass prints to a log (stderr not a terminal): every step up to this many steps (a 40-layer
+# pass prints 40), one per 1/64 of the steps beyond (10,000 documents print 64, not 10,000).
+PROGRESS_LINES = 64
+# The steps the time left is estimated from: the last few, so that steps resumed from a run folder (done at
+# once) or a slow first step (a layer read cold from disk) stop weighing on the estimate after a few.
+RECENT_STEPS = 8
 
-    return factory
+
+def _clock(seconds: float) -> str:
+    """A duration as the progress bars write it, H:MM:SS."""
+    whole = round(seconds)
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
 
-def _progress_columns():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+class ProgressLines:
+    """Progress written as whole lines, for a log (CI, `2> run.log`): a pass's steps (one per decoder layer
+    of a streamed pass), each with the time elapsed and the time left, at most `PROGRESS_LINES` lines a pass.
+    A terminal gets live bars instead (`progress_display`)."""
 
-    return Progress, (
+    def __init__(self, console: Console, clock: Callable[[], float] = time.monotonic) -> None:
+        self.console = console
+        self.clock = clock
+
+    def __call__(self, description: str, total: int) -> Callable[[], None]:
+        """The `Progress` protocol: a pass of `total` steps begins; the callable returned marks one done."""
+        started = self.clock()
+        times = [started]
+        every = max(1, -(-total // PROGRESS_LINES))
+
+        def advance() -> None:
+            times.append(self.clock())
+            done = len(times) - 1
+            if done % every and done != total:
+                return
+            elapsed = times[-1] - started
+            if done >= total:
+                tail = f"done in {_clock(elapsed)}"
+            else:
+                recent = times[-(RECENT_STEPS + 1) :]
+                per_step = (recent[-1] - recent[0]) / (len(recent) - 1)
+                tail = f"{_clock(elapsed)} elapsed, about {_clock(per_step * (total - done))} left"
+            share = f" ({100 * done // total}%)" if total else ""
+            self.console.print(
+                f"{description}: {done}/{total}{share}, {tail}", highlight=False, markup=False, soft_wrap=True
+            )
+
+        return advance
+
+
+@contextlib.contextmanager
+def progress_display(quiet: bool) -> Iterator[Progress]:
+    """The progress of a command's passes on stderr: nothing with `--quiet`; on a terminal, a live bar per
+    pass with its time elapsed and left; otherwise (a log) `ProgressLines`, since rich draws a bar that is not
+    on a terminal only once, finished, and a long pass would show nothing for an hour."""
+    if quiet:
+        from evalsuite.task import no_progress
+
+        yield no_progress
+        return
+    if not console.is_terminal:
+        yield ProgressLines(console)
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.progress import Progress as Bars
+
+    columns = (
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
     )
+    with Bars(*columns, console=console) as bars:
+
+        def factory(description: str, total: int) -> Callable[[], None]:
+            task_id = bars.add_task(description, total=total)
+            return lambda: bars.advance(task_id)
+
+        yield factory
 
 
 def _announce_load(side, options) -> None:
@@ -195,9 +268,8 @@ def execute(request, quiet: bool = False, junit: Path | None = None, model_card:
     from evalsuite.report import print_summary, write_reports
     from evalsuite.runner import run
 
-    Progress, columns = _progress_columns()
-    with third_party_quiet() as noise, Progress(*columns, console=console, disable=quiet) as progress:
-        result = run(request, progress=_progress_factory(progress), on_load=_announce_load)
+    with third_party_quiet() as noise, progress_display(quiet) as progress:
+        result = run(request, progress=progress, on_load=_announce_load)
     _summarise_noise(noise)
     # Everything rendered before anything is written: a rendering error leaves no report half-made.
     extra: dict[Path, str] = {}
@@ -378,11 +450,10 @@ def compare_command(
         executor=executor,
         ray_address=ray_address,
     )
-    Progress, columns = _progress_columns()
-    with third_party_quiet() as noise, Progress(*columns, console=console, disable=quiet) as progress:
+    with third_party_quiet() as noise, progress_display(quiet) as progress:
         result = compare(
             request,
-            progress=_progress_factory(progress),
+            progress=progress,
             on_load=_announce_load,
             on_candidate=lambda name: console.print(f"candidate: {name}"),
         )
@@ -426,9 +497,8 @@ def record_command(
         options=backend_options(dtype, device, trust_remote_code, stream, max_memory),
         specs=parse_specs(spec),
     )
-    Progress, columns = _progress_columns()
-    with Progress(*columns, console=console, disable=quiet) as progress:
-        path = record(request, progress=_progress_factory(progress), on_load=_announce_load)
+    with progress_display(quiet) as progress:
+        path = record(request, progress=progress, on_load=_announce_load)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     console.print(f"recording: {path} ({size:,} bytes)")
     return 0

@@ -146,16 +146,33 @@ def relative_error_by_layer(
     else:
         ax.text(0.5, 0.5, "no decoded tensor", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("layer")
-    ax.set_title(f"Relative error per layer and projection ({len(rel_err)} tensors)")
+    experts = " (of a layer's experts, the worst)" if any("*" in name for name in names) else ""
+    ax.set_title(f"Relative error per layer and projection ({len(rel_err):,} tensors){experts}")
     _save(fig, path)
 
 
-def layer_errors(own: Sequence[float], drift: Sequence[float], path: Path) -> None:
+def layer_errors(
+    own: Sequence[float], drift: Sequence[float], path: Path, kinds: Sequence[str] | None = None
+) -> None:
     """Relative error of the hidden states per decoder layer: each layer's own (fed the reference's input)
-    and the drift accumulated on the candidate's own prefix, on a log axis (exact zeros are left out)."""
+    and the drift accumulated on the candidate's own prefix, on a log axis (exact zeros are left out). In a
+    hybrid model (`kinds`, one per layer, of more than one kind) the layers of the rarer kinds are shaded:
+    Qwen3.5's full-attention layers, one in four, among its Gated DeltaNet layers."""
     fig = _figure(width=min(16.0, max(6.4, 2.0 + 0.2 * len(own))))
     ax = fig.add_subplot()
     x = np.arange(len(own))
+    if kinds is not None and len(set(kinds)) > 1:
+        common = max(sorted(set(kinds)), key=list(kinds).count)
+        shades = dict(zip(sorted(set(kinds) - {common}), ("#dddddd", "#c6dbef", "#fdd0a2"), strict=False))
+        for kind, colour in shades.items():
+            for i in (i for i, k in enumerate(kinds) if k == kind):
+                ax.axvspan(
+                    i - 0.5,
+                    i + 0.5,
+                    color=colour,
+                    linewidth=0,
+                    label=kind if i == list(kinds).index(kind) else None,
+                )
     for values, label, style in ((drift, "drift (own prefix)", "-o"), (own, "own (reference input)", "-s")):
         y = np.asarray(values, dtype=np.float64)
         shown = np.where(y > 0, y, np.nan)
@@ -253,33 +270,70 @@ def metric_vs_bpw(
     _save(fig, path)
 
 
-def expert_heatmap(rel_err: np.ndarray, layers: Sequence[int], path: Path) -> None:
-    """Relative output error of every routed expert, MoE layer × expert, on a log colour scale; experts the
-    reference never routes to (NaN) are blank, exact zeros shown at the scale's floor."""
+def _label_step(n: int, height_inches: float, fontsize: float) -> int:
+    """Every how many rows a tick label goes so that labels of `fontsize` points do not overlap in an axis
+    `height_inches` tall (a label needs about 1.4 × its size in height)."""
+    fits = max(1, int(height_inches * 72 / (1.4 * fontsize)))
+    return max(1, -(-n // fits))
+
+
+def expert_heatmap(
+    rel_err: np.ndarray, layers: Sequence[int], path: Path, hurt_floor: float | None = None
+) -> None:
+    """Relative output error of every routed expert, MoE layer × expert, on a log colour scale, in two panels:
+    by expert index (where is the damage), and each layer's experts sorted worst first (how much of each
+    layer is damaged: at 256 experts a layer's few bad experts are single pixels in the first). Experts the
+    reference never routes to (NaN) are blank (last, in the sorted panel); exact zeros are shown at the
+    scale's floor. `hurt_floor`, where given, is marked on the colour bar. The figure's size is capped, one
+    cell per pixel column at most, and no cell is labelled, so 40 layers × 256 experts stay legible."""
     from matplotlib.colors import LogNorm
 
     values = np.asarray(rel_err, dtype=np.float64)
+    n_layers, n_experts = values.shape
     positive = values[np.isfinite(values) & (values > 0)]
-    fig = _figure(
-        width=min(16.0, max(6.4, 2.0 + 0.06 * values.shape[1])), height=min(12.0, 2.0 + 0.3 * len(layers))
-    )
-    ax = fig.add_subplot()
+    panel = min(5.5, 0.9 + 0.12 * n_layers)  # inches per panel: 40 layers fit at about 12 pixels a row
+    fig = _figure(width=min(16.0, max(6.4, 2.5 + 0.05 * n_experts)), height=1.2 + 2 * panel)
+    axes = fig.subplots(2, 1, sharey=True)
+    # Descending with the unused (NaN) last: np.sort puts NaN last, so sort the negated values.
+    ranked = -np.sort(-values, axis=1)
+    norm = None
     if positive.size:
         floor = float(positive.min())
-        shown = np.where(np.isfinite(values), np.maximum(values, floor), np.nan)
-        image = ax.imshow(
-            shown, aspect="auto", interpolation="nearest", norm=LogNorm(floor, float(positive.max()) * 1.0001)
-        )
-        fig.colorbar(image, ax=ax, label="‖y_ckpt − y_ref‖ / ‖y_ref‖")
-    else:
-        ax.imshow(np.where(np.isfinite(values), 0.0, np.nan), aspect="auto", interpolation="nearest")
-        ax.text(
-            0.5, 0.5, "every used expert matches exactly", ha="center", va="center", transform=ax.transAxes
-        )
-    step = max(1, len(layers) // 40)
-    ax.set_yticks(range(0, len(layers), step), [str(layer) for layer in layers[::step]])
-    ax.set_xticks(range(0, values.shape[1], max(1, values.shape[1] // 32)))
-    ax.set_xlabel("routed expert")
-    ax.set_ylabel("decoder layer")
-    ax.set_title(f"Routed-expert output error ({len(layers)} MoE layers × {values.shape[1]} experts)")
+        norm = LogNorm(floor, max(float(positive.max()), floor * 1.0001))
+    fontsize = 8 if n_layers > 16 else 10
+    step = _label_step(n_layers, panel - 0.6, fontsize)
+    image = None
+    for ax, grid, xlabel in (
+        (axes[0], values, "routed expert"),
+        (axes[1], ranked, "rank within its layer (worst first)"),
+    ):
+        if norm is not None:
+            shown = np.where(np.isfinite(grid), np.maximum(grid, norm.vmin), np.nan)
+            image = ax.imshow(shown, aspect="auto", interpolation="nearest", norm=norm)
+        else:
+            ax.imshow(np.where(np.isfinite(grid), 0.0, np.nan), aspect="auto", interpolation="nearest")
+            ax.text(
+                0.5,
+                0.5,
+                "every used expert matches exactly",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
+        ax.set_yticks(range(0, n_layers, step), [str(layer) for layer in layers[::step]], fontsize=fontsize)
+        ax.set_xticks(range(0, n_experts, max(1, -(-n_experts // 32))))
+        ax.tick_params(axis="x", labelsize=fontsize)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("decoder layer")
+    if image is not None:
+        marked = hurt_floor is not None and norm is not None and norm.vmin <= hurt_floor <= norm.vmax
+        label = "‖y_ckpt − y_ref‖ / ‖y_ref‖" + (" (red: the hurt floor)" if marked else "")
+        bar = fig.colorbar(image, ax=list(axes), label=label, shrink=0.8)
+        _plain_log_ticks(
+            bar.ax.yaxis
+        )  # labels at 2 and 5 of a decade: expert errors often span less than one
+        if marked:
+            bar.ax.axhline(hurt_floor, color="#c44e52", linewidth=2)
+    used = int(np.isfinite(values).sum())
+    fig.suptitle(f"Routed-expert output error: {n_layers} MoE layers × {n_experts} experts ({used} used)")
     _save(fig, path)

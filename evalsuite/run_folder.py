@@ -8,11 +8,15 @@ Layout of `reports/NAME/`:
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -32,6 +36,26 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Every row of a table a report only summarises (one per expert, one per tensor), as CSV with a header
+    of every key in the order first seen: the artifact a person opens in a spreadsheet or greps, atomically.
+    None is an empty cell, a float keeps every digit (repr), a list is its items joined by spaces."""
+
+    def cell(value: Any) -> Any:
+        if value is None:
+            return ""
+        if isinstance(value, list | tuple):
+            return " ".join(str(v) for v in value)
+        return repr(value) if isinstance(value, float) else value
+
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(columns)
+    writer.writerows([cell(row.get(c)) for c in columns] for row in rows)
+    write_atomic(path, out.getvalue())
 
 
 @dataclass(frozen=True)

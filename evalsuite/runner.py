@@ -67,6 +67,7 @@ from evalsuite.task import (
     TaskSkipped,
     inputs_digest,
     no_progress,
+    takes_progress,
 )
 
 # Planning and observing live in evalsuite.plan and evalsuite.observe; their names stay importable from here.
@@ -166,7 +167,10 @@ def run(
     for t in plan.tasks:
         if t.name in plan.inputs and isinstance(t, FileTask):
             try:
-                results[t.name] = t.compare_files(plan.ref, plan.ckpt, plan.inputs[t.name], folder.artifacts)
+                extra = {"progress": progress} if progress is not None and takes_progress(t) else {}
+                results[t.name] = t.compare_files(
+                    plan.ref, plan.ckpt, plan.inputs[t.name], folder.artifacts, **extra
+                )
             except TaskSkipped as skip:
                 results[t.name] = TaskResult(status="skipped", reason=str(skip))
     loads: list[dict[str, Any]] = []

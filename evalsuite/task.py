@@ -231,8 +231,17 @@ class FileTask(Task, Protocol):
     """A task that compares the two checkpoints' files; no model is ever loaded for it."""
 
     def compare_files(self, ref: Side, ckpt: Side, inputs: Inputs, artifacts: Path) -> TaskResult:
-        """Stream both checkpoints' files; metrics, checks and artifacts."""
+        """Stream both checkpoints' files; metrics, checks and artifacts. A task whose files take minutes
+        (31,000 tensors) may take a `progress` keyword too (`takes_progress`): the runner passes its
+        `Progress` to those that do."""
         ...
+
+
+def takes_progress(task: FileTask) -> bool:
+    """Whether a file task's `compare_files` takes a `progress` keyword (tasks written before it do not)."""
+    import inspect
+
+    return "progress" in inspect.signature(task.compare_files).parameters
 
 
 @dataclass

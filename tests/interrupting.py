@@ -9,38 +9,40 @@ CLI's own code; only its progress reporter is wrapped, to count.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from evalsuite import cli
 
 
-def interrupting_factory(what: str, n: int) -> Callable:
-    """`cli._progress_factory`, wrapped: the Nth step of a bar described with `what` raises SIGINT."""
-    original = cli._progress_factory
+def interrupting_display(what: str, n: int) -> Callable:
+    """`cli.progress_display`, wrapped: the Nth step of a pass described with `what` raises SIGINT."""
+    original = cli.progress_display
 
-    def factory(progress):
-        make = original(progress)
+    @contextlib.contextmanager
+    def display(quiet: bool) -> Iterator[Callable]:
+        with original(quiet) as progress:
 
-        def bar(description: str, total: int) -> Callable[[], None]:
-            advance = make(description, total)
-            if what not in description:
-                return advance
-            done = 0
+            def bar(description: str, total: int) -> Callable[[], None]:
+                advance = progress(description, total)
+                if what not in description:
+                    return advance
+                done = 0
 
-            def step() -> None:
-                nonlocal done
-                advance()
-                done += 1
-                if done == n:
-                    signal.raise_signal(signal.SIGINT)
+                def step() -> None:
+                    nonlocal done
+                    advance()
+                    done += 1
+                    if done == n:
+                        signal.raise_signal(signal.SIGINT)
 
-            return step
+                return step
 
-        return bar
+            yield bar
 
-    return factory
+    return display
 
 
 if __name__ == "__main__":
@@ -49,5 +51,5 @@ if __name__ == "__main__":
     # script, nohup) hands its children SIGINT ignored, and Python then installs no KeyboardInterrupt
     # handler: the raised signal would vanish and the run finish with 0, as a run from such a CI did.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    cli._progress_factory = interrupting_factory(what, int(n))
+    cli.progress_display = interrupting_display(what, int(n))
     cli.main(args)

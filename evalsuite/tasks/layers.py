@@ -181,7 +181,7 @@ class Layers:
         }
         checks, _ = self.spec.threshold_checks(values)
         plots.layer_errors(
-            own_err, [d.relative_frobenius_error for d in drift], artifacts / "layers_rel_err.png"
+            own_err, [d.relative_frobenius_error for d in drift], artifacts / "layers_rel_err.png", kinds
         )
         return TaskResult.from_checks(
             values,

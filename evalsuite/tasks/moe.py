@@ -50,6 +50,7 @@ from evalsuite import metrics, plots
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, observe_alone
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
+from evalsuite.run_folder import write_csv
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
 from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, TaskSkipped, task
@@ -93,7 +94,7 @@ class MoeCompareOptions(StrictModel):
     hurt_factor: float = Field(2.0, gt=0)
     hurt_min_rel_err: float = Field(0.01, ge=0)
     hot_usage: float = Field(1.0, ge=0)
-    worst_experts: int = Field(10, ge=1)  # rows of the hot-and-hurt table
+    worst_experts: int = Field(10, ge=1)  # rows of the hot-and-hurt and the below-the-floor tables
     coverage_file: str = "calibration_coverage.json"  # in the candidate's folder, read when present
     coverage_floor: float = Field(32.0, ge=0)  # calibration tokens below which an expert is flagged
 
@@ -567,7 +568,13 @@ class MixtureOfExperts:
         "worst_expert_rel_err",
         "worst_expert_cosine",
         "experts_unused",
+        "experts_hot",
+        "experts_hurt",
         "hot_hurt_experts",
+        "layers_with_hot_hurt",
+        "median_expert_rel_err",
+        "p90_expert_rel_err",
+        "p99_expert_rel_err",
         "worst_shared_expert_rel_err",
         "coverage_below_floor",
         "coverage_hot_hurt_below_floor",
@@ -586,8 +593,15 @@ class MixtureOfExperts:
         "reference's routing weights",
         "experts_unused": "routed experts the reference sends no token of the text to (their damage is not "
         "measured)",
+        "experts_hot": "routed experts the reference sends at least the uniform share of its layer's "
+        "tokens to (tokens × k / experts)",
+        "experts_hurt": "used experts whose error is above hurt_rel_err_floor: the larger of the spec's "
+        "hurt_min_rel_err and hurt_factor × the median used expert's error",
+        "p90_expert_rel_err": "90th percentile of the used experts' weighted relative errors (every expert's "
+        "is in moe_experts.csv)",
         "hot_hurt_experts": "experts both hot (at least the uniform share of tokens) and hurt (error above "
         "the spec's factor × the median expert error): quantization damage the text actually meets",
+        "layers_with_hot_hurt": "MoE layers holding at least one hot and hurt expert",
         "coverage_below_floor": "experts with fewer calibration tokens than the spec's floor, by the pack's "
         "calibration coverage file",
         "coverage_hot_hurt_below_floor": "hot and hurt experts that are also below the calibration floor",
@@ -624,6 +638,9 @@ class MixtureOfExperts:
         ]
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
+        """Routing per MoE layer, the experts' totals per layer and overall, the worst `worst_experts` by
+        error × usage and of those below the calibration floor; every expert's row in moe_experts.csv and
+        the layer × expert map in a plot. The report's size does not grow with the number of experts."""
         ref, ckpt = observed["ref"], observed["ckpt"]
         options = self.spec.compare
         moe_layers: list[int] = ref.meta["moe_layers"]
@@ -662,11 +679,13 @@ class MixtureOfExperts:
                 f"{moe_layers})",
                 self.coverage_path,
             )
-        below = np.zeros_like(used)
-        if coverage is not None:
-            for s, layer in enumerate(moe_layers):
-                for e in range(usage.shape[1]):
-                    below[s, e] = coverage.get((layer, e), 0.0) < options.coverage_floor
+        calibration = np.zeros(usage.shape)
+        for (layer, e), count in (coverage or {}).items():
+            calibration[moe_layers.index(layer), e] = count
+        below = calibration < options.coverage_floor if coverage is not None else np.zeros_like(used)
+        table = ExpertTable(
+            moe_layers, usage, rel_err, cosine, hot, hurt, calibration if coverage is not None else None
+        )
 
         rows: list[dict[str, Any]] = []
         for s, layer in enumerate(moe_layers):
@@ -688,40 +707,34 @@ class MixtureOfExperts:
                     "worst_expert_rel_err": float(rel_err[s].max()),
                 }
             )
+        rows += table.per_layer(below if coverage is not None else None)
         order = sorted(
             ((s, e) for s in range(len(moe_layers)) for e in range(usage.shape[1]) if used[s, e]),
             key=lambda se: (-score[se], -rel_err[se]),
         )
-        for rank, (s, e) in enumerate(order[: options.worst_experts]):
-            row = {
-                "table": "hot and hurt: the worst experts by error × usage",
-                "rank": rank + 1,
-                "expert": _expert_name(moe_layers[s], e),
-                "tokens": int(usage[s, e]),
-                "usage_share": float(usage[s, e] / tokens_per_layer[s, 0]),
-                "rel_err": float(rel_err[s, e]),
-                "cosine": float(cosine[s, e]),
-                "hot": bool(hot[s, e]),
-                "hurt": bool(hurt[s, e]),
-            }
-            if coverage is not None:
-                row["calibration_tokens"] = coverage.get((moe_layers[s], e), 0.0)
-                row["below_floor"] = bool(below[s, e])
-            rows.append(row)
+        worst_rows = order[: options.worst_experts]
+        title = "hot and hurt: the worst experts by error × usage"
+        rows += [
+            {"table": title, "rank": rank + 1, **table.row(s, e, below)}
+            for rank, (s, e) in enumerate(worst_rows)
+        ]
         if coverage is not None:
-            for s, e in zip(*np.nonzero(below), strict=True):
+            # The experts below the floor that matter most first: hot and hurt, then hurt, then by tokens.
+            flagged = sorted(
+                zip(*np.nonzero(below), strict=True),
+                key=lambda se: (-int(hot[se] and hurt[se]), -int(hurt[se]), -usage[se], se),
+            )
+            shown = flagged[: options.worst_experts]
+            title = f"calibration coverage below {options.coverage_floor:g} tokens"
+            if len(flagged) > len(shown):
+                title += f": the {len(shown)} that matter most of {len(flagged):,}"
+            rows += [{"table": title, **table.row(int(s), int(e), below)} for s, e in shown]
+            if len(flagged) > len(shown):
                 rows.append(
-                    {
-                        "table": f"calibration coverage below {options.coverage_floor:g} tokens",
-                        "expert": _expert_name(moe_layers[s], e),
-                        "calibration_tokens": coverage.get((moe_layers[s], e), 0.0),
-                        "tokens": int(usage[s, e]),
-                        "rel_err": float(rel_err[s, e]) if used[s, e] else None,
-                        "hot": bool(hot[s, e]),
-                        "hurt": bool(hurt[s, e]),
-                    }
+                    {"table": title, "expert": f"{len(flagged) - len(shown):,} more: see moe_experts.csv"}
                 )
         shared_errors = [summed_errors(shared[s]).relative_frobenius_error for s in range(len(moe_layers))]
+        quantiles = np.quantile(rel_err[used], (0.9, 0.99)) if used.any() else (0.0, 0.0)
         values: dict[str, Any] = {
             "corpus": ref.meta["corpus"],
             "n_windows": ckpt.meta["n_windows"],
@@ -743,8 +756,14 @@ class MixtureOfExperts:
             "worst_expert_cosine": float(cosine[worst_slot, worst_e]),
             "worst_expert_tokens": int(usage[worst_slot, worst_e]),
             "median_expert_rel_err": median,
+            "p90_expert_rel_err": float(quantiles[0]),
+            "p99_expert_rel_err": float(quantiles[1]),
+            "hurt_rel_err_floor": hurt_floor,
             "experts_unused": int((~used).sum()),
+            "experts_hot": int(hot.sum()),
+            "experts_hurt": int(hurt.sum()),
             "hot_hurt_experts": int((hot & hurt).sum()),
+            "layers_with_hot_hurt": int((hot & hurt).any(axis=1).sum()),
             "worst_shared_expert_rel_err": float(max(shared_errors)) if ref.meta["shared_expert"] else None,
             "coverage_below_floor": int(below.sum()) if coverage is not None else None,
             "coverage_hot_hurt_below_floor": int((below & hot & hurt).sum())
@@ -760,13 +779,80 @@ class MixtureOfExperts:
         measurable = frozenset(self.metric_names) - (set(null_reasons) | {"worst_shared_expert_rel_err"})
         checks, not_measured = self.spec.threshold_checks(values, measurable)
         plots.expert_heatmap(
-            np.where(used, rel_err, np.nan), moe_layers, artifacts / "moe_expert_rel_err.png"
+            np.where(used, rel_err, np.nan), moe_layers, artifacts / "moe_expert_rel_err.png", hurt_floor
         )
+        write_csv(artifacts / "moe_experts.csv", table.every_row(below))
         return TaskResult.from_checks(
             values,
             checks,
             details=rows,
             null_reasons=null_reasons,
             not_measured=not_measured,
-            artifacts={"expert_rel_err": f"{artifacts.name}/moe_expert_rel_err.png"},
+            artifacts={
+                "expert_rel_err": f"{artifacts.name}/moe_expert_rel_err.png",
+                "experts": f"{artifacts.name}/moe_experts.csv",
+            },
         )
+
+
+@dataclass
+class ExpertTable:
+    """Every routed expert's figures, (MoE layer, expert) arrays, as the report's rows: one expert's row, the
+    totals of each layer, and every expert's row for moe_experts.csv."""
+
+    moe_layers: list[int]
+    usage: np.ndarray
+    rel_err: np.ndarray
+    cosine: np.ndarray
+    hot: np.ndarray
+    hurt: np.ndarray
+    calibration: np.ndarray | None  # calibration tokens, None when the candidate ships no coverage
+
+    def row(self, s: int, e: int, below: np.ndarray) -> dict[str, Any]:
+        """Expert `e` of MoE layer slot `s`: its tokens, share of its layer's, error, hot and hurt."""
+        used = bool(self.usage[s, e] > 0)
+        row: dict[str, Any] = {
+            "expert": _expert_name(self.moe_layers[s], e),
+            "tokens": int(self.usage[s, e]),
+            "usage_share": float(self.usage[s, e] / self.usage[s].sum()),
+            "rel_err": float(self.rel_err[s, e]) if used else None,
+            "cosine": float(self.cosine[s, e]) if used else None,
+            "hot": bool(self.hot[s, e]),
+            "hurt": bool(self.hurt[s, e]),
+        }
+        if self.calibration is not None:
+            row["calibration_tokens"] = float(self.calibration[s, e])
+            row["below_floor"] = bool(below[s, e])
+        return row
+
+    def per_layer(self, below: np.ndarray | None) -> list[dict[str, Any]]:
+        """One row per MoE layer: how many of its experts are used, hot, hurt, both (and below the calibration
+        floor), and the median and 90th percentile of its used experts' errors."""
+        rows = []
+        for s, layer in enumerate(self.moe_layers):
+            used = self.usage[s] > 0
+            errors = self.rel_err[s][used]
+            row: dict[str, Any] = {
+                "table": "experts per MoE layer (hot: at least the uniform share of tokens; hurt: error "
+                "above hurt_rel_err_floor)",
+                "layer": layer,
+                "used": int(used.sum()),
+                "hot": int(self.hot[s].sum()),
+                "hurt": int(self.hurt[s].sum()),
+                "hot_and_hurt": int((self.hot[s] & self.hurt[s]).sum()),
+                "median_rel_err": float(np.median(errors)) if errors.size else None,
+                "p90_rel_err": float(np.quantile(errors, 0.9)) if errors.size else None,
+            }
+            if below is not None:
+                row["below_calibration_floor"] = int(below[s].sum())
+            rows.append(row)
+        return rows
+
+    def every_row(self, below: np.ndarray) -> list[dict[str, Any]]:
+        """Every expert's row, layer by layer, its layer and index in columns of their own (the CSV)."""
+        rows = []
+        for s, layer in enumerate(self.moe_layers):
+            for e in range(self.usage.shape[1]):
+                row = self.row(s, e, below)
+                rows.append({"layer": layer, **row, "expert": e})
+        return rows

@@ -9,10 +9,12 @@ config), and a manifest the candidate ships (`SHA256SUMS`, `UPLOAD_MANIFEST.json
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 from pydantic import Field
 
 from evalsuite import plots
@@ -21,12 +23,18 @@ from evalsuite.checkpoint import Checkpoint
 from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
 from evalsuite.manifest import ManifestCheck, find_manifests, read_manifest, verify_manifest
-from evalsuite.run_folder import write_atomic
+from evalsuite.run_folder import write_atomic, write_csv
 from evalsuite.side import Side
 from evalsuite.spec import Check, StrictModel, TaskSpec
-from evalsuite.task import Inputs, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.task import Inputs, Progress, RunContext, TaskResult, TaskSkipped, no_progress, task
 from evalsuite.tasks.assets import AssetComparison, AssetRules, compare_assets
-from evalsuite.tasks.tensor_verification import LibraryCheck, ModuleRules, Verification, verify_tensors
+from evalsuite.tasks.tensor_verification import (
+    LibraryCheck,
+    ModuleRules,
+    TensorRow,
+    Verification,
+    verify_tensors,
+)
 
 SOURCE_FORMATS = ("bf16", "fp16", "fp32")
 
@@ -34,7 +42,9 @@ SOURCE_FORMATS = ("bf16", "fp16", "fp32")
 class CompareOptions(StrictModel):
     # metric → the metric it must equal (by name) or the literal it must equal
     equal: dict[str, str | bool | int] = Field(default_factory=dict)
-    details_limit: int = 50
+    details_limit: int = Field(50, ge=0)  # problems listed in results.json; tensors.json lists them all
+    worst_tensors: int = Field(10, ge=1)  # rows of the table of the worst tensors by relative error
+    projections_limit: int = Field(40, ge=1)  # rows of the table of quantized tensors by projection
 
 
 class DecodeOptions(StrictModel):
@@ -191,11 +201,23 @@ class Tensors:
             "manifests": manifests,
         }
 
-    def compare_files(self, ref: Side, ckpt: Side, inputs: dict[str, Any], artifacts: Path) -> TaskResult:
-        """Stream both checkpoints, then metrics, checks, tensors.json and the error plot."""
+    def compare_files(
+        self,
+        ref: Side,
+        ckpt: Side,
+        inputs: dict[str, Any],
+        artifacts: Path,
+        progress: Progress = no_progress,
+    ) -> TaskResult:
+        """Stream both checkpoints (a progress step per batch of tensors measured), then metrics, checks,
+        tensors.json, tensors.csv and the error plot."""
         rules = self.spec.modules
         found = verify_tensors(
-            ref.checkpoint, ckpt.checkpoint, rules, library_check=self.spec.decode.library_check
+            ref.checkpoint,
+            ckpt.checkpoint,
+            rules,
+            library_check=self.spec.decode.library_check,
+            progress=progress,
         )
         values = found.summary()
         values.update(ignored_on_load_summary(ckpt.checkpoint))
@@ -232,7 +254,9 @@ class Tensors:
         details += problems[: self.spec.compare.details_limit]
         if len(problems) > self.spec.compare.details_limit:
             more = len(problems) - self.spec.compare.details_limit
-            details.append({"check": "…", "tensor": f"{more} more", "detail": "see tensors.json"})
+            details.append({"check": "…", "tensor": f"{more:,} more", "detail": "see tensors.json"})
+        options = self.spec.compare
+        details += summary_tables(found.tensors, options.worst_tensors, options.projections_limit)
         artifact_paths = self.write(found, values, artifacts, assets, manifests)
         return TaskResult.from_checks(
             values, checks, artifacts=artifact_paths, details=details, not_measured=unchecked
@@ -246,8 +270,8 @@ class Tensors:
         assets: AssetComparison,
         manifests: list[ManifestCheck],
     ) -> dict[str, str]:
-        """tensors.json (every row, the problems, the assets and manifests, the summary) and the error map,
-        relative to the run."""
+        """tensors.json (every row, the problems, the assets and manifests, the summary), tensors.csv (every
+        row, for a spreadsheet) and the error map; their paths relative to the run."""
         doc = {
             "schema": "evalsuite.tensors/1",
             "summary": values,
@@ -264,6 +288,7 @@ class Tensors:
             ],
         }
         write_atomic(folder / "tensors.json", _one_row_per_line(doc, "tensors") + "\n")
+        write_csv(folder / "tensors.csv", doc["tensors"])
         measured = [r for r in found.tensors if r.rel_err is not None]
         plots.relative_error_by_layer(
             [r.layer for r in measured],
@@ -271,7 +296,11 @@ class Tensors:
             [r.rel_err for r in measured],
             folder / "tensors_rel_err.png",
         )
-        return {"tensors": f"{folder.name}/tensors.json", "rel_err_map": f"{folder.name}/tensors_rel_err.png"}
+        return {
+            "tensors": f"{folder.name}/tensors.json",
+            "tensors_table": f"{folder.name}/tensors.csv",
+            "rel_err_map": f"{folder.name}/tensors_rel_err.png",
+        }
 
 
 # Stands for the list of rows while the rest of tensors.json is written: no JSON text of a key or value
@@ -311,3 +340,95 @@ def manifest_summary(checks: list[ManifestCheck]) -> dict[str, Any]:
         "manifest_mismatched": sum(len(c.mismatched) for c in checks),
         "manifest_unlisted_weights": sum(len(c.unlisted_weights) for c in checks),
     }
+
+
+def _worst_first(value: float | None) -> float:
+    """A relative error as a sort key, largest first: a NaN (a NaN code or scale decoded) is the worst there
+    is, a tensor with none measured comes last."""
+    if value is None:
+        return math.inf
+    return -math.inf if math.isnan(value) else -value
+
+
+def _layer_span(layers: list[int | None]) -> str:
+    """The decoder layers of a group of tensors: `0–39`, `3` or `—` outside the layer stacks."""
+    numbered = sorted({layer for layer in layers if layer is not None})
+    if not numbered:
+        return "—"
+    return str(numbered[0]) if len(numbered) == 1 else f"{numbered[0]}–{numbered[-1]}"
+
+
+def summary_tables(rows: list[TensorRow], worst: int, projections: int) -> list[dict[str, Any]]:
+    """What a person reads of tens of thousands of tensors (the report's detail rows, whatever the count):
+    the source tensors of each part by class, the quantized tensors grouped by projection and scheme (the
+    experts of every layer in one row, `projections` rows at most, the worst first) and the `worst` tensors
+    by relative error. Every tensor's row is in tensors.csv and tensors.json."""
+    out: list[dict[str, Any]] = []
+    by_part: dict[str, list[TensorRow]] = {}
+    for row in rows:
+        by_part.setdefault(row.part, []).append(row)
+    for part, members in by_part.items():
+        counts = {
+            c: sum(1 for r in members if r.tensor_class == c) for c in ("quantized", "protected", "missing")
+        }
+        out.append(
+            {
+                "table": "source tensors by part",
+                "part": part,
+                "tensors": len(members),
+                **counts,
+                "weights": sum(r.numel for r in members),
+                "quantized_weights": sum(r.numel for r in members if r.tensor_class == "quantized"),
+            }
+        )
+    quantized = [r for r in rows if r.tensor_class == "quantized"]
+    groups: dict[tuple[Any, ...], list[TensorRow]] = {}
+    for row in quantized:
+        groups.setdefault((row.projection, row.format, row.bits, row.group), []).append(row)
+    summaries = []
+    for (projection, fmt, bits, group), members in groups.items():
+        measured = [r for r in members if r.rel_err is not None]
+        first = min(measured, key=lambda r: _worst_first(r.rel_err), default=None)
+        errors = [r.rel_err for r in measured if r.rel_err is not None and not math.isnan(r.rel_err)]
+        summaries.append(
+            {
+                "table": "quantized tensors by projection and scheme (the worst first)",
+                "projection": projection,
+                "format": fmt,
+                "bits": bits,
+                "group": group,
+                "tensors": len(members),
+                "layers": _layer_span([r.layer for r in members]),
+                "weights": sum(r.numel for r in members),
+                "median_rel_err": float(np.median(errors)) if errors else None,
+                "worst_rel_err": first.rel_err if first else None,
+                "worst_tensor": first.name if first else None,
+            }
+        )
+    summaries.sort(key=lambda row: _worst_first(row["worst_rel_err"]))
+    out += summaries[:projections]
+    if len(summaries) > projections:
+        out.append(
+            {
+                "table": summaries[0]["table"],
+                "projection": f"{len(summaries) - projections:,} more: see tensors.csv",
+            }
+        )
+    measured = sorted((r for r in quantized if r.rel_err is not None), key=lambda r: _worst_first(r.rel_err))
+    title = (
+        f"the worst quantized tensors by relative error ({min(worst, len(measured))} of {len(measured):,})"
+    )
+    out += [
+        {
+            "table": title,
+            "tensor": r.name,
+            "format": r.format,
+            "bits": r.bits,
+            "rel_err": r.rel_err,
+            "sqnr_db": r.sqnr_db,
+            "worst_channel": r.worst_channel,
+            "worst_channel_rel_err": r.worst_channel_rel_err,
+        }
+        for r in measured[:worst]
+    ]
+    return out

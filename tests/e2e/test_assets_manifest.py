@@ -28,7 +28,7 @@ def failed(entry: dict) -> set[str]:
 
 
 def problems(entry: dict, check: str) -> set[tuple[str, str]]:
-    return {(d["file"], d["key"]) for d in entry.get("details", []) if d["check"] == check}
+    return {(d["file"], d["key"]) for d in entry.get("details", []) if d.get("check") == check}
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ def failed_checks(entry: dict) -> set[str]:
 
 def named(entry: dict, check: str) -> dict[str, str]:
     """The problems of one kind in results.json's details, by tensor."""
-    return {d["tensor"]: d["detail"] for d in entry.get("details", []) if d["check"] == check}
+    return {d["tensor"]: d["detail"] for d in entry.get("details", []) if d.get("check") == check}
 
 
 def assert_counts_match_the_manifest(entry: dict, fixture: Path) -> None:

@@ -66,3 +66,18 @@ def test_forked_workers_measure_what_threads_measure(pair, request):
     assert (worst > 1) == ("wrong-scale" in case), worst
     protected = [p for p in found["process"].problems if p.check == "protected"]
     assert bool(protected) == ("flipped-norm" in case), protected
+
+
+def test_the_pass_reports_each_batch_measured_to_its_progress(tiny_pair):
+    source, candidate = Checkpoint.open(tiny_pair[TINY_BF16]), Checkpoint.open(tiny_pair[TINY_W4A8])
+    passes: list[tuple[str, int]] = []
+    steps: list[int] = []
+
+    def progress(label: str, total: int):
+        passes.append((label, total))
+        return lambda: steps.append(len(steps) + 1)
+
+    found = verify_tensors(source, candidate, RULES, workers=1, progress=progress)
+    ((label, total),) = passes
+    assert label == f"tensors ({len(found.tensors):,} source tensors, in batches)"
+    assert total >= 1 and steps == list(range(1, total + 1))
