@@ -25,12 +25,13 @@ from pathlib import Path
 import torch
 from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
 
+from evalsuite.backends import load_backend
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.cli import DEFAULT_FIXTURES
 from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
-from evalsuite.runner import build_tasks, resident
+from evalsuite.runner import build_tasks
 from evalsuite.side import BackendOptions, Side
-from evalsuite.task import RunContext
+from evalsuite.task import RunContext, no_progress
 
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:
@@ -57,29 +58,34 @@ def main() -> None:
     if args.quick:
         args.repeats = 1
     (task,) = build_tasks(["ppl"], RunContext(corpus_name="python-docs"), {}, specs)
-    ref = Side("ref", ref_ckpt, BackendOptions())
-    inputs = task.prepare(ref, Side("ckpt", w4a8, BackendOptions()))
+    ref = Side("ref", BackendOptions(), ref_ckpt)
+    inputs = task.prepare(ref, Side("ckpt", BackendOptions(), w4a8))
+    observer = task.needs()[0].observer
 
     # Both candidates stay loaded (a benchmark, not a run) so that their observations can alternate: on a
     # shared machine, load from other processes then slows both alike.
-    sides = {backend: Side("ckpt", w4a8, BackendOptions(backend=backend)) for backend in ("hf", "intref")}
+    sides = {backend: Side("ckpt", BackendOptions(backend=backend), w4a8) for backend in ("hf", "intref")}
     runs: dict[str, list[float]] = {backend: [] for backend in sides}
     loads: dict[str, float] = {}
     weights: dict[str, int] = {}
-    with resident(ref):
-        weights["bf16"] = resident_weight_bytes(ref.model.model)
+    loaded = load_backend(ref.checkpoint, ref.options)
+    weights["bf16"] = resident_weight_bytes(loaded.model)
+    loaded.close()
+    del loaded
+    backends = {}
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         for backend, side in sides.items():
             t0 = time.perf_counter()
-            stack.enter_context(resident(side))
+            backends[backend] = load_backend(side.checkpoint, side.options)
+            stack.callback(backends[backend].close)
             loads[backend] = time.perf_counter() - t0
-            weights[backend] = resident_weight_bytes(side.model.model)
+            weights[backend] = resident_weight_bytes(backends[backend].model)
         for i in range(args.repeats):
-            for backend, side in sides.items():
+            for backend in sides:
                 folder = Path(tmp) / f"{backend}-{i}"
                 folder.mkdir()
                 t0 = time.perf_counter()
-                task.observe(side, inputs, folder)
+                observer.observe(backends[backend], inputs, folder, no_progress)
                 runs[backend].append(time.perf_counter() - t0)
     seconds = {backend: min(times) for backend, times in runs.items()}
 

@@ -26,12 +26,13 @@ from pathlib import Path
 import torch
 from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
 
+from evalsuite.backends import load_backend
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.cli import DEFAULT_FIXTURES
 from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
-from evalsuite.runner import build_tasks, resident
+from evalsuite.runner import build_tasks
 from evalsuite.side import BackendOptions, Side
-from evalsuite.task import RunContext
+from evalsuite.task import RunContext, no_progress
 
 # A child process per measurement, so each peak is its own. argv: mode (run | ref | ckpt), ckpt, ref, out,
 # and the ppl spec file ("" for the shipped one).
@@ -39,14 +40,15 @@ CHILD = r"""
 import json, resource, sys
 from pathlib import Path
 import psutil
+from evalsuite.backends import load_backend
 from evalsuite.checkpoint import Checkpoint
-from evalsuite.runner import RunFolder, RunRequest, build_tasks, observe_side, run
+from evalsuite.runner import RunRequest, build_tasks, run
 from evalsuite.side import BackendOptions, Side
-from evalsuite.task import RunContext
+from evalsuite.task import RunContext, no_progress
 mode, ckpt, ref, out, spec = sys.argv[1:6]
 specs = {"ppl": Path(spec)} if spec else {}
 first_load = []
-def on_load(side):
+def on_load(side, options=None):
     first_load.append(psutil.Process().memory_info().rss)
 context = RunContext(corpus_name="python-docs")
 if mode == "run":
@@ -54,10 +56,14 @@ if mode == "run":
                          specs=specs)
     run(request, on_load=on_load)
 else:
-    side = Side(mode, Checkpoint.open(ckpt if mode == "ckpt" else ref), BackendOptions())
-    tasks = build_tasks(["ppl"], context, {}, specs)
-    inputs = {"ppl": tasks[0].prepare(side, side)}
-    observe_side(side, [(tasks[0], mode)], inputs, RunFolder(Path(out)), resume=False, on_load=on_load)
+    side = Side(mode, BackendOptions(), Checkpoint.open(ckpt if mode == "ckpt" else ref))
+    (task,) = build_tasks(["ppl"], context, {}, specs)
+    inputs = task.prepare(side, side)
+    on_load(side)
+    backend = load_backend(side.checkpoint, side.options)
+    folder = Path(out) / "child"
+    folder.mkdir(parents=True)
+    task.needs()[0].observer.observe(backend, inputs, folder, no_progress)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"above_baseline": peak - first_load[0]}))
 """
@@ -68,8 +74,10 @@ def child_peak(mode: str, ckpt: Path, ref: Path, out: Path, spec: Path | None) -
         [sys.executable, "-c", CHILD, mode, str(ckpt), str(ref), str(out), str(spec or "")],
         capture_output=True,
         text=True,
-        check=True,
+        check=False,
     )
+    if proc.returncode != 0:
+        raise SystemExit(f"the {mode} child failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])["above_baseline"]
 
 
@@ -84,8 +92,9 @@ def main() -> None:
     spec_folder = tempfile.TemporaryDirectory()
     spec = quick_ppl_spec(Path(spec_folder.name)) if args.quick else None
     (task,) = build_tasks(["ppl"], RunContext(corpus_name="python-docs"), {}, {"ppl": spec} if spec else {})
-    ref = Side("ref", Checkpoint.open(ref_path), BackendOptions())
-    ckpt = Side("ckpt", Checkpoint.open(ckpt_path), BackendOptions())
+    ref = Side("ref", BackendOptions(), Checkpoint.open(ref_path))
+    ckpt = Side("ckpt", BackendOptions(), Checkpoint.open(ckpt_path))
+    observer = task.needs()[0].observer
     inputs = task.prepare(ref, ckpt)
     windows = torch.from_numpy(inputs["windows"])
     scored = task.spec.protocol.scored
@@ -96,8 +105,9 @@ def main() -> None:
     observations = {}
     with tempfile.TemporaryDirectory() as tmp:
         for side in (ref, ckpt):
-            with resident(side):
-                model = side.model.model
+            backend = load_backend(side.checkpoint, side.options)
+            try:
+                model = backend.model
                 with torch.inference_mode():
                     model(
                         input_ids=windows[:1], logits_to_keep=positions
@@ -110,10 +120,14 @@ def main() -> None:
                 folder = Path(tmp) / side.role
                 folder.mkdir()
                 t0 = time.perf_counter()
-                observations[side.role] = task.observe(side, inputs, folder)
+                observations[side.role] = observer.observe(backend, inputs, folder, no_progress)
                 observe += time.perf_counter() - t0
+            finally:
+                backend.close()
         t0 = time.perf_counter()
-        task.compare(observations["ref"], observations["ckpt"], Path(tmp) / "artifacts")
+        artifacts = Path(tmp) / "artifacts"
+        artifacts.mkdir()
+        task.compare(observations, artifacts)
         compare = time.perf_counter() - t0
 
         peaks = {

@@ -18,11 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = ["digest", "manifest", "exl3_decode", "exl3_tiles", "tensors", "moe", "stream"]
-SLOW = ["record", "drift", "long_context", "compare", "lmeval"]
-# bench/ppl.py and bench/intref.py still import `resident` and `observe_side`, which evalsuite.runner no
-# longer has: they write their JSON like the others, but do not run until they are ported to load_backend.
-BROKEN = {"ppl", "intref"}
+FAST = ["digest", "manifest", "exl3_decode", "exl3_tiles", "tensors", "intref", "moe", "stream"]
+SLOW = ["ppl", "record", "drift", "long_context", "compare", "lmeval"]
 
 
 def render_module():
@@ -96,5 +93,5 @@ def test_a_slower_bench_runs_quick_and_its_json_renders(bench, tiny_pair, tmp_pa
 
 def test_every_bench_is_tested_and_known_to_the_page() -> None:
     scripts = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"figures"}
-    assert scripts == set(FAST) | set(SLOW) | BROKEN
+    assert scripts == set(FAST) | set(SLOW)
     assert scripts <= set(render_module().BENCHES)
