@@ -26,6 +26,7 @@ DROPPED = (
     re.compile(r": built in [\d.]+ s$"),
     re.compile(r": building$"),
     re.compile(r"\d+/\d+ \[[\d:]+<"),
+    re.compile(r"━"),
     re.compile(r"^\s*$"),
 )
 
