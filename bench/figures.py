@@ -38,6 +38,9 @@ TEST_FIXTURES = Path(
     os.environ.get("EVALSUITE_TEST_FIXTURES", Path.home() / ".cache" / "evalsuite" / "test-fixtures")
 )
 OPS = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b, "==": lambda a, b: a == b}
+# When and under what load the bench started: it imports this module first.
+STARTED = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+LOAD_AT_START = list(os.getloadavg())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,8 +126,8 @@ class Figures:
         self.quick = bool(getattr(args, "quick", False))
         self.results = Path(getattr(args, "results", RESULTS))
         self.figures: list[dict[str, Any]] = []
-        self.started = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
-        self.load_start = list(os.getloadavg())
+        self.started = STARTED
+        self.load_start = LOAD_AT_START
 
     def add(self, name: str, value: Any, unit: str = "", goal: str | None = None) -> None:
         """One figure; `goal` like `"<= 1.1"`, met or not by `value`."""
