@@ -1,8 +1,9 @@
 """The command line: `run`, `compare`, `record`, `report`, `fixtures`, `demo`, `manifest`, `tasks`, `inspect`.
 
 Exit codes: 0 every check passed, 1 a check failed (a regression), 2 the run could not be done (bad input, a
-missing dependency), 3 an internal error (any other exception: a bug, an out-of-memory device, a changed
-library), 130 interrupted; the reason is one line on stderr, and for 3 the traceback is in a file.
+missing dependency), 3 an internal error (any other exception: a bug, a changed library), 4 out of resources
+(device or host memory exhausted, wherever: a bigger machine or `--stream` helps), 130 interrupted; the
+reason is one line on stderr, and for 3 and 4 the traceback is in a file.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from rich.console import Console
 from typer.exceptions import TyperException
 
 from evalsuite.backends.options import BackendOptions
-from evalsuite.errors import EvalsuiteError, InputError
+from evalsuite.errors import EvalsuiteError, InputError, ResourceError, is_out_of_memory, out_of_memory_line
 from evalsuite.run_folder import write_atomic
 
 app = typer.Typer(
@@ -603,7 +604,7 @@ def inspect_command(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: map evalsuite errors to one line and exit code 2."""
+    """Console entry point: map evalsuite errors to one line and exit code 2 (4 out of resources)."""
     args = sys.argv[1:] if argv is None else argv
     # Hub libraries read these at import; without them a missing dataset or model retries the network for
     # half a minute before failing. --allow-download lifts them for the one run that asks.
@@ -622,6 +623,9 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=args, prog_name="evalsuite", standalone_mode=False)
         if code == 130:  # typer turns Ctrl-C into exit code 130, silently
             raise KeyboardInterrupt
+    except ResourceError as exc:
+        print(f"evalsuite: error: {exc}", file=sys.stderr)
+        sys.exit(4)
     except EvalsuiteError as exc:
         print(f"evalsuite: error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -635,8 +639,10 @@ def main(argv: list[str] | None = None) -> None:
         exc.show()
         sys.exit(2)
     except Exception as exc:
-        # Not evalsuite's own: a bug, a device out of memory, a library that changed. Never exit 1, which CI
-        # reads as "a check failed".
+        if is_out_of_memory(exc):  # wherever it happens: the machine's limit, not a bug (exit 4)
+            print(f"evalsuite: error: {out_of_memory_line(exc)}; {write_traceback(exc)}", file=sys.stderr)
+            sys.exit(4)
+        # Not evalsuite's own: a bug, a library that changed. Never exit 1, which CI reads as a failed check.
         print(internal_error(exc), file=sys.stderr)
         sys.exit(3)
     sys.exit(code if isinstance(code, int) else 0)
@@ -645,6 +651,12 @@ def main(argv: list[str] | None = None) -> None:
 def internal_error(exc: BaseException) -> str:
     """Write the traceback of `exc` beside the run's reports (or to a temporary file) and return the one
     line that names it. The reports themselves are never half-written (each is replaced atomically)."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"evalsuite: internal error: {type(exc).__name__}: {message}; {write_traceback(exc)}"
+
+
+def write_traceback(exc: BaseException) -> str:
+    """Write the traceback of `exc` beside the run's reports (or to a temporary file); say where."""
     text = "".join(traceback.format_exception(exc))
     folder = output_folder.get()
     target = None
@@ -657,9 +669,7 @@ def internal_error(exc: BaseException) -> str:
             continue
         target = candidate
         break
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    where = f"traceback in {target}" if target is not None else "the traceback could not be written"
-    return f"evalsuite: internal error: {type(exc).__name__}: {message}; {where}"
+    return f"traceback in {target}" if target is not None else "the traceback could not be written"
 
 
 if __name__ == "__main__":

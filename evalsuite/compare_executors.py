@@ -34,16 +34,36 @@ def ray_api() -> Any:
     return ray
 
 
-def candidate_resources(request: RunRequest) -> dict[str, Any]:
-    """What a candidate's Ray task asks for: a GPU on a CUDA device, and the memory its model fills once
-    loaded (evalsuite.backends.memory's load plan, from the files)."""
-    side = open_side("ckpt", request.ckpt, request.ckpt_options.check())
-    resources: dict[str, Any] = {"num_cpus": 1}
-    if request.ckpt_options.device.startswith("cuda"):
+def candidate_resources(request: RunRequest, threads: int, gpu_bytes: int | None = None) -> dict[str, Any]:
+    """What a candidate's Ray task asks for: as many CPUs as the torch threads it runs with (the driver's:
+    fewer would oversubscribe the node, another count would change the arithmetic); on `cuda`/`cuda:N` one
+    GPU; on `auto` (accelerate's map over the GPUs it is given, then the CPU) as many GPUs as the model's
+    load plan fills at `gpu_bytes` each (the driver's first GPU's memory; one where unknown); on the CPU the
+    memory its model fills once loaded (evalsuite.backends.memory's load plan, from the files)."""
+    options = request.ckpt_options
+    side = open_side("ckpt", request.ckpt, options)
+    resources: dict[str, Any] = {"num_cpus": max(1, threads)}
+    needed = loaded_bytes(side.checkpoint, side.options) if side.checkpoint is not None else None
+    if options.device.startswith("cuda"):
         resources["num_gpus"] = 1
-    elif side.checkpoint is not None:
-        resources["memory"] = loaded_bytes(side.checkpoint, side.options)
+    elif options.device == "auto":
+        resources["num_gpus"] = max(1, -(-needed // gpu_bytes)) if needed and gpu_bytes else 1
+    elif needed is not None:
+        resources["memory"] = needed
     return resources
+
+
+def in_ray_task(request: RunRequest) -> RunRequest:
+    """The request as a Ray task runs it: Ray makes only the GPUs it assigned visible, numbered from 0, so
+    `cuda:N` (the driver's numbering) is the task's `cuda:0`."""
+    import dataclasses
+
+    options = {}
+    for name in ("ckpt_options", "ref_options"):
+        side = getattr(request, name)
+        if side.device.startswith("cuda:"):
+            options[name] = dataclasses.replace(side, device="cuda:0")
+    return dataclasses.replace(request, **options) if options else request
 
 
 def link_reference(reference: Path, out: Path) -> None:
@@ -83,7 +103,7 @@ def _ray_candidate(request: RunRequest, reference: str, threads: int, env: dict[
     os.environ.update(env)
     torch.set_num_threads(threads)
     try:
-        return run_candidate(request, Path(reference)).results
+        return run_candidate(in_ray_task(request), Path(reference)).results
     except EvalsuiteError as exc:
         # Crosses the process boundary as a plain message: the driver turns it back into one line, exit 2.
         return {"verdict": "error", "error": str(exc)}
@@ -117,11 +137,13 @@ def run_candidates(
     if started:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     env = {k: v for k, v in os.environ.items() if k.startswith(("EVALSUITE_", "HF_", "PYTHONPATH"))}
+    threads = torch.get_num_threads()
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     try:
         task = ray.remote(_ray_candidate)
         futures = {
-            name: task.options(**candidate_resources(request)).remote(
-                request, str(reference), torch.get_num_threads(), env
+            name: task.options(**candidate_resources(request, threads, gpu_bytes)).remote(
+                request, str(reference), threads, env
             )
             for name, request in requests.items()
         }

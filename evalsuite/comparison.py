@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from evalsuite import metrics, plots
+from evalsuite import claims, metrics, plots
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.model_card import render_alternatives
 from evalsuite.observation import Observation
@@ -37,7 +37,7 @@ PPL_COLUMNS = (
     "delta_p_mean",
     "rms_delta_p",
     "kld_floor_ratio",
-    "within_noise_floor",
+    "noise_floor",
 )
 STDERR = {"ppl_ratio": None, "kld_mean": "kld_mean_stderr_window", "same_top_p": "same_top_p_stderr_window"}
 
@@ -79,30 +79,56 @@ def candidate_row(name: str, doc: dict[str, Any], ref: Checkpoint | None) -> dic
     return row
 
 
-def _sentence(a: str, b: str, what: str, est: metrics.Estimate, se: float) -> str:
-    """What a mean difference B − A (lower is better) says, within 1.96 window-clustered errors."""
-    if not metrics.distinguishable(est, se):
-        return f"{a} and {b} are indistinguishable on this text ({what} {est.value:+.3g} ± {se:.2g})"
-    better, worse = (a, b) if est.value > 0 else (b, a)
-    return f"{better} is better than {worse} by {abs(est.value):.3g} ± {se:.2g} ({what}, window-clustered)"
+def _claim(a: str, b: str, what: str, pair: dict[str, Any]) -> tuple[str, str]:
+    """The outcome and sentence of one pairwise claim about a mean per-token difference B − A (lower is
+    better): a candidate is called better only where the Holm-adjusted, window-clustered t test says so;
+    otherwise the comparison is `undetermined`, and says why (too few windows, closer than the smallest
+    difference the text detects, or not significant)."""
+    value, se = pair[f"{what}_diff"], pair[f"{what}_diff_stderr"]
+    p, mde, windows = pair[f"{what}_p_holm"], pair[f"{what}_mde"], pair["n_windows"]
+    shown = f"{what.upper()} B − A {value:+.3g} ± {se:.2g}, window-clustered"
+    if value == 0 and se == 0 and pair[f"{what}_max_abs_diff"] == 0:
+        return "identical", f"{a} and {b} give every token the same {what.upper()}"
+    if windows < claims.MIN_CLUSTERS:
+        return "undetermined", f"{a} vs {b}: undetermined, {windows} window(s) are too few ({shown})"
+    if p < claims.ALPHA:
+        better, worse = (a, b) if value > 0 else (b, a)
+        outcome = "a_better" if value > 0 else "b_better"
+        by = f"{abs(value):.3g} ± {se:.2g}"
+        return outcome, f"{better} is better than {worse} by {by} ({shown}; Holm p = {p:.2g})"
+    if abs(value) < mde:
+        return "undetermined", (
+            f"{a} vs {b}: undetermined, closer than the smallest difference these {windows} windows detect "
+            f"({shown}; MDE {mde:.2g} at 80% power)"
+        )
+    return "undetermined", f"{a} vs {b}: undetermined ({shown}; Holm p = {p:.2g})"
 
 
 def paired_rows(out: Path, names: list[str], docs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Per adjacent pair (A, B) on the front: mean per-token KLD_B − KLD_A and NLL_B − NLL_A with their
-    window-clustered standard errors, and what they say."""
+    window-clustered standard errors, two-sided p-values (t, windows − 1 degrees of freedom), Holm-adjusted
+    over every claim of the comparison, the minimum detectable effect, and what they say."""
     rows = []
     for a, b in itertools.pairwise(names):
         ta, tb = (_tokens(out, n, docs[n]) for n in (a, b))
         if ta is None or tb is None:
             continue
-        pair: dict[str, Any] = {"a": a, "b": b, "n_tokens": int(ta["kld"].size)}
+        windows = int(np.unique(ta["window"]).size)
+        pair: dict[str, Any] = {"a": a, "b": b, "n_tokens": int(ta["kld"].size), "n_windows": windows}
         for what, key in (("kld", "kld"), ("nll", "nll_ckpt")):
             est = metrics.paired_difference(ta[key], tb[key])
             se = metrics.clustered_stderr(tb[key] - ta[key], ta["window"])
             pair[f"{what}_diff"], pair[f"{what}_diff_stderr"] = est.value, se
-            pair[f"{what}_verdict"] = _sentence(a, b, f"{what.upper()} B − A", est, se)
+            pair[f"{what}_max_abs_diff"] = float(np.max(np.abs(tb[key] - ta[key])))
+            pair[f"{what}_p"] = claims.two_sided_p(est.value, se, windows)
+            pair[f"{what}_mde"] = claims.minimum_detectable_effect(se, windows)
         pair.update(downstream_pair(out, a, b))
         rows.append(pair)
+    adjusted = iter(claims.holm([row[f"{w}_p"] for row in rows for w in ("kld", "nll")]))
+    for row in rows:
+        for what in ("kld", "nll"):
+            row[f"{what}_p_holm"] = next(adjusted)
+            row[f"{what}_outcome"], row[f"{what}_verdict"] = _claim(row["a"], row["b"], what, row)
     return rows
 
 
@@ -148,13 +174,14 @@ def build_comparison(
     on_front = {r["name"] for r, f in zip(measured, front, strict=True) if f}
     for r in rows:
         r["pareto"] = r["name"] in on_front
-    floor = next(
-        (d["tasks"]["ppl"]["metrics"].get("kld_floor") for d in docs.values() if "ppl" in d["tasks"]), None
-    )
+    ppl = next((d["tasks"]["ppl"]["metrics"] for d in docs.values() if "ppl" in d["tasks"]), {})
     return {
         "schema": SCHEMA,
         "ref": ref,
-        "kld_floor": floor,
+        "kld_floor": ppl.get("kld_floor"),
+        # The floor's draws (noise seeds) and the spread of their means: how much the floor itself moves.
+        "kld_floor_draws": ppl.get("kld_floor_draws"),
+        "kld_floor_draw_spread": ppl.get("kld_floor_draw_spread"),
         "candidates": rows,
         "pairs": paired_rows(out, [r["name"] for r in rows if r["pareto"]], docs),
         "artifacts": {"kld_vs_bpw": "kld_vs_bpw.png", "ppl_ratio_vs_bpw": "ppl_ratio_vs_bpw.png"},
@@ -166,11 +193,13 @@ def render_compare_md(doc: dict[str, Any]) -> str:
     lines = [f"# Comparison against {doc['ref']}", ""]
     if doc["kld_floor"] is not None:
         lines += [
-            f"Noise floor (the reference with BF16-sized noise): KLD {format_number(doc['kld_floor'])}.",
+            f"Noise floor (the reference with BF16-sized noise): KLD {format_number(doc['kld_floor'])} "
+            f"(mean of {doc.get('kld_floor_draws')} noise draws, which spread by "
+            f"{format_number(doc.get('kld_floor_draw_spread'))}).",
             "",
         ]
     head = ["candidate", "front", "bpw", "bytes", "ppl ratio", "KLD mean", "KLD median", "KLD p99"]
-    head += ["same top", "top-5", "Δp mean", "KLD / floor", "within floor", "verdict"]
+    head += ["same top", "top-5", "Δp mean", "KLD / floor", "vs floor", "verdict"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in doc["candidates"]:
         kld = format_number(r["kld_mean"])
@@ -180,7 +209,7 @@ def render_compare_md(doc: dict[str, Any]) -> str:
         cells += [format_number(r["bytes"]), format_number(r["ppl_ratio"]), kld]
         cells += [format_number(r[c]) for c in ("kld_median", "kld_p99", "same_top_p", "top5_agreement")]
         cells += [format_number(r["delta_p_mean"]), format_number(r["kld_floor_ratio"])]
-        cells += [{True: "yes", False: "no"}.get(r["within_noise_floor"], ""), r["verdict"]]
+        cells += [r["noise_floor"] or "", r["verdict"]]
         lines.append("| " + " | ".join(cells) + " |")
     if doc["pairs"]:
         lines += ["", "## Adjacent candidates on the front (paired by token)", ""]

@@ -13,7 +13,7 @@ import re
 import xml.etree.ElementTree as ET
 from typing import Any
 
-from evalsuite.report import format_number
+from evalsuite.report import checked_name, format_number
 
 # XML 1.0 cannot carry most control characters, even escaped; a reason quoting a tool's output might.
 _NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
@@ -30,7 +30,7 @@ def _text(value: Any) -> str:
 def failure_message(check: dict[str, Any]) -> str:
     """`NAME: value OP threshold`: the condition the check required, numbers as the report shows them."""
     value, threshold = format_number(check["value"], 6), format_number(check["threshold"], 6)
-    return f"{check['name']}: {value} {check['op']} {threshold}"
+    return f"{checked_name(check)}: {value} {check['op']} {threshold}"
 
 
 def _add_testcase(suite: ET.Element, task: str, name: str) -> ET.Element:

@@ -70,6 +70,16 @@ def clustered_stderr(x: ArrayLike, clusters: ArrayLike) -> float:
     return float(np.sqrt(groups / (groups - 1) * np.sum(sums * sums)) / arr.size)
 
 
+def rms_clustered_stderr(x: ArrayLike, clusters: ArrayLike) -> float:
+    """Window-clustered standard error of the root mean square sqrt(mean(x²)), by the delta method from that
+    of mean(x²): se(x²) / (2 rms). NaN for fewer than two clusters or an rms of 0."""
+    arr = _as_f64(x)
+    rms = float(np.sqrt(np.mean(arr * arr)))
+    if rms == 0:
+        return float("nan")
+    return clustered_stderr(arr * arr, clusters) / (2 * rms)
+
+
 def window_labels(n_windows: int, per_window: int) -> NDArray[np.int64]:
     """Cluster labels of samples laid out window after window, `per_window` each."""
     return np.repeat(np.arange(n_windows, dtype=np.int64), per_window)
@@ -510,16 +520,35 @@ def delta_p_percentiles(dp: ArrayLike) -> dict[str, float]:
     return {percentile_name(q): v for q, v in zip(DELTA_P_PERCENTILES, values, strict=True)}
 
 
-def top_k_agreement(top_ref: ArrayLike, top_ckpt: ArrayLike, k: int) -> Estimate:
-    """Share of positions whose k most probable tokens are the same on both sides, in the same order (k = 1
-    is the same-top-token rate), with the binomial standard error. Rows are positions, columns the ranked
-    token ids (at least k of them)."""
+def same_top_tied(logp_ref: NDArray[np.float64], logp_ckpt: NDArray[np.float64]) -> NDArray[np.bool_]:
+    """Per row, whether some token is most probable on both sides, ties included: the same-top-token event
+    whatever order a tie among equal logits is broken in. Rows are positions, columns the vocabulary."""
+    a, b = np.asarray(logp_ref), np.asarray(logp_ckpt)
+    if a.ndim != 2 or a.shape != b.shape:
+        raise ValueError(f"log-prob rows must be (positions, vocabulary) alike: {a.shape} vs {b.shape}")
+    same = a.argmax(axis=1) == b.argmax(axis=1)
+    rows = np.flatnonzero(~same)
+    if rows.size:  # only where the first maxima differ can a tie make them agree
+        x, y = a[rows], b[rows]
+        same[rows] = np.any((x == x.max(axis=1, keepdims=True)) & (y == y.max(axis=1, keepdims=True)), axis=1)
+    return same
+
+
+def top_k_hits(top_ref: ArrayLike, top_ckpt: ArrayLike, k: int) -> NDArray[np.bool_]:
+    """Per position, whether the k most probable tokens are the same on both sides, in the same order. Rows
+    are positions, columns the ranked token ids (at least k of them)."""
     a, b = np.asarray(top_ref), np.asarray(top_ckpt)
     if a.ndim != 2 or a.shape != b.shape:
         raise ValueError(f"ranked top-token arrays must be (positions, ranks) alike: {a.shape} vs {b.shape}")
     if not 1 <= k <= a.shape[1]:
         raise ValueError(f"top-{k} agreement needs {k} ranked tokens, the arrays hold {a.shape[1]}")
-    return rate_with_stderr(np.all(a[:, :k] == b[:, :k], axis=1))
+    return np.all(a[:, :k] == b[:, :k], axis=1)
+
+
+def top_k_agreement(top_ref: ArrayLike, top_ckpt: ArrayLike, k: int) -> Estimate:
+    """Share of positions whose k most probable tokens agree in order (`top_k_hits`; k = 1 is the
+    same-top-token rate with ties broken by the ranking given), with the binomial standard error."""
+    return rate_with_stderr(top_k_hits(top_ref, top_ckpt, k))
 
 
 @dataclass(frozen=True)
@@ -533,6 +562,7 @@ class ConfidenceBucket:
     share: float
     mean: Estimate | None
     median: float | None
+    inside: NDArray[np.bool_] | None = None  # which tokens lie in the bucket
 
 
 def confidence_buckets(
@@ -550,7 +580,7 @@ def confidence_buckets(
         n = int(inside.sum())
         mean = mean_with_stderr(x[inside]) if n else None
         median = float(np.median(x[inside])) if n else None
-        out.append(ConfidenceBucket(lo, hi, n, n / x.size, mean, median))
+        out.append(ConfidenceBucket(lo, hi, n, n / x.size, mean, median, inside))
     return out
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from evalsuite.report import (
+    checked_name,
     failed_prompts,
     format_number,
     machine_lines,
@@ -350,7 +351,7 @@ def _checks(results: dict[str, Any]) -> list[str]:
                 _row(
                     [
                         task,
-                        check["name"],
+                        checked_name(check),
                         format_number(check["value"]),
                         check["op"],
                         format_number(check["threshold"]),
@@ -462,7 +463,10 @@ def render_alternatives(comparison: dict[str, Any], chosen: str | None = None) -
     if comparison.get("kld_floor") is not None:
         lines[-1] += (
             f" The noise floor (the reference again with BF16-sized noise on each decoder layer) is a mean "
-            f"KLD of {format_number(comparison['kld_floor'])}."
+            f"KLD of {format_number(comparison['kld_floor'])}. A candidate is *within* the floor only where "
+            "the upper 95% bound of its per-token KLD excess over it (window-clustered, Student's t) is at "
+            "most the spec's margin, *above* where the lower bound exceeds that margin, and *undetermined* "
+            "otherwise."
         )
     head = ["candidate", "bits per weight", "PPL ratio", "mean KLD", "same top token", "vs floor"]
     lines += ["", _row(head)]
@@ -472,9 +476,10 @@ def render_alternatives(comparison: dict[str, Any], chosen: str | None = None) -
         kld = format_number(r.get("kld_mean"))
         if r.get("kld_mean_stderr") is not None:
             kld += f" ± {format_number(r['kld_mean_stderr'])}"
-        floor = {True: "within", False: f"× {format_number(r.get('kld_floor_ratio'))}"}.get(
-            r.get("within_noise_floor"), "–"
-        )
+        outcome = r.get("noise_floor")
+        floor = outcome or "–"
+        if outcome in ("above", "undetermined"):
+            floor += f" (× {format_number(r.get('kld_floor_ratio'))})"
         cells = [name + (" ★" if r.get("pareto") else ""), format_number(r.get("bits_per_weight"))]
         cells += [format_number(r.get("ppl_ratio")), kld, format_number(r.get("same_top_p")), floor]
         lines.append(_row(cells))

@@ -29,8 +29,11 @@ def observe_all(
     resume: bool,
     progress: Progress,
     on_load: OnLoad | None,
+    log: list[dict[str, Any]] | None = None,
 ) -> dict[str, Observation]:
-    """Phase 2: every planned observation, loading each (side, execution) once, one model at a time."""
+    """Phase 2: every planned observation, loading each (side, execution) once, one model at a time; on a
+    streamed side, the observations that forward the same windows share one pass over its layers
+    (`evalsuite.backends.layer_pass`). `log` receives one entry per model loaded (`_load_entry`)."""
     observed: dict[str, Observation] = {}
     groups: dict[tuple[str, BackendOptions, BackendOptions | None], list[PlannedObservation]] = {}
     for planned in plan.observations.values():
@@ -52,26 +55,104 @@ def observe_all(
         else:
             backend = load_backend(side.checkpoint, options)
         try:
-            for planned in todo:
-                work = folder.observation_work(planned.role, planned.need.observer.name, planned.key, resume)
-                label = f"{role} ({options.backend})"
-
-                def labelled(what: str, total: int, label: str = label) -> Callable[[], None]:
-                    return progress(f"{label}: {what}", total)
-
-                inputs = planned.inputs
-                if planned.consumes:
-                    inputs = {**inputs, "observed": {k: observed[key] for k, key in planned.consumes.items()}}
-                # An observer that hands the model to a field tool (lm-eval loads its tasks' data again)
-                # reads only local caches, unless the run was allowed to download.
-                with hub_offline(not plan.allow_download):
-                    obs = planned.need.observer.observe(backend, inputs, work, labelled)
-                obs.key = planned.key
-                obs.meta["tasks"] = sorted(planned.tasks)
-                obs.save(work)
-                observed[planned.key] = Observation.load(
-                    folder.commit_observation(work, saved_folder(folder, planned))
-                )
+            loads_before = getattr(backend, "layer_loads", None)
+            for batch in _passes(todo, observed, backend):
+                _observe_batch(batch, backend, folder, resume, progress, observed, plan.allow_download)
+            if log is not None:
+                log.append(_load_entry(role, options, todo, backend, loads_before))
         finally:
             backend.close()
     return observed
+
+
+def _passes(
+    todo: list[PlannedObservation], observed: dict[str, Observation], backend: Any
+) -> list[list[PlannedObservation]]:
+    """The side's observations in batches made together: on a streamed side, those that can ride a layer
+    pass (their observer offers a `visitor`, what they consume is observed) on the same windows form one
+    batch; every other observation is a batch of its own, in plan order."""
+    from evalsuite.backends.streamed import StreamedBackend
+
+    batches: list[list[PlannedObservation]] = []
+    by_windows: dict[str, list[PlannedObservation]] = {}
+    for planned in todo:
+        rides = (
+            isinstance(backend, StreamedBackend)
+            and callable(getattr(planned.need.observer, "visitor", None))
+            and all(key in observed for key in planned.consumes.values())
+            and "tokens_sha256" in planned.inputs
+        )
+        if not rides:
+            batches.append([planned])
+            continue
+        windows = str(planned.inputs["tokens_sha256"])
+        if windows not in by_windows:
+            by_windows[windows] = []
+            batches.append(by_windows[windows])
+        by_windows[windows].append(planned)
+    return batches
+
+
+def _observe_batch(
+    batch: list[PlannedObservation],
+    backend: Any,
+    folder: RunFolder,
+    resume: bool,
+    progress: Progress,
+    observed: dict[str, Observation],
+    allow_download: bool,
+) -> None:
+    """Make a batch of `_passes` (one observation, or a layer pass shared by several); save, commit each."""
+    label = f"{batch[0].role} ({batch[0].options.backend})"
+
+    def labelled(what: str, total: int) -> Callable[[], None]:
+        return progress(f"{label}: {what}", total)
+
+    works = [folder.observation_work(p.role, p.need.observer.name, p.key, resume) for p in batch]
+    inputs = [
+        {**p.inputs, "observed": {k: observed[key] for k, key in p.consumes.items()}}
+        if p.consumes
+        else p.inputs
+        for p in batch
+    ]
+    if len(batch) == 1:
+        # An observer that hands the model to a field tool (lm-eval loads its tasks' data again) reads only
+        # local caches, unless the run was allowed to download.
+        with hub_offline(not allow_download):
+            made = [batch[0].need.observer.observe(backend, inputs[0], works[0], labelled)]
+    else:
+        from evalsuite.backends.layer_pass import run_layer_pass
+        from evalsuite.tasks.window_logits import window_tensor
+
+        names = ", ".join(p.need.observer.name for p in batch)
+        visitors = [
+            (p.need.observer.visitor(backend, i, w), w) for p, i, w in zip(batch, inputs, works, strict=True)
+        ]
+        step = labelled(f"layers ({names})", backend.n_layers)
+        made = run_layer_pass(backend, window_tensor(batch[0].inputs), visitors, step)
+    for planned, obs, work in zip(batch, made, works, strict=True):
+        obs.key = planned.key
+        obs.meta["tasks"] = sorted(planned.tasks)
+        if len(batch) > 1:
+            obs.meta["layer_pass"] = [p.need.observer.name for p in batch]
+        obs.save(work)
+        observed[planned.key] = Observation.load(
+            folder.commit_observation(work, saved_folder(folder, planned))
+        )
+
+
+def _load_entry(
+    role: str, options: BackendOptions, todo: list[PlannedObservation], backend: Any, loads_before: int | None
+) -> dict[str, Any]:
+    """results.json's account of one model load: which side, how executed, what was observed, and for a
+    streamed side how many decoder layers were read from the files (once per layer per pass)."""
+    entry: dict[str, Any] = {
+        "side": role,
+        "backend": options.backend,
+        "streamed": loads_before is not None,
+        "observations": [p.need.observer.name for p in todo],
+    }
+    if loads_before is not None:
+        entry["n_layers"] = backend.n_layers
+        entry["decoder_layer_loads"] = backend.layer_loads - loads_before
+    return entry

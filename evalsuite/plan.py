@@ -171,7 +171,7 @@ def side_options(side: Side, need: Need) -> BackendOptions:
     else:
         options = side.options.with_backend(need.backend, need.conventions)
     if need.streamed or need.role == "pair":
-        options = dataclasses.replace(options, stream=True)
+        options = options.streamed()
     return options
 
 
@@ -243,7 +243,7 @@ def plan_observations(
             side = sides["ckpt" if need.role == "pair" else need.role]
             partner = None
             if need.role == "pair":
-                partner = (sides["ref"], dataclasses.replace(sides["ref"].options, stream=True))
+                partner = (sides["ref"], sides["ref"].options.streamed())
             options = side_options(side, need)
             key = observation_key(side, options, need, inputs[t.name], digests, consumes, partner)
             wiring[t.name][need.label] = key

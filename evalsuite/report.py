@@ -99,8 +99,14 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def checked_name(check: dict[str, Any]) -> str:
+    """A check's metric as the reports name it: `kld_mean`, or `kld_mean (upper95)` for a check judged on a
+    confidence bound of the metric."""
+    return f"{check['name']} ({check['on']})" if check.get("on") else str(check["name"])
+
+
 def _threshold(check: dict[str, Any] | None) -> str:
-    return "" if check is None else f"{check['name']} {check['op']} {format_number(check['threshold'])}"
+    return "" if check is None else f"{checked_name(check)} {check['op']} {format_number(check['threshold'])}"
 
 
 def _verdict(check: dict[str, Any] | None) -> str:

@@ -169,7 +169,8 @@ def run(
                 results[t.name] = t.compare_files(plan.ref, plan.ckpt, plan.inputs[t.name], folder.artifacts)
             except TaskSkipped as skip:
                 results[t.name] = TaskResult(status="skipped", reason=str(skip))
-    observed = observe_all(plan, folder, request.resume, progress or no_progress, on_load)
+    loads: list[dict[str, Any]] = []
+    observed = observe_all(plan, folder, request.resume, progress or no_progress, on_load, log=loads)
     for t in plan.tasks:
         if t.name in results:
             continue
@@ -205,6 +206,8 @@ def run(
         "environment": environment(request.ckpt_options),
         "verdict": verdict,
         "tasks": {t.name: results[t.name].to_json() for t in plan.tasks},
+        # Each model this run loaded: its side, execution, observations and decoder layers read.
+        "model_loads": loads,
     }
     if request.baseline is not None:
         doc["baseline"] = str(request.baseline)

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from evalsuite import claims
 from evalsuite.errors import InputError
 
 
@@ -26,10 +27,19 @@ class StrictModel(BaseModel):
 
 
 class Threshold(StrictModel):
-    """A bound on one metric: `min`, `max` or both (inclusive)."""
+    """A bound on one metric: `min`, `max` or both (inclusive), judged on the metric's estimate or on one of
+    its one-sided 95% confidence bounds (`on`).
+
+    With `max`, `on = "upper95"` passes only what is shown to stay under it (a release gate) and
+    `on = "lower95"` fails only what is shown to exceed it (a nightly gate that must not flap on noise); with
+    `min`, the other way round. The bound is the task's `NAME_upper95` / `NAME_lower95` where it reports one,
+    else NAME ± t · NAME_stderr_window with `n_windows` − 1 degrees of freedom (`evalsuite.claims`); a metric
+    without one, or from too few windows, has no bound, and its check does not pass.
+    """
 
     min: float | None = None
     max: float | None = None
+    on: Literal["estimate", "upper95", "lower95"] = "estimate"
 
     @model_validator(mode="after")
     def _has_a_bound(self) -> Threshold:
@@ -41,13 +51,15 @@ class Threshold(StrictModel):
 
 
 class Check(StrictModel):
-    """One comparison of a metric with its threshold, as results.json records it."""
+    """One comparison of a metric with its threshold, as results.json records it. `on` says what `value` is
+    when it is a confidence bound of the metric rather than its estimate (`upper95`, `lower95`)."""
 
     name: str
     value: float | bool | None
     op: Literal[">=", "<=", "=="]
     threshold: float | bool
     passed: bool
+    on: Literal["upper95", "lower95"] | None = None
 
 
 def flat_metric_tables(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -64,8 +76,15 @@ def flat_metric_tables(table: dict[str, Any], prefix: str = "") -> dict[str, Any
     return flat
 
 
-def apply_threshold(name: str, value: float | None, threshold: Threshold) -> list[Check]:
-    """The checks a threshold makes on a value; a missing or NaN value never passes."""
+def apply_threshold(
+    name: str, value: float | None, threshold: Threshold, values: dict[str, Any] | None = None
+) -> list[Check]:
+    """The checks a threshold makes on a value (or, with `on`, on the bound of it that `values` gives or
+    lets compute: `Threshold`); a missing or NaN value never passes."""
+    on = None
+    if threshold.on != "estimate":
+        on = threshold.on
+        value = metric_bound(name, value, on, values or {})
     checks = []
     ok = value is not None and value == value  # NaN != NaN
     if threshold.min is not None:
@@ -76,6 +95,7 @@ def apply_threshold(name: str, value: float | None, threshold: Threshold) -> lis
                 op=">=",
                 threshold=threshold.min,
                 passed=bool(ok and value >= threshold.min),
+                on=on,
             )
         )
     if threshold.max is not None:
@@ -86,9 +106,24 @@ def apply_threshold(name: str, value: float | None, threshold: Threshold) -> lis
                 op="<=",
                 threshold=threshold.max,
                 passed=bool(ok and value <= threshold.max),
+                on=on,
             )
         )
     return checks
+
+
+def metric_bound(
+    name: str, value: float | None, on: Literal["upper95", "lower95"], values: dict[str, Any]
+) -> float | None:
+    """A metric's one-sided 95% bound: the task's own `NAME_upper95` / `NAME_lower95`, else from its
+    window-clustered standard error and window count; None where neither exists."""
+    given = values.get(f"{name}_{on}")
+    if isinstance(given, int | float) and not isinstance(given, bool):
+        return float(given)
+    stderr, clusters = values.get(f"{name}_stderr_window"), values.get("n_windows")
+    if value is None or not isinstance(stderr, int | float) or not isinstance(clusters, int):
+        return None
+    return claims.bound(float(value), float(stderr), clusters, on)
 
 
 class Tolerance(StrictModel):
@@ -159,7 +194,7 @@ class TaskSpec(StrictModel):
             if value is None and measurable is not None and name not in measurable:
                 not_measured.append(name)
                 continue
-            checks += apply_threshold(name, value, threshold)
+            checks += apply_threshold(name, value, threshold, values)
         return checks, not_measured
 
     @property

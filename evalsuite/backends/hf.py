@@ -18,7 +18,13 @@ from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION, DTYPE_NAMES,
 from evalsuite.backends.packed_zero_points import zero_points_packed_on_meta
 from evalsuite.backends.token_chunks import mlp_in_chunks
 from evalsuite.checkpoint import Checkpoint
-from evalsuite.errors import DependencyError, InputError
+from evalsuite.errors import (
+    DependencyError,
+    InputError,
+    ResourceError,
+    is_out_of_memory,
+    out_of_memory_line,
+)
 
 DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}
 
@@ -208,6 +214,8 @@ def from_pretrained_with_report(
     except ImportError as exc:
         raise DependencyError(f"loading {checkpoint.path} needs a package: {_first_line(exc)}") from None
     except Exception as exc:
+        if is_out_of_memory(exc):  # not the checkpoint's fault: the machine's (exit 4, not 2)
+            raise ResourceError(f"{checkpoint.path}: loading it ran {out_of_memory_line(exc)}") from exc
         raise InputError(f"Transformers cannot load the model: {_first_line(exc)}", checkpoint.path) from None
     return model, info
 

@@ -30,6 +30,16 @@ def _seed(seed: int, window: torch.Tensor, layer: int) -> int:
     return int.from_bytes(digest.digest()[:8], "little") >> 1
 
 
+def perturbed(
+    hidden: torch.Tensor, window: torch.Tensor, layer: int, scale: float, seed: int
+) -> torch.Tensor:
+    """`hidden` (decoder layer `layer`'s output on `window`'s tokens) × (1 + scale·z) in float32, cast back to
+    its dtype; z drawn from the seed, the window's tokens and the layer's index."""
+    generator = torch.Generator(device=hidden.device).manual_seed(_seed(seed, window, layer))
+    z = torch.randn(hidden.shape, generator=generator, device=hidden.device, dtype=torch.float32)
+    return (hidden.float() * (1.0 + scale * z)).to(hidden.dtype)
+
+
 class NoisyLayers:
     """Forward hooks on a Transformers model's decoder layers that multiply each layer's output (the hidden
     states, the first element of a tuple output) by 1 + scale·z in float32, cast back to its dtype."""
@@ -41,9 +51,8 @@ class NoisyLayers:
 
     def _perturb(self, index: int, output: Any) -> Any:
         hidden = output[0] if isinstance(output, tuple) else output
-        generator = torch.Generator(device=hidden.device).manual_seed(_seed(self.seed, self.window, index))
-        z = torch.randn(hidden.shape, generator=generator, device=hidden.device, dtype=torch.float32)
-        noisy = (hidden.float() * (1.0 + self.scale * z)).to(hidden.dtype)
+        assert self.window is not None
+        noisy = perturbed(hidden, self.window, index, self.scale, self.seed)
         return (noisy, *output[1:]) if isinstance(output, tuple) else noisy
 
     @contextlib.contextmanager

@@ -17,7 +17,6 @@ A GGUF checkpoint is never streamed (Transformers dequantizes it by reading the 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 
@@ -126,7 +125,7 @@ def streamed_if_needed(
         f"the model needs {format_bytes(needed)} loaded whole, more than {source} allows "
         f"({format_bytes(available)})"
     )
-    return dataclasses.replace(options, stream=True), reason
+    return options.streamed(), reason
 
 
 def exl3_decoded_bytes(checkpoint: Checkpoint, per_weight: int) -> int:

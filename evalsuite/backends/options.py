@@ -26,6 +26,10 @@ BACKEND_NAMES = ("hf", "intref", "exl3")
 AUTO_BACKEND = "auto"
 
 
+# Where a streamed side runs under `--device auto` (`BackendOptions.streamed`).
+STREAMED_AUTO_DEVICE = "cuda:0"
+
+
 # Convention of backend `hf`, set by the `intref` task for a weight-only candidate: the config groups that
 # keep 16-bit activations run with dynamic per-token INT8 activation quantization, as intref runs them, so
 # that both executions compute the one W·A8 model.
@@ -70,6 +74,13 @@ class BackendOptions:
             doc["stream"] = True
         return doc
 
+    def streamed(self) -> BackendOptions:
+        """These options streamed one decoder layer at a time. A streamed side runs on one device: `auto`
+        (accelerate's map over every GPU and the CPU) becomes the first CUDA device, which holds one layer
+        at a time and the hidden states; `cpu`, `cuda` and `cuda:N` stay as they are."""
+        device = STREAMED_AUTO_DEVICE if self.device == "auto" else self.device
+        return replace(self, stream=True, device=device)
+
     def for_format(self, format: str) -> BackendOptions:
         """`auto` resolved for a checkpoint of `format`: exl3 for an EXL3 pack, hf for anything else."""
         if self.backend != AUTO_BACKEND:
@@ -89,9 +100,8 @@ class BackendOptions:
         check_device(self.device)
         if self.max_memory is not None and self.max_memory <= 0:
             raise InputError(f"--max-memory must be a positive size, not {self.max_memory} bytes")
-        if self.stream and self.device == "auto":
-            raise InputError("--stream runs on one device: use --device cpu, cuda or cuda:N, not auto")
-        return replace(self, dtype=DTYPE_NAMES[self.dtype])
+        checked = replace(self, dtype=DTYPE_NAMES[self.dtype])
+        return checked.streamed() if self.stream else checked
 
 
 def check_device(device: str) -> None:

@@ -456,6 +456,8 @@ class StreamedBackend:
             else int(text_config.vocab_size)
         )
         self.tokenizer = checkpoint.load_tokenizer(trust_remote_code=options.trust_remote_code)
+        # Decoder layers read from the files so far: a run shows that its observations shared their passes.
+        self.layer_loads = 0
 
     @property
     def n_layers(self) -> int:
@@ -526,6 +528,7 @@ class StreamedBackend:
         """Decoder layer `index` materialised from the files for the duration of the block, then freed."""
         with contextlib.redirect_stderr(io.StringIO()):
             self.loader.load_layer(index)
+        self.layer_loads += 1
         try:
             yield self.layers[index]
         finally:

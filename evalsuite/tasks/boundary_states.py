@@ -4,8 +4,9 @@ The side is streamed (`evalsuite.backends.streamed`) over the windows of a `Wind
 what the first decoder layer receives (the embeddings), boundary i + 1 what layer i returns. Each boundary is
 one safetensors file holding every window's states, (windows, tokens, hidden), in the compute dtype exactly
 as the model produced them, so that the candidate's layer fed the reference's input is fed the very values
-the reference's layer received. A file is written (atomically) as soon as its layer has run, and an
-interrupted observation resumes from the last boundary written.
+the reference's layer received. A file is written (atomically) as soon as its layer has run; the side's
+layer pass (`evalsuite.backends.layer_pass`), shared with the other observations of its windows, resumes an
+interrupted observation at the layer it stopped at.
 
 Size: (layers + 1) × hidden × bytes per value, per token. MiniCPM-V 4.7's text model (40 layers, hidden
 2,048, bf16) keeps 168 kB per token: 0.69 GB for the 4,096 tokens of the `ppl` protocol. That is what a
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from evalsuite import metrics
+from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, observe_alone
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.task import Inputs, Progress
@@ -61,6 +63,21 @@ def read_boundary(observation: Observation, boundary: int) -> torch.Tensor:
     return load_file(str(path))[STATES]
 
 
+class ReferenceBoundaries:
+    """The reference's states at each boundary, read from its observation's files as a pass asks for them:
+    the last one read is kept, since a layer's output is the next layer's input."""
+
+    def __init__(self, observation: Observation) -> None:
+        self.observation = observation
+        self._last: tuple[int, torch.Tensor] | None = None
+
+    def read(self, boundary: int) -> torch.Tensor:
+        """The (windows, tokens, hidden) states at `boundary`."""
+        if self._last is None or self._last[0] != boundary:
+            self._last = (boundary, read_boundary(self.observation, boundary))
+        return self._last[1]
+
+
 def check_same_model(states: Observation, backend: StreamedBackend, inputs: Inputs) -> None:
     """The reference's states fit this side: same layers, hidden size and tokens."""
     meta = states.meta
@@ -91,58 +108,57 @@ def summed_errors(rows: np.ndarray) -> metrics.ErrorSums:
 
 class BoundaryStates(WindowObserver):
     """Observer: the hidden states of every window at every decoder-layer boundary, one file per boundary.
-    Needs a streamed side (`Need(..., streamed=True)`)."""
+    Needs a streamed side (`Need(..., streamed=True)`); rides the side's shared layer pass."""
 
     name = OBSERVER_NAME
 
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
     ) -> Observation:
-        windows = window_tensor(inputs)
-        calls: list[WindowCall] = [backend.capture(window) for window in windows]
-        n = backend.n_layers
-        step = progress("layer boundaries", n + 1)
-        # Resume from the last boundary of an unbroken run of them written by an interrupted observation.
-        first_missing = next((b for b in range(n + 1) if not boundary_file(folder, b).is_file()), n + 1)
-        if first_missing == 0:
-            start, states = 0, [call.hidden for call in calls]
-            write_boundary(folder, 0, states)
-        else:
-            from safetensors.torch import load_file
-
-            start = first_missing - 1
-            stacked = load_file(str(boundary_file(folder, start)))[STATES].to(backend.device)
-            states = [stacked[w : w + 1] for w in range(len(windows))]
-        for _ in range(start + 1):
-            step()
-        for index in range(start, n):
-            with backend.resident(index) as layer:
-                states = [
-                    backend.forward_layer(layer, index, h, c) for h, c in zip(states, calls, strict=True)
-                ]
-            write_boundary(folder, index + 1, states)
-            step()
-        hidden, dtype = int(states[0].shape[-1]), states[0].dtype
-        return Observation(
-            name=self.name,
-            meta={
-                "n_layers": n,
-                "layer_kinds": backend.layer_kinds(),
-                "hidden_size": hidden,
-                "dtype": str(dtype).removeprefix("torch."),
-                "bytes_per_token": (n + 1) * hidden * dtype.itemsize,
-                "n_windows": len(windows),
-                "window_starts": list(inputs["starts"]),
-                "tokens_sha256": inputs["tokens_sha256"],
-                "corpus": inputs["corpus"],
-                "execution": backend.describe(),
-            },
-            files={f"boundary-{b:03d}": boundary_file(folder, b) for b in range(n + 1)},
+        return observe_alone(
+            self.visitor(backend, inputs, folder), backend, window_tensor(inputs), folder, progress
         )
+
+    def visitor(self, backend: StreamedBackend, inputs: Inputs, folder: Path) -> LayerVisitor:
+        return BoundaryVisitor(backend, inputs, folder)
 
     def record(self, observation: Observation, folder: Path) -> Observation:
         """All of it: every boundary is needed (see the module docstring for the size)."""
         meta = {**observation.meta, "kind": "recorded"}
         return Observation(
             name=observation.name, key=observation.key, meta=meta, files=dict(observation.files)
+        )
+
+
+class BoundaryVisitor(QuietVisitor):
+    """`BoundaryStates` during a layer pass: each boundary's file written as soon as its layer has run."""
+
+    def __init__(self, backend: StreamedBackend, inputs: Inputs, folder: Path) -> None:
+        self.backend, self.inputs, self.folder = backend, inputs, folder
+
+    def begin(self, calls: list[WindowCall], done: int, carry: dict[str, torch.Tensor]) -> None:
+        if done == 0:
+            write_boundary(self.folder, 0, [call.hidden for call in calls])
+
+    def visit(self, step: LayerStep) -> None:
+        write_boundary(self.folder, step.index + 1, step.after)
+
+    def finish(self, final: list[torch.Tensor], calls: list[WindowCall]) -> Observation:
+        backend, inputs, n = self.backend, self.inputs, self.backend.n_layers
+        hidden, dtype = int(final[0].shape[-1]), final[0].dtype
+        return Observation(
+            name=OBSERVER_NAME,
+            meta={
+                "n_layers": n,
+                "layer_kinds": backend.layer_kinds(),
+                "hidden_size": hidden,
+                "dtype": str(dtype).removeprefix("torch."),
+                "bytes_per_token": (n + 1) * hidden * dtype.itemsize,
+                "n_windows": len(calls),
+                "window_starts": list(inputs["starts"]),
+                "tokens_sha256": inputs["tokens_sha256"],
+                "corpus": inputs["corpus"],
+                "execution": backend.describe(),
+            },
+            files={f"boundary-{b:03d}": boundary_file(self.folder, b) for b in range(n + 1)},
         )

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from evalsuite import metrics, plots
+from evalsuite import claims, metrics, plots
 from evalsuite.backends.intref_plan import ActivationConvention, integer_modules_or_reason
 from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION
 from evalsuite.errors import InputError
@@ -96,6 +96,8 @@ class IntegerReference:
         "same_top_hf_floor": "share of positions where the hf execution and its noisy rerun agree on top",
         "kld_int_vs_hf_above_floor": "kld_int_vs_hf − kld_hf_floor, paired by token: the integer execution's "
         "distance from Transformers' beyond what rounding alone puts between two executions",
+        "int_vs_hf_floor": "within: the upper 95% bound of that excess (window-clustered, t) is at most the "
+        "spec's margin × kld_hf_floor; above: its lower bound exceeds it; undetermined: neither is shown",
         "same_top_int_vs_hf_below_floor": "same_top_hf_floor − same_top_int_vs_hf: top-token disagreement "
         "beyond rounding's own",
         "int_layers": "integer Linear layers that ran (of int_layers_total)",
@@ -133,14 +135,13 @@ class IntegerReference:
             Need("int", "ckpt", observer, backend="intref", conventions=conventions),
             Need("hf", "ckpt", observer, backend="hf", conventions=self._hf_conventions),
         ]
-        if self.spec.hf_floor.enabled:
-            noisy = NoisyWindowLogits(
-                self.spec.protocol,
-                self.spec.record,
-                self.spec.compare.kld_chunk_rows,
-                noise=self.spec.hf_floor,
-            )
-            needs.append(Need("hf_floor", "ckpt", noisy, backend="hf", conventions=self._hf_conventions))
+        floor = self.spec.hf_floor
+        if floor.enabled:
+            chunk = self.spec.compare.kld_chunk_rows
+            for i in range(floor.draws):
+                noisy = NoisyWindowLogits(self.spec.protocol, self.spec.record, chunk, noise=floor.draw(i))
+                label = floor.label(i, "hf_floor")
+                needs.append(Need(label, "ckpt", noisy, backend="hf", conventions=self._hf_conventions))
         return needs
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
@@ -200,7 +201,9 @@ class IntegerReference:
             "int_experts_total": execution["int_experts_total"],
         }
         if "hf_floor" in observed:
-            values.update(_floor_metrics(hf, observed["hf_floor"], kld_ih, same_ih, windows, chunk))
+            floor = self.spec.hf_floor
+            draws = [observed[floor.label(i, "hf_floor")] for i in range(floor.draws)]
+            values.update(_floor_metrics(hf, draws, kld_ih, same_ih, windows, chunk, floor.margin))
         checks, _ = self.spec.threshold_checks(values)
         plots.kld_histogram(
             kld_ih, artifacts / "intref_kld_int_vs_hf.png", "full-vocabulary", title="KL(int ‖ hf)"
@@ -214,27 +217,38 @@ class IntegerReference:
 
 def _floor_metrics(
     hf: Observation,
-    floor: Observation,
+    floors: list[Observation],
     kld_ih: np.ndarray,
     same_ih: np.ndarray,
     windows: np.ndarray,
     chunk_rows: int,
+    margin: float,
 ) -> dict[str, Any]:
-    """The `hf` execution against its noisy rerun, and the integer execution's distance from `hf` beyond
-    it: per-token differences paired by token, with window-clustered standard errors."""
-    same_inputs({"hf": hf, "hf_floor": floor})
-    kld_floor, _ = kld_per_token(hf, floor, chunk_rows)
+    """The `hf` execution against its noisy reruns (one per noise draw, per-token KLDs averaged), and the
+    integer execution's distance from `hf` beyond that floor: per-token differences paired by token, with
+    window-clustered standard errors, and the equivalence outcome against `margin` × the floor
+    (`claims.equivalence`)."""
+    for i, floor in enumerate(floors):
+        same_inputs({"hf": hf, f"hf_floor_{i}": floor})
+    draws = [kld_per_token(hf, floor, chunk_rows)[0] for floor in floors]
+    kld_floor = np.mean(draws, axis=0) if len(draws) > 1 else draws[0]
     floor_mean = metrics.mean_with_stderr(kld_floor)
-    same_floor = hf.arrays["top"] == floor.arrays["top"]
+    same_floor = hf.arrays["top"] == floors[0].arrays["top"]
     same_top_floor = metrics.rate_with_stderr(same_floor)
     above, above_se, ratio = above_floor(kld_ih, kld_floor, floor_mean.value, windows)
+    clusters = len(np.unique(windows))
+    means = [float(np.mean(d)) for d in draws]
     return {
         "kld_hf_floor": floor_mean.value,
         "kld_hf_floor_stderr_window": metrics.clustered_stderr(kld_floor, windows),
+        "kld_hf_floor_draws": len(draws),
+        "kld_hf_floor_draw_spread": max(means) - min(means) if len(means) > 1 else float("nan"),
         "same_top_hf_floor": same_top_floor.value,
         "kld_int_vs_hf_floor_ratio": ratio,
         "kld_int_vs_hf_above_floor": above.value,
         "kld_int_vs_hf_above_floor_stderr_window": above_se,
+        "kld_int_vs_hf_above_floor_upper95": claims.bound(above.value, above_se, clusters, "upper95"),
+        "int_vs_hf_floor": claims.equivalence(above.value, above_se, clusters, margin * floor_mean.value),
         "same_top_int_vs_hf_below_floor": same_top_floor.value - float(np.mean(same_ih)),
         "same_top_int_vs_hf_below_floor_stderr_window": metrics.clustered_stderr(
             same_floor.astype(np.float64) - same_ih.astype(np.float64), windows

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from evalsuite import metrics
+from evalsuite import claims, metrics
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
@@ -40,6 +40,9 @@ class TokenDetail:
     top_ckpt: np.ndarray
     reverse_kld: np.ndarray | None
     kld: np.ndarray | None = None
+    # Whether the sides' most probable tokens agree, ties included: some token is most probable on both
+    # (`metrics.same_top_tied`), so that no way of breaking a tie among equal BF16 logits changes it.
+    same_top: np.ndarray | None = None
 
 
 def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenDetail:
@@ -50,13 +53,17 @@ def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenD
     same bits without normalising or ranking the reference again."""
     k = TOP_K_AGREEMENT
     if ref.meta.get("kind") == "recorded":
-        top_ckpt = [
-            block.double().topk(k, dim=-1).indices.numpy()
-            for block in read_rows(window_paths(ckpt), chunk_rows)
-        ]
         a = ref.arrays
+        top_ckpt, same, start = [], [], 0
+        for block in read_rows(window_paths(ckpt), chunk_rows):
+            rows = slice(start, start + len(block))
+            start += len(block)
+            top_ckpt.append(block.double().topk(k, dim=-1).indices.numpy())
+            same.append(_same_top_recorded(a["top_ids"][rows], a["top_logp"][rows], block))
         conf = np.exp(a["top_logp"][:, 0].astype(np.float64))
-        return TokenDetail(conf, a["top_ids"][:, :k], np.concatenate(top_ckpt), None)
+        return TokenDetail(
+            conf, a["top_ids"][:, :k], np.concatenate(top_ckpt), None, same_top=np.concatenate(same)
+        )
     known = _REFERENCE_ROWS.get(ref.key) if ref.key else None
     ref_paths, ckpt_paths = window_paths(ref), window_paths(ckpt)
     if len(ref_paths) != len(ckpt_paths):
@@ -84,11 +91,12 @@ def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenD
     with _one_torch_thread_each(len(parts)) as pool:
         shares = list((pool.map if pool is not None else map)(_detail_windows, parts))
     rows = known or ReferenceRows.empty()
-    top_ckpt, forward, reverse = [], [], []
+    top_ckpt, forward, reverse, same = [], [], [], []
     for share in shares:
         top_ckpt += share.top_ckpt
         forward += share.forward
         reverse += share.reverse
+        same += share.same_top
         if known is None:
             assert share.rows is not None
             rows.join(share.rows)
@@ -102,6 +110,7 @@ def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenD
         np.concatenate(top_ckpt),
         np.concatenate(reverse),
         np.concatenate(forward),
+        np.concatenate(same),
     )
 
 
@@ -135,6 +144,7 @@ class _Share:
     forward: list[np.ndarray]
     reverse: list[np.ndarray]
     rows: ReferenceRows | None
+    same_top: list[np.ndarray]
 
 
 @dataclass
@@ -154,7 +164,7 @@ class _WindowRun:
 def _detail_windows(run: _WindowRun) -> _Share:
     """`token_detail`'s statistics of a run of windows, read `chunk_rows` rows at a time into this thread's
     own buffers."""
-    share = _Share([], [], [], None if run.known is not None else ReferenceRows.empty())
+    share = _Share([], [], [], None if run.known is not None else ReferenceRows.empty(), [])
     pairs = zip(
         read_rows(run.ref_paths, run.chunk_rows, run.ref_headers),
         read_rows(run.ckpt_paths, run.chunk_rows, run.ckpt_headers),
@@ -193,6 +203,7 @@ def _detail_rows(
         else:
             assert share.rows is not None
             share.rows.add(x64, k, out=lp_ref)
+        share.same_top.append(metrics.same_top_tied(lp_ref.numpy(), lp_ckpt.numpy()))
         f, r = metrics.kl_divergence_both(lp_ref.numpy(), lp_ckpt.numpy(), scratch)
         share.forward.append(f)
         share.reverse.append(r)
@@ -299,6 +310,15 @@ def _keep_reference_rows(key: str, rows: ReferenceRows) -> None:
     _REFERENCE_ROWS[key] = rows
 
 
+def _same_top_recorded(top_ids: np.ndarray, top_logp: np.ndarray, block: torch.Tensor) -> np.ndarray:
+    """`metrics.same_top_tied` against a recording: the reference's most probable tokens are those of its
+    recorded top-k that tie with its first."""
+    lp = torch.log_softmax(block.double(), dim=-1)
+    best = lp.amax(dim=-1, keepdim=True)
+    on_top = (lp.gather(1, torch.from_numpy(top_ids).long()) == best).numpy()
+    return np.any(on_top & (top_logp == top_logp[:, :1]), axis=1)
+
+
 def _bucket_name(lo: float, hi: float) -> str:
     return f"kld_conf_{round(lo * 100)}_{round(hi * 100)}"
 
@@ -317,39 +337,66 @@ def detail_metrics(
             kld_reverse_mean_stderr_window=metrics.clustered_stderr(detail.reverse_kld, windows),
         )
     for k in range(1, TOP_K_AGREEMENT + 1):
-        agree = metrics.top_k_agreement(detail.top_ref, detail.top_ckpt, k)
+        if k == 1 and detail.same_top is not None:
+            hits = detail.same_top  # ties included: the same figure as `same_top_p`
+        else:
+            hits = metrics.top_k_hits(detail.top_ref, detail.top_ckpt, k)
+        agree = metrics.rate_with_stderr(hits)
         values[f"top{k}_agreement"] = agree.value
         values[f"top{k}_agreement_stderr"] = agree.stderr
+        values[f"top{k}_agreement_stderr_window"] = metrics.clustered_stderr(hits, windows)
     dp = np.exp(-nll_ckpt) - np.exp(-nll_ref)
     values.update({f"delta_p_{name}": v for name, v in metrics.delta_p_percentiles(dp).items()})
     for bucket in metrics.confidence_buckets(kld, detail.ref_top_p):
         name = _bucket_name(bucket.lo, bucket.hi)
         values[f"{name}_share"] = bucket.share
+        assert bucket.inside is not None
+        values[f"{name}_share_stderr_window"] = metrics.clustered_stderr(bucket.inside, windows)
         if bucket.mean is not None:
             values[f"{name}_mean"] = bucket.mean.value
             values[f"{name}_mean_stderr"] = bucket.mean.stderr
+            values[f"{name}_mean_stderr_window"] = metrics.clustered_stderr(
+                kld[bucket.inside], windows[bucket.inside]
+            )
             values[f"{name}_median"] = bucket.median
     return values
 
 
 def floor_metrics(
-    ref: Observation, floor: Observation, kld: np.ndarray, windows: np.ndarray, chunk_rows: int
+    ref: Observation,
+    floors: list[Observation],
+    kld: np.ndarray,
+    windows: np.ndarray,
+    chunk_rows: int,
+    margin: float,
 ) -> tuple[dict[str, Any], np.ndarray]:
-    """`kld_floor` (the noisy reference's KLD from the reference), the candidate's `kld_floor_ratio`, and
-    whether it lies within the floor: its per-token excess over the floor, paired by token, no larger than
-    1.96 window-clustered standard errors. Also the floor's per-token KLD."""
-    floor_kld = _floor_kld(ref, floor, chunk_rows)
+    """The noise floor and where the candidate stands against it.
+
+    `kld_floor`: the mean KLD of the noisy reference from the reference, its per-token KLDs averaged over the
+    floor's draws (`floors`, one per noise seed), with the spread of the draws' means; `kld_floor_ratio`; the
+    candidate's per-token excess over the floor, paired by token, with its window-clustered error and bounds;
+    and `noise_floor`, the equivalence outcome (`claims.equivalence`) against `margin` × the floor: `within`,
+    `above` or `undetermined`. Also the floor's per-token KLD."""
+    draws = [_floor_kld(ref, floor, chunk_rows) for floor in floors]
+    floor_kld = np.mean(draws, axis=0) if len(draws) > 1 else draws[0]
     est = metrics.mean_with_stderr(floor_kld)
     excess, excess_se, ratio = above_floor(kld, floor_kld, est.value, windows)
-    within = excess.value <= 0 or not metrics.distinguishable(excess, excess_se)
+    clusters = len(np.unique(windows))
+    means = [float(np.mean(d)) for d in draws]
+    allowed = margin * est.value
     return {
         "kld_floor": est.value,
         "kld_floor_stderr": est.stderr,
         "kld_floor_stderr_window": metrics.clustered_stderr(floor_kld, windows),
+        "kld_floor_draws": len(draws),
+        "kld_floor_draw_spread": max(means) - min(means) if len(means) > 1 else float("nan"),
         "kld_floor_ratio": ratio,
         "kld_above_floor": excess.value,
         "kld_above_floor_stderr_window": excess_se,
-        "within_noise_floor": bool(within),
+        "kld_above_floor_upper95": claims.bound(excess.value, excess_se, clusters, "upper95"),
+        "kld_above_floor_lower95": claims.bound(excess.value, excess_se, clusters, "lower95"),
+        "noise_floor_margin": allowed,
+        "noise_floor": claims.equivalence(excess.value, excess_se, clusters, allowed),
     }, floor_kld
 
 

@@ -24,23 +24,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+import torch
 
 from evalsuite import plots
+from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, observe_alone
 from evalsuite.observation import Observation
 from evalsuite.side import Side
 from evalsuite.spec import TaskSpec
 from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, task
 from evalsuite.tasks.boundary_states import (
     BoundaryStates,
+    ReferenceBoundaries,
     check_same_model,
-    read_boundary,
     state_errors,
     summed_errors,
 )
 from evalsuite.tasks.window_logits import WindowObserver, WindowProtocol, prepare_windows, window_tensor
 
 if TYPE_CHECKING:
-    from evalsuite.backends.streamed import StreamedBackend
+    from evalsuite.backends.streamed import StreamedBackend, WindowCall
 
 
 class LayersSpec(TaskSpec):
@@ -56,38 +58,57 @@ class LayerErrors(WindowObserver):
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
     ) -> Observation:
+        return observe_alone(
+            self.visitor(backend, inputs, folder), backend, window_tensor(inputs), folder, progress
+        )
+
+    def visitor(self, backend: StreamedBackend, inputs: Inputs, folder: Path) -> LayerVisitor:
         reference = inputs["observed"]["ref"]
         check_same_model(reference, backend, inputs)
-        windows = window_tensor(inputs)
-        calls = [backend.capture(window) for window in windows]
-        n, n_windows = backend.n_layers, len(windows)
-        drift = np.zeros((n, n_windows, 6))
-        own = np.zeros((n, n_windows, 6))
-        states = [call.hidden for call in calls]
-        ref_in = read_boundary(reference, 0)
-        embeddings = np.stack([state_errors(ref_in[w], states[w][0]) for w in range(n_windows)])
-        step = progress("layers", n)
-        for index in range(n):
-            ref_out = read_boundary(reference, index + 1)
-            with backend.resident(index) as layer:
-                for w, call in enumerate(calls):
-                    states[w] = backend.forward_layer(layer, index, states[w], call)
-                    fed = backend.forward_layer(layer, index, ref_in[w : w + 1].to(backend.device), call)
-                    drift[index, w] = state_errors(ref_out[w], states[w][0])
-                    own[index, w] = state_errors(ref_out[w], fed[0])
-            ref_in = ref_out
-            step()
+        return LayerErrorsVisitor(backend, inputs, reference)
+
+
+class LayerErrorsVisitor(QuietVisitor):
+    """`LayerErrors` during the candidate's layer pass: the pass's states are the candidate's own prefix; the
+    layer is run on the reference's input to it (`reference_input`)."""
+
+    def __init__(self, backend: StreamedBackend, inputs: Inputs, reference: Observation) -> None:
+        self.backend, self.inputs, self.reference = backend, inputs, reference
+        self.boundaries = ReferenceBoundaries(reference)
+
+    def begin(self, calls: list[WindowCall], done: int, carry: dict[str, torch.Tensor]) -> None:
+        n, n_windows = self.backend.n_layers, len(calls)
+        self.drift = carry["drift"].numpy() if done else np.zeros((n, n_windows, 6))
+        self.own = carry["own"].numpy() if done else np.zeros((n, n_windows, 6))
+        ref_in = self.boundaries.read(0)
+        self.embeddings = np.stack([state_errors(ref_in[w], calls[w].hidden[0]) for w in range(n_windows)])
+
+    def reference_input(self, index: int) -> torch.Tensor:
+        return self.boundaries.read(index)
+
+    def visit(self, step: LayerStep) -> None:
+        assert step.fed is not None
+        ref_out = self.boundaries.read(step.index + 1)
+        for w in range(len(step.calls)):
+            self.drift[step.index, w] = state_errors(ref_out[w], step.after[w][0])
+            self.own[step.index, w] = state_errors(ref_out[w], step.fed[w][0])
+
+    def carry(self) -> dict[str, torch.Tensor]:
+        return {"drift": torch.from_numpy(self.drift), "own": torch.from_numpy(self.own)}
+
+    def finish(self, final: list[torch.Tensor], calls: list[WindowCall]) -> Observation:
+        backend = self.backend
         return Observation(
-            name=self.name,
+            name=LayerErrors.name,
             meta={
-                "n_layers": n,
+                "n_layers": backend.n_layers,
                 "layer_kinds": backend.layer_kinds(),
-                "tokens_sha256": inputs["tokens_sha256"],
-                "n_windows": n_windows,
+                "tokens_sha256": self.inputs["tokens_sha256"],
+                "n_windows": len(calls),
                 "execution": backend.describe(),
-                "ref_execution": reference.meta.get("execution", {}),
+                "ref_execution": self.reference.meta.get("execution", {}),
             },
-            arrays={"drift": drift, "own": own, "embeddings": embeddings},
+            arrays={"drift": self.drift, "own": self.own, "embeddings": self.embeddings},
         )
 
 

@@ -47,15 +47,16 @@ from pydantic import Field
 from torch import nn
 
 from evalsuite import metrics, plots
+from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, observe_alone
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
 from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, TaskSkipped, task
 from evalsuite.tasks.boundary_states import (
+    ReferenceBoundaries,
     boundary_file,
     check_same_model,
-    read_boundary,
     state_errors,
     summed_errors,
     write_boundary,
@@ -69,7 +70,7 @@ from evalsuite.tasks.window_logits import (
 )
 
 if TYPE_CHECKING:
-    from evalsuite.backends.streamed import StreamedBackend
+    from evalsuite.backends.streamed import StreamedBackend, WindowCall
 
 ROUTER_OUTPUT = "router_logits"  # the name under which Transformers models declare their routers' output
 # config.json fields that count a model's routed experts, by architecture family
@@ -212,7 +213,7 @@ def moe_file(folder: Path, layer: int) -> Path:
     return folder / f"moe-{layer:03d}.safetensors"
 
 
-def _write_atomic(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_atomic_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     import os
 
     from safetensors.torch import save_file
@@ -222,92 +223,32 @@ def _write_atomic(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def window_tapped(moe: MoeBlock, taps: list[Tap]) -> Iterator[None]:
+    """`tapped` around one window's forward, the window's routes (one per call: a long window's MLP runs a
+    chunk of positions at a time) joined into one and appended to `taps`."""
+    with tapped(moe) as tap:
+        yield
+    routes = tuple(torch.cat([r[i] for r in tap.routes]) for i in range(3))
+    taps.append(Tap([torch.cat(tap.inputs)], [routes]))  # type: ignore[list-item]
+
+
 class MoeReference(WindowObserver):
-    """Observer of the reference, streamed alone: every layer boundary's hidden states and, per MoE layer, the
+    """Observer of the reference, streamed: every layer boundary's hidden states and, per MoE layer, the
     block's inputs, the router's outputs, each chosen expert's and the shared expert's outputs (module
-    docstring); expert usage as arrays."""
+    docstring); expert usage as arrays. Rides the side's shared layer pass."""
 
     name = "moe-reference"
 
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
     ) -> Observation:
-        windows = window_tensor(inputs)
-        calls = [backend.capture(window) for window in windows]
-        router = router_class(backend.model)
-        blocks = [moe_block(layer, router) for layer in backend.layers]  # the meta skeleton: nothing read
-        moe_layers = [i for i, b in enumerate(blocks) if b is not None]
-        if not moe_layers:
-            raise InputError(
-                "no decoder layer holds a router: nothing for the `moe` task", backend.checkpoint.path
-            )
-        n_experts, top_k = (
-            int(blocks[moe_layers[0]].router.num_experts),
-            int(blocks[moe_layers[0]].router.top_k),
+        return observe_alone(
+            self.visitor(backend, inputs, folder), backend, window_tensor(inputs), folder, progress
         )
-        usage = np.zeros((len(moe_layers), n_experts))
-        usage_weight = np.zeros((len(moe_layers), n_experts))
-        states = [call.hidden for call in calls]
-        write_boundary(folder, 0, states)
-        files = {"boundary-000": boundary_file(folder, 0)}
-        step = progress("layers (reference)", backend.n_layers)
-        for index in range(backend.n_layers):
-            with backend.resident(index) as layer:
-                moe = moe_block(layer, router)
-                with contextlib.ExitStack() as stack:
-                    tap = stack.enter_context(tapped(moe)) if moe is not None else None
-                    states = [
-                        backend.forward_layer(layer, index, h, c) for h, c in zip(states, calls, strict=True)
-                    ]
-                if moe is not None and tap is not None:
-                    slot = moe_layers.index(index)
-                    logits = torch.cat([r[0] for r in tap.routes]).float()
-                    weights = torch.cat([r[1] for r in tap.routes]).float()
-                    chosen = torch.cat([r[2] for r in tap.routes])
-                    x = torch.stack([t for t in tap.inputs])
-                    flat = x.reshape(-1, x.shape[-1])
-                    with torch.inference_mode():
-                        expert_out = chosen_expert_outputs(moe.experts, flat, chosen)
-                        doc = {
-                            "input": x,
-                            "logits": logits,
-                            "weights": weights,
-                            "index": chosen.to(torch.int32),
-                            "experts": expert_out,
-                        }
-                        if moe.shared is not None:
-                            doc["shared"] = moe.shared(flat)
-                    path = moe_file(folder, index)
-                    _write_atomic(path, doc)
-                    files[path.stem] = path
-                    ids = chosen.reshape(-1).cpu().numpy()
-                    np.add.at(usage[slot], ids, 1)
-                    np.add.at(usage_weight[slot], ids, weights.reshape(-1).cpu().numpy())
-            files[f"boundary-{index + 1:03d}"] = write_boundary(folder, index + 1, states)
-            step()
-        hidden, dtype = int(states[0].shape[-1]), states[0].dtype
-        per_token = (backend.n_layers + 1) * hidden * dtype.itemsize
-        per_token += len(moe_layers) * ((top_k + 2) * hidden * dtype.itemsize + (n_experts + 2 * top_k) * 4)
-        return Observation(
-            name=self.name,
-            meta={
-                "n_layers": backend.n_layers,
-                "layer_kinds": backend.layer_kinds(),
-                "moe_layers": moe_layers,
-                "n_experts": n_experts,
-                "top_k": top_k,
-                "router": type(blocks[moe_layers[0]].router).__name__,
-                "shared_expert": blocks[moe_layers[0]].shared is not None,
-                "hidden_size": hidden,
-                "bytes_per_token": per_token,
-                "n_windows": len(windows),
-                "tokens_sha256": inputs["tokens_sha256"],
-                "corpus": inputs["corpus"],
-                "execution": backend.describe(),
-            },
-            arrays={"usage": usage, "usage_weight": usage_weight},
-            files=files,
-        )
+
+    def visitor(self, backend: StreamedBackend, inputs: Inputs, folder: Path) -> LayerVisitor:
+        return MoeReferenceVisitor(backend, inputs, folder)
 
     def record(self, observation: Observation, folder: Path) -> Observation:
         """All of it: the candidate's experts are compared with these outputs (size: module docstring)."""
@@ -321,6 +262,103 @@ class MoeReference(WindowObserver):
         )
 
 
+class MoeReferenceVisitor(QuietVisitor):
+    """`MoeReference` during the reference's layer pass: the MoE block tapped on the pass's own forward."""
+
+    def __init__(self, backend: StreamedBackend, inputs: Inputs, folder: Path) -> None:
+        self.backend, self.inputs, self.folder = backend, inputs, folder
+        self.router = router_class(backend.model)
+        # The meta skeleton's layers: nothing is read to find the blocks.
+        self.blocks = [moe_block(layer, self.router) for layer in backend.layers]
+        self.moe_layers = [i for i, b in enumerate(self.blocks) if b is not None]
+        if not self.moe_layers:
+            raise InputError(
+                "no decoder layer holds a router: nothing for the `moe` task", backend.checkpoint.path
+            )
+        first = self.blocks[self.moe_layers[0]]
+        assert first is not None
+        self.n_experts, self.top_k = int(first.router.num_experts), int(first.router.top_k)
+        self.taps: list[Tap] = []
+
+    def begin(self, calls: list[WindowCall], done: int, carry: dict[str, torch.Tensor]) -> None:
+        if done:
+            self.usage, self.usage_weight = carry["usage"].numpy(), carry["usage_weight"].numpy()
+        else:
+            self.usage = np.zeros((len(self.moe_layers), self.n_experts))
+            self.usage_weight = np.zeros((len(self.moe_layers), self.n_experts))
+            write_boundary(self.folder, 0, [call.hidden for call in calls])
+
+    def tap(self, index: int, layer: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        moe = moe_block(layer, self.router) if index in self.moe_layers else None
+        return window_tapped(moe, self.taps) if moe is not None else contextlib.nullcontext()
+
+    def visit(self, step: LayerStep) -> None:
+        taps, self.taps = self.taps, []
+        if step.index in self.moe_layers:
+            moe = moe_block(step.layer, self.router)
+            assert moe is not None
+            self._write_layer(step.index, moe, taps)
+        write_boundary(self.folder, step.index + 1, step.after)
+
+    def _write_layer(self, index: int, moe: MoeBlock, taps: list[Tap]) -> None:
+        """One MoE layer's file: block inputs, routes, chosen and shared experts' outputs; usage counted."""
+        slot = self.moe_layers.index(index)
+        logits = torch.cat([t.routes[0][0] for t in taps]).float()
+        weights = torch.cat([t.routes[0][1] for t in taps]).float()
+        chosen = torch.cat([t.routes[0][2] for t in taps])
+        x = torch.stack([t.inputs[0] for t in taps])
+        flat = x.reshape(-1, x.shape[-1])
+        with torch.inference_mode():
+            doc = {
+                "input": x,
+                "logits": logits,
+                "weights": weights,
+                "index": chosen.to(torch.int32),
+                "experts": chosen_expert_outputs(moe.experts, flat, chosen),
+            }
+            if moe.shared is not None:
+                doc["shared"] = moe.shared(flat)
+        write_atomic_tensors(moe_file(self.folder, index), doc)
+        ids = chosen.reshape(-1).cpu().numpy()
+        np.add.at(self.usage[slot], ids, 1)
+        np.add.at(self.usage_weight[slot], ids, weights.reshape(-1).cpu().numpy())
+
+    def carry(self) -> dict[str, torch.Tensor]:
+        return {"usage": torch.from_numpy(self.usage), "usage_weight": torch.from_numpy(self.usage_weight)}
+
+    def finish(self, final: list[torch.Tensor], calls: list[WindowCall]) -> Observation:
+        backend, n = self.backend, self.backend.n_layers
+        first = self.blocks[self.moe_layers[0]]
+        assert first is not None
+        hidden, dtype = int(final[0].shape[-1]), final[0].dtype
+        per_token = (n + 1) * hidden * dtype.itemsize
+        per_token += len(self.moe_layers) * (
+            (self.top_k + 2) * hidden * dtype.itemsize + (self.n_experts + 2 * self.top_k) * 4
+        )
+        files = {f"boundary-{b:03d}": boundary_file(self.folder, b) for b in range(n + 1)}
+        files.update({moe_file(self.folder, i).stem: moe_file(self.folder, i) for i in self.moe_layers})
+        return Observation(
+            name=MoeReference.name,
+            meta={
+                "n_layers": n,
+                "layer_kinds": backend.layer_kinds(),
+                "moe_layers": self.moe_layers,
+                "n_experts": self.n_experts,
+                "top_k": self.top_k,
+                "router": type(first.router).__name__,
+                "shared_expert": first.shared is not None,
+                "hidden_size": hidden,
+                "bytes_per_token": per_token,
+                "n_windows": len(calls),
+                "tokens_sha256": self.inputs["tokens_sha256"],
+                "corpus": self.inputs["corpus"],
+                "execution": backend.describe(),
+            },
+            arrays={"usage": self.usage, "usage_weight": self.usage_weight},
+            files=files,
+        )
+
+
 def _read_moe(reference: Observation, layer: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -331,65 +369,101 @@ def _read_moe(reference: Observation, layer: int) -> dict[str, torch.Tensor]:
 
 
 class MoeErrors(WindowObserver):
-    """Observer of the candidate, streamed alone, consuming the reference's `MoeReference` observation (as
+    """Observer of the candidate, streamed, consuming the reference's `MoeReference` observation (as
     `inputs["observed"]["ref"]`): routing agreement per MoE layer, window and mode, and per-expert error
-    sums (module docstring)."""
+    sums (module docstring). Rides the side's shared layer pass."""
 
     name = "moe-errors"
 
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
     ) -> Observation:
+        return observe_alone(
+            self.visitor(backend, inputs, folder), backend, window_tensor(inputs), folder, progress
+        )
+
+    def visitor(self, backend: StreamedBackend, inputs: Inputs, folder: Path) -> LayerVisitor:
         reference = inputs["observed"]["ref"]
         check_same_model(reference, backend, inputs)
+        return MoeErrorsVisitor(backend, inputs, reference)
+
+
+class MoeErrorsVisitor(QuietVisitor):
+    """`MoeErrors` during the candidate's layer pass: the router tapped on the pass's own forward (`own`) and
+    on the layer's forward of the reference's input (`fed`); the experts run on the reference's tokens."""
+
+    def __init__(self, backend: StreamedBackend, inputs: Inputs, reference: Observation) -> None:
+        self.backend, self.inputs, self.reference = backend, inputs, reference
         meta = reference.meta
-        router = router_class(backend.model)
-        blocks = [moe_block(layer, router) for layer in backend.layers]
-        moe_layers = [i for i, b in enumerate(blocks) if b is not None]
+        self.router = router_class(backend.model)
+        blocks = [moe_block(layer, self.router) for layer in backend.layers]
+        self.moe_layers = [i for i, b in enumerate(blocks) if b is not None]
         if (
-            moe_layers != meta["moe_layers"]
-            or int(blocks[moe_layers[0]].router.num_experts) != meta["n_experts"]
+            self.moe_layers != meta["moe_layers"]
+            or int(blocks[self.moe_layers[0]].router.num_experts) != meta["n_experts"]
         ):
             raise InputError(
                 f"the sides differ in their experts: the reference has MoE layers {meta['moe_layers']} of "
-                f"{meta['n_experts']} experts, the candidate {moe_layers}"
+                f"{meta['n_experts']} experts, the candidate {self.moe_layers}"
             )
-        windows = window_tensor(inputs)
-        calls = [backend.capture(window) for window in windows]
-        n_windows, n_moe, n_experts = len(windows), len(moe_layers), int(meta["n_experts"])
-        routing = np.zeros((len(MODES), n_moe, n_windows, ROUTING_COLUMNS))
-        experts = np.zeros((n_moe, n_experts, 6))
-        shared = np.zeros((n_moe, n_windows, 6))
-        states = [call.hidden for call in calls]
-        ref_in = read_boundary(reference, 0)
-        step = progress("layers (candidate)", backend.n_layers)
-        for index in range(backend.n_layers):
-            ref_moe = _read_moe(reference, index) if index in moe_layers else None
-            with backend.resident(index) as layer:
-                moe = moe_block(layer, router)
-                for w, call in enumerate(calls):
-                    if moe is None or ref_moe is None:
-                        states[w] = backend.forward_layer(layer, index, states[w], call)
-                        continue
-                    with tapped(moe) as own:
-                        states[w] = backend.forward_layer(layer, index, states[w], call)
-                    with tapped(moe) as fed:
-                        backend.forward_layer(layer, index, ref_in[w : w + 1].to(backend.device), call)
-                    self._window(moe, ref_moe, w, moe_layers.index(index), own, fed, routing, experts, shared)
-            ref_in = read_boundary(reference, index + 1)
-            step()
+        self.boundaries = ReferenceBoundaries(reference)
+        self.own: list[Tap] = []
+        self.fed: list[Tap] = []
+
+    def begin(self, calls: list[WindowCall], done: int, carry: dict[str, torch.Tensor]) -> None:
+        n_windows, n_moe, n_experts = len(calls), len(self.moe_layers), int(self.reference.meta["n_experts"])
+        if done:
+            self.routing = carry["routing"].numpy()
+            self.experts = carry["experts"].numpy()
+            self.shared = carry["shared"].numpy()
+        else:
+            self.routing = np.zeros((len(MODES), n_moe, n_windows, ROUTING_COLUMNS))
+            self.experts = np.zeros((n_moe, n_experts, 6))
+            self.shared = np.zeros((n_moe, n_windows, 6))
+
+    def tap(self, index: int, layer: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        moe = moe_block(layer, self.router) if index in self.moe_layers else None
+        return window_tapped(moe, self.own) if moe is not None else contextlib.nullcontext()
+
+    def reference_input(self, index: int) -> torch.Tensor | None:
+        return self.boundaries.read(index) if index in self.moe_layers else None
+
+    def fed_tap(self, index: int, layer: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        moe = moe_block(layer, self.router)
+        return window_tapped(moe, self.fed) if moe is not None else contextlib.nullcontext()
+
+    def visit(self, step: LayerStep) -> None:
+        own, fed = self.own, self.fed
+        self.own, self.fed = [], []
+        if step.index not in self.moe_layers:
+            return
+        moe = moe_block(step.layer, self.router)
+        assert moe is not None
+        ref_moe = _read_moe(self.reference, step.index)
+        slot = self.moe_layers.index(step.index)
+        for w in range(len(step.calls)):
+            self._window(moe, ref_moe, w, slot, own[w], fed[w], self.routing, self.experts, self.shared)
+
+    def carry(self) -> dict[str, torch.Tensor]:
+        return {
+            "routing": torch.from_numpy(self.routing),
+            "experts": torch.from_numpy(self.experts),
+            "shared": torch.from_numpy(self.shared),
+        }
+
+    def finish(self, final: list[torch.Tensor], calls: list[WindowCall]) -> Observation:
         return Observation(
-            name=self.name,
+            name=MoeErrors.name,
             meta={
-                "n_layers": backend.n_layers,
-                "moe_layers": moe_layers,
-                "n_experts": n_experts,
-                "tokens_sha256": inputs["tokens_sha256"],
-                "n_windows": n_windows,
-                "execution": backend.describe(),
-                "ref_execution": meta.get("execution", {}),
+                "n_layers": self.backend.n_layers,
+                "moe_layers": self.moe_layers,
+                "n_experts": int(self.reference.meta["n_experts"]),
+                "tokens_sha256": self.inputs["tokens_sha256"],
+                "n_windows": len(calls),
+                "execution": self.backend.describe(),
+                "ref_execution": self.reference.meta.get("execution", {}),
             },
-            arrays={"routing": routing, "experts": experts, "shared": shared},
+            arrays={"routing": self.routing, "experts": self.experts, "shared": self.shared},
         )
 
     @staticmethod

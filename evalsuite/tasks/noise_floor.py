@@ -6,28 +6,51 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from pydantic import Field
 
-from evalsuite.backends.layer_noise import BF16_ROUNDING, noisy_window_logits
+from evalsuite.backends.layer_noise import BF16_ROUNDING, noisy_window_logits, perturbed
+from evalsuite.backends.layer_pass import LayerStep, LayerVisitor
 from evalsuite.observation import Observation
 from evalsuite.spec import StrictModel
 from evalsuite.task import Inputs, Progress
-from evalsuite.tasks.window_logits import WindowLogits
+from evalsuite.tasks.window_logits import WindowLogits, WindowLogitsVisitor
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
+    from evalsuite.backends.streamed import StreamedBackend, WindowCall
 
 OBSERVER_NAME = "window-logits-noise"
+NOISY = "noisy"
 
 
 class NoiseFloorOptions(StrictModel):
-    """`[noise_floor]` of the ppl spec: off in `run`, on in `compare` (the reference run again with noise)."""
+    """`[noise_floor]` of the ppl spec: off in `run`, on in `compare` (the reference run again with noise).
+
+    The floor is drawn `draws` times, with seeds `seed`, `seed` + 1, …: their per-token KLDs are averaged,
+    and the spread of their means is reported beside the floor. A candidate is `within` the floor when the
+    one-sided upper 95% bound of its per-token KLD excess over the floor is at most `margin` × the floor's
+    mean KLD (`evalsuite.claims.equivalence`), `above` when the lower bound exceeds that, else
+    `undetermined`."""
 
     enabled: bool = False
     # Relative noise on each layer's output: positive (zero would make the floor 0 by construction) and
     # below 1 (noise as large as the signal is no rounding).
     scale: float = Field(default=BF16_ROUNDING, gt=0, lt=1)
     seed: int = 0
+    draws: int = Field(default=2, ge=1, le=8)
+    # One floor's worth: a candidate shown to diverge by at most twice the divergence that re-rounding every
+    # layer's output to BF16 causes is as close to the reference as the measurement can tell apart.
+    margin: float = Field(default=1.0, ge=0)
+
+    def draw(self, index: int) -> NoiseFloorOptions:
+        """The options of the `index`-th draw (its own seed)."""
+        return self.model_copy(update={"seed": self.seed + index})
+
+    @staticmethod
+    def label(index: int, base: str = "floor") -> str:
+        """The need label of the `index`-th draw: `floor`, `floor_1`, …"""
+        return base if index == 0 else f"{base}_{index}"
 
 
 class NoisyBackend:
@@ -58,4 +81,46 @@ class NoisyWindowLogits(WindowLogits):
         return {**super().identity(), "noise": {"scale": self.noise.scale, "seed": self.noise.seed}}
 
     def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
+        from evalsuite.backends.streamed import StreamedBackend
+
+        if isinstance(backend, StreamedBackend):
+            return super().observe(backend, inputs, folder, progress)  # a layer pass, with `visitor` below
         return super().observe(NoisyBackend(backend, self.noise), inputs, folder, progress)
+
+    def visitor(self, backend: StreamedBackend, inputs: Inputs, folder: Path) -> LayerVisitor:
+        """The noisy forward during a shared streamed pass: its own trajectory of states, each layer run on it
+        while the layer is resident, so that the floor reads no layer again."""
+        return NoisyVisitor(self, backend, inputs, folder)
+
+
+class NoisyVisitor(WindowLogitsVisitor):
+    """Carries the noisy states: each layer's output on them, perturbed as `NoisyLayers` perturbs a loaded
+    model's (the same draws), then the head on the last."""
+
+    observer: NoisyWindowLogits
+
+    def begin(self, calls: list[WindowCall], done: int, carry: dict[str, torch.Tensor]) -> None:
+        if done == 0:
+            self.noisy = [call.hidden for call in calls]
+        else:
+            stacked = carry[NOISY].to(self.backend.device)
+            self.noisy = [stacked[w : w + 1] for w in range(len(calls))]
+
+    def visit(self, step: LayerStep) -> None:
+        noise = self.observer.noise
+        self.noisy = [
+            perturbed(
+                step.backend.forward_layer(step.layer, step.index, hidden, call),
+                call.window,
+                step.index,
+                noise.scale,
+                noise.seed,
+            )
+            for hidden, call in zip(self.noisy, step.calls, strict=True)
+        ]
+
+    def carry(self) -> dict[str, torch.Tensor]:
+        return {NOISY: torch.cat(self.noisy)}
+
+    def finish(self, final: list[torch.Tensor], calls: list[WindowCall]) -> Observation:
+        return super().finish(self.noisy, calls)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
-from evalsuite import metrics, plots
+from evalsuite import claims, metrics, plots
 from evalsuite.observation import Observation
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
@@ -74,6 +75,11 @@ class Perplexity:
         "kld_floor",
         "kld_floor_ratio",
         "kld_above_floor",
+        "kld_above_floor_upper95",
+        "kld_mean_mde",
+        "ln_ppl_ratio_mde",
+        "*_upper95",
+        "*_lower95",
     )
 
     metric_descriptions: ClassVar[dict[str, str]] = {
@@ -93,7 +99,12 @@ class Perplexity:
         "kld_conf_95_100_mean": "mean KLD where the reference gives its top token p >= 0.95",
         "kld_floor": "mean KLD of the reference run again with BF16-sized noise on each decoder layer",
         "kld_floor_ratio": "kld_mean / kld_floor: the candidate's divergence in units of the noise floor",
-        "within_noise_floor": "the candidate's KLD exceeds the floor's by no more than 1.96 window errors",
+        "kld_mean_mde": "the smallest difference of kld_mean these windows detect (two-sided 5%, 80% power, "
+        "window-clustered): two candidates closer than this are not told apart by this text",
+        "noise_floor": "within: the upper 95% bound of the candidate's per-token KLD excess over the floor "
+        "(window-clustered, t with windows − 1 degrees of freedom) is at most noise_floor_margin; above: its "
+        "lower bound exceeds it; undetermined: neither is shown (or fewer than 3 windows)",
+        "kld_floor_draw_spread": "max − min of the floor's mean KLD over its noise draws (seeds)",
     }
 
     def __init__(self, spec: PplSpec, context: RunContext) -> None:
@@ -116,14 +127,12 @@ class Perplexity:
                 self.spec.long_context.head_chunk_rows,
             )
         needs = [Need("ref", "ref", observer), Need("ckpt", "ckpt", observer)]
-        if self.spec.noise_floor.enabled:
-            noisy = NoisyWindowLogits(
-                self.spec.protocol,
-                self.spec.record,
-                self.spec.compare.kld_chunk_rows,
-                noise=self.spec.noise_floor,
-            )
-            needs.append(Need("floor", "ref", noisy))
+        floor = self.spec.noise_floor
+        if floor.enabled:
+            for i in range(floor.draws):
+                chunk = self.spec.compare.kld_chunk_rows
+                noisy = NoisyWindowLogits(self.spec.protocol, self.spec.record, chunk, noise=floor.draw(i))
+                needs.append(Need(floor.label(i), "ref", noisy))
         return needs
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
@@ -141,7 +150,7 @@ class Perplexity:
             kld, estimator = kld_per_token(ref, ckpt, chunk_rows)
         kld_mean = metrics.mean_with_stderr(kld)
         kld_q = metrics.quantiles(kld, (0.5, 0.9, 0.99, 0.999))
-        same = ref.arrays["top"] == ckpt.arrays["top"]
+        same = detail.same_top if detail.same_top is not None else ref.arrays["top"] == ckpt.arrays["top"]
         same_top = metrics.rate_with_stderr(same)
         dp = metrics.delta_p(-nll_ref, -nll_ckpt)
         protocol = self.spec.protocol
@@ -180,6 +189,9 @@ class Perplexity:
             ),
             "rms_delta_p": dp.rms.value,
             "rms_delta_p_stderr": dp.rms.stderr,
+            "rms_delta_p_stderr_window": metrics.rms_clustered_stderr(
+                np.exp(-nll_ckpt) - np.exp(-nll_ref), windows
+            ),
             "ref_execution": ref.meta.get("execution", {}).get("execution", "recording"),
             "ckpt_execution": ckpt.meta.get("execution", {}).get("execution"),
         }
@@ -189,9 +201,12 @@ class Perplexity:
                 f"({ref.meta['n_tokens_text']} tokens)"
             )
         values.update(detail_metrics(detail, kld, nll_ref, nll_ckpt, windows))
+        values.update(claim_metrics(values, n_windows))
         tokens = {"kld": kld, "nll_ref": nll_ref, "nll_ckpt": nll_ckpt, "window": windows}
         if "floor" in observed:
-            floor, tokens["kld_floor"] = floor_metrics(ref, observed["floor"], kld, windows, chunk_rows)
+            spec = self.spec.noise_floor
+            draws = [observed[spec.label(i)] for i in range(spec.draws)]
+            floor, tokens["kld_floor"] = floor_metrics(ref, draws, kld, windows, chunk_rows, spec.margin)
             values.update(floor)
         artifacts_made = self.plot(ref, nll_ckpt, kld, estimator, artifacts)
         long = self.spec.long_context
@@ -211,7 +226,10 @@ class Perplexity:
             artifacts_made["kld_by_position"] = f"{artifacts.name}/ppl_kld_by_position.png"
         artifacts_made["tokens"] = write_tokens(artifacts, tokens)
         checks, _ = self.spec.threshold_checks(values)
-        return TaskResult.from_checks(values, checks, artifacts=artifacts_made)
+        few = claims.too_few_reason(n_windows)
+        undefined = [k for k, v in values.items() if isinstance(v, float) and math.isnan(v) and _claimed(k)]
+        reasons = {k: few for k in undefined} if few else {}
+        return TaskResult.from_checks(values, checks, artifacts=artifacts_made, null_reasons=reasons)
 
     def plot(
         self, ref: Observation, nll_ckpt: np.ndarray, kld: np.ndarray, estimator: str, folder: Path
@@ -226,6 +244,29 @@ class Perplexity:
             "kld_histogram": f"{folder.name}/ppl_kld_histogram.png",
             "window_ppl": f"{folder.name}/ppl_window_ppl.png",
         }
+
+
+def _claimed(name: str) -> bool:
+    """Whether a metric is a claim (`evalsuite.claims`) that needs enough windows: a bound, an MDE."""
+    return name.endswith(("_upper95", "_lower95", "_mde"))
+
+
+def claim_metrics(values: dict[str, Any], n_windows: int) -> dict[str, float]:
+    """What the main figures let a report claim (`evalsuite.claims`): one-sided 95% bounds of `kld_mean`,
+    `same_top_p` and `ppl_ratio` (from ln_ppl_ratio's), and the smallest difference of `kld_mean` and of
+    `ln_ppl_ratio` these windows detect with 80% power. NaN, with fewer than 3 windows."""
+    out: dict[str, float] = {}
+    for name in ("kld_mean", "same_top_p"):
+        se = values[f"{name}_stderr_window"]
+        for which in ("upper95", "lower95"):
+            out[f"{name}_{which}"] = claims.bound(values[name], se, n_windows, which)
+    ln_se = values["ln_ppl_ratio_stderr_window"]
+    for which in ("upper95", "lower95"):
+        ln_bound = claims.bound(values["ln_ppl_ratio"], ln_se, n_windows, which)
+        out[f"ppl_ratio_{which}"] = float(np.exp(ln_bound))
+    out["kld_mean_mde"] = claims.minimum_detectable_effect(values["kld_mean_stderr_window"], n_windows)
+    out["ln_ppl_ratio_mde"] = claims.minimum_detectable_effect(ln_se, n_windows)
+    return out
 
 
 def corpus_provenance(context: RunContext) -> dict[str, str]:

@@ -10,6 +10,7 @@ full-vocabulary or against a recording, is computed here from the files, a few r
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ import torch
 from pydantic import model_validator
 
 from evalsuite import metrics
+from evalsuite.backends.layer_pass import LayerVisitor, QuietVisitor
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.spec import StrictModel
@@ -26,6 +28,7 @@ from evalsuite.tasks.logits_file import LogitsWriter, read_rows, window_file
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
+    from evalsuite.backends.streamed import StreamedBackend, WindowCall
     from evalsuite.corpus import Corpus
     from evalsuite.side import Side
 
@@ -203,16 +206,44 @@ class WindowLogits(WindowObserver):
         self.chunk_rows = chunk_rows
 
     def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
+        from evalsuite.backends.layer_pass import observe_alone
+        from evalsuite.backends.streamed import StreamedBackend
+
+        windows = window_tensor(inputs)
+        if isinstance(backend, StreamedBackend):
+            return observe_alone(self.visitor(backend, inputs, folder), backend, windows, folder, progress)
+        step = progress("window logits", len(windows))
+        return self.observed(
+            backend,
+            inputs,
+            folder,
+            lambda todo: backend.window_logits(windows[todo], self.protocol.positions),
+            step,
+        )
+
+    def visitor(self, backend: StreamedBackend, inputs: Inputs, folder: Path) -> LayerVisitor:
+        """This observation made during a shared streamed pass: the head on the last layer's output."""
+        return WindowLogitsVisitor(self, backend, inputs, folder)
+
+    def observed(
+        self,
+        backend: Backend,
+        inputs: Inputs,
+        folder: Path,
+        logits_of: Callable[[list[int]], Iterable[torch.Tensor]],
+        step: Callable[[], None],
+    ) -> Observation:
+        """The observation from the logits `logits_of(windows)` yields for the windows whose file is not yet
+        written (an interrupted observation resumes at the first window without one)."""
         positions = self.protocol.positions
         windows = window_tensor(inputs)
-        step = progress("window logits", len(windows))
         writer = LogitsWriter(folder)
         todo = [w for w in range(len(windows)) if not writer.done(w)]
         for _ in range(len(windows) - len(todo)):
             step()
         expected = (len(positions), backend.vocab_size)
         try:
-            for w, logits in zip(todo, backend.window_logits(windows[todo], positions), strict=True):
+            for w, logits in zip(todo, logits_of(todo), strict=True):
                 if tuple(logits.shape) != expected:
                     raise InputError(
                         f"the model returned logits of shape {tuple(logits.shape)}, expected {expected}"
@@ -276,6 +307,24 @@ class WindowLogits(WindowObserver):
         arrays.update(nll=obs.arrays["nll"], top=obs.arrays["top"])
         meta = {**obs.meta, "kind": "recorded", "top_k": opts.top_k, "tail_samples": opts.tail_samples}
         return Observation(name=obs.name, key=obs.key, meta=meta, arrays=arrays)
+
+
+class WindowLogitsVisitor(QuietVisitor):
+    """`WindowLogits` during a shared streamed pass: the model's own head on each window's last output."""
+
+    def __init__(
+        self, observer: WindowLogits, backend: StreamedBackend, inputs: Inputs, folder: Path
+    ) -> None:
+        self.observer, self.backend, self.inputs, self.folder = observer, backend, inputs, folder
+
+    def finish(self, final: list[torch.Tensor], calls: list[WindowCall]) -> Observation:
+        positions = self.observer.protocol.positions
+
+        def logits_of(todo: list[int]) -> Iterator[torch.Tensor]:
+            for w in todo:
+                yield self.backend.head_logits(final[w], calls[w], positions)
+
+        return self.observer.observed(self.backend, self.inputs, self.folder, logits_of, lambda: None)
 
 
 def window_paths(obs: Observation) -> list[Path]:

@@ -117,7 +117,7 @@ main(sys.argv[1:])
 """
 
 
-def test_an_out_of_memory_error_in_a_real_process_exits_3_with_one_line(tiny_pair, tmp_path):
+def test_an_out_of_memory_error_in_a_real_process_exits_4_with_one_line(tiny_pair, tmp_path):
     out = tmp_path / "run"
     args = ["run", "--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16], "--tasks", "ppl",
             "--corpus", "python-docs", "--out", out, "--quiet"]  # fmt: skip
@@ -129,11 +129,13 @@ def test_an_out_of_memory_error_in_a_real_process_exits_3_with_one_line(tiny_pai
         timeout=600,
         check=False,
     )
-    assert proc.returncode == 3, proc.stderr
+    # Out of resources (4), not a bug (3): a bigger machine or --stream helps.
+    assert proc.returncode == 4, proc.stderr
     said = [line for line in proc.stderr.splitlines() if line.startswith("evalsuite:")]
     assert said == [
-        "evalsuite: internal error: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB; "
-        f"traceback in {out}/traceback.txt"
+        "evalsuite: error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB): a machine or "
+        "device with more memory, --stream (one decoder layer resident at a time) or a smaller --max-memory "
+        f"helps; traceback in {out}/traceback.txt"
     ], proc.stderr
     assert "Traceback" not in proc.stderr
     assert re.search(r"OutOfMemoryError: CUDA out of memory", (out / "traceback.txt").read_text())

@@ -351,9 +351,13 @@ WorkerKind = Literal["process", "thread"]
 
 
 def default_worker_kind(workers: int) -> WorkerKind:
-    """Processes where there is more than one worker and this platform forks (Linux), else threads."""
+    """Processes where there is more than one worker and this platform forks (Linux), else threads; threads
+    too in a process that has initialised CUDA (a `compare` whose reference ran on a GPU): a child forked
+    from it inherits a CUDA state it cannot use."""
     forks = sys.platform == "linux" and "fork" in multiprocessing.get_all_start_methods()
-    return "process" if workers > 1 and forks else "thread"
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and torch.cuda.is_initialized()
+    return "process" if workers > 1 and forks and not cuda else "thread"
 
 
 Measured = list[tuple[TensorRow, list[Problem]]]

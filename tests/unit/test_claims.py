@@ -1,0 +1,162 @@
+"""What a figure lets a report claim (`evalsuite.claims`): t quantiles against scipy's, equivalence's three
+outcomes on constructed per-token arrays, Holm's correction and the minimum detectable effect worked by hand,
+thresholds judged on a bound, and the tie-aware same-top-token event."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from evalsuite import claims, metrics
+from evalsuite.spec import Threshold, apply_threshold
+from evalsuite.tasks.kld_detail import TokenDetail, detail_metrics
+
+PER_WINDOW = 255
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 7, 8, 15, 64, 501])
+def test_t_distribution_matches_scipy(df):
+    for t in (-40.0, -2.5, -1.96, -0.3, 0.0, 0.7, 1.96, 3.0, 250.0):
+        assert claims.t_cdf(t, df) == pytest.approx(stats.t.cdf(t, df), abs=1e-12)
+    for p in (0.05, 0.2, 0.5, 0.8, 0.9, 0.95, 0.975, 0.999):
+        assert claims.t_quantile(p, df) == pytest.approx(stats.t.ppf(p, df), rel=1e-9, abs=1e-12)
+
+
+def test_with_8_windows_a_1_96_error_is_not_95_percent():
+    # The reason for t: P(|t_7| > 1.96) is about 0.09, not 0.05.
+    assert 2 * (1 - claims.t_cdf(1.96, 7)) == pytest.approx(0.0908, abs=1e-3)
+
+
+def excess_tokens(true_excess: float, n_windows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token KLD excesses over a floor: a window effect and a token effect around `true_excess`."""
+    rng = np.random.default_rng(seed)
+    window_effect = np.repeat(rng.normal(0.0, 0.002, n_windows), PER_WINDOW)
+    x = true_excess + window_effect + rng.normal(0.0, 0.01, n_windows * PER_WINDOW)
+    return x, metrics.window_labels(n_windows, PER_WINDOW)
+
+
+def outcome(x: np.ndarray, labels: np.ndarray, margin: float) -> str:
+    se = metrics.clustered_stderr(x, labels)
+    return claims.equivalence(float(np.mean(x)), se, len(np.unique(labels)), margin)
+
+
+def test_a_true_zero_excess_with_8_windows_is_within():
+    x, labels = excess_tokens(0.0, 8)
+    assert outcome(x, labels, margin=0.01) == "within"
+
+
+@pytest.mark.parametrize("n_windows", [1, 2])
+def test_the_same_data_with_1_or_2_windows_is_undetermined(n_windows):
+    x, _ = excess_tokens(0.0, 8)
+    labels = metrics.window_labels(n_windows, x.size // n_windows)
+    assert outcome(x, labels, margin=0.01) == "undetermined"
+    assert math.isnan(
+        claims.bound(float(np.mean(x)), metrics.clustered_stderr(x, labels), n_windows, "upper95")
+    )
+    assert claims.too_few_reason(n_windows) is not None
+
+
+def test_a_small_true_excess_beyond_the_margin_is_above():
+    x, labels = excess_tokens(0.02, 8)
+    assert outcome(x, labels, margin=0.01) == "above"
+
+
+def test_an_excess_at_the_margin_is_undetermined_rather_than_within():
+    x, labels = excess_tokens(0.01, 8)
+    assert outcome(x, labels, margin=0.01) == "undetermined"
+
+
+def test_bounds_use_t_with_windows_minus_one_degrees_of_freedom():
+    assert claims.bound(1.0, 0.1, 8, "upper95") == pytest.approx(1.0 + stats.t.ppf(0.95, 7) * 0.1)
+    assert claims.bound(1.0, 0.1, 8, "lower95") == pytest.approx(1.0 - stats.t.ppf(0.95, 7) * 0.1)
+
+
+def test_holm_adjusts_step_down_and_keeps_nan_out_of_the_family():
+    # sorted 0.005, 0.01, 0.03, 0.04 (m = 4): 0.02, 0.03, max(0.03, 0.06), max(0.06, 0.04)
+    adjusted = claims.holm([0.01, 0.04, 0.03, float("nan"), 0.005])
+    assert adjusted[:3] == pytest.approx([0.03, 0.06, 0.06])
+    assert math.isnan(adjusted[3]) and adjusted[4] == pytest.approx(0.02)
+
+
+def test_the_minimum_detectable_effect_is_the_sum_of_two_t_quantiles_times_the_error():
+    expected = (stats.t.ppf(0.975, 7) + stats.t.ppf(0.8, 7)) * 0.01
+    assert claims.minimum_detectable_effect(0.01, 8) == pytest.approx(expected)
+    assert math.isnan(claims.minimum_detectable_effect(0.01, 2))
+
+
+def test_two_sided_p_of_a_paired_t():
+    assert claims.two_sided_p(0.2, 0.1, 8) == pytest.approx(2 * stats.t.sf(2.0, 7))
+    assert claims.two_sided_p(0.0, 0.0, 8) == 1.0
+    assert math.isnan(claims.two_sided_p(0.2, 0.1, 2))
+
+
+def test_a_threshold_on_the_upper_bound_passes_only_what_is_shown_under_it():
+    values = {"kld_mean": 0.04, "kld_mean_stderr_window": 0.01, "n_windows": 8}
+    (estimate,) = apply_threshold("kld_mean", 0.04, Threshold(max=0.05), values)
+    (release,) = apply_threshold("kld_mean", 0.04, Threshold(max=0.05, on="upper95"), values)
+    (nightly,) = apply_threshold("kld_mean", 0.04, Threshold(max=0.05, on="lower95"), values)
+    assert estimate.passed and estimate.on is None
+    # 0.04 + 1.895 · 0.01 > 0.05: not shown to stay under; 0.04 − 0.019 is not shown to exceed it.
+    assert not release.passed and release.on == "upper95"
+    assert release.value == pytest.approx(0.0590, abs=1e-3)
+    assert nightly.passed and nightly.on == "lower95"
+    # A task's own bound is preferred (ppl_ratio's comes from ln_ppl_ratio's error).
+    (own,) = apply_threshold(
+        "ppl_ratio", 1.01, Threshold(max=1.02, on="upper95"), {"ppl_ratio_upper95": 1.03}
+    )
+    assert not own.passed and own.value == 1.03
+
+
+def test_a_threshold_on_a_bound_that_cannot_be_computed_does_not_pass():
+    values = {"kld_mean": 0.0, "kld_mean_stderr_window": 0.01, "n_windows": 2}
+    (check,) = apply_threshold("kld_mean", 0.0, Threshold(max=0.05, on="upper95"), values)
+    assert not check.passed and math.isnan(check.value)
+
+
+def tied_rows() -> tuple[np.ndarray, np.ndarray]:
+    """Four positions of a 6-token vocabulary. Row 0: the same unique top. Row 1: the reference ties tokens
+    2 and 4, the candidate's top is 4. Row 2: the reference ties {1, 3}, the candidate {3, 5}: token 3 is top
+    on both, though the first maxima by index are 1 and 3. Row 3: different tops, no tie."""
+    ref = np.log(
+        np.array(
+            [
+                [0.5, 0.1, 0.1, 0.1, 0.1, 0.1],
+                [0.1, 0.1, 0.3, 0.1, 0.3, 0.1],
+                [0.1, 0.3, 0.1, 0.3, 0.1, 0.1],
+                [0.5, 0.1, 0.1, 0.1, 0.1, 0.1],
+            ]
+        )
+    )
+    ckpt = np.log(
+        np.array(
+            [
+                [0.4, 0.2, 0.1, 0.1, 0.1, 0.1],
+                [0.1, 0.1, 0.2, 0.1, 0.4, 0.1],
+                [0.1, 0.1, 0.1, 0.35, 0.05, 0.35],
+                [0.1, 0.5, 0.1, 0.1, 0.1, 0.1],
+            ]
+        )
+    )
+    return ref, ckpt
+
+
+def test_same_top_counts_a_token_top_on_both_sides_whatever_the_tie_break():
+    ref, ckpt = tied_rows()
+    assert metrics.same_top_tied(ref, ckpt).tolist() == [True, True, True, False]
+    # argmax takes the first index of a tie: it would call rows 1 and 2 disagreements
+    assert (ref.argmax(1) == ckpt.argmax(1)).tolist() == [True, False, False, False]
+
+
+def test_top1_agreement_and_same_top_p_are_one_figure():
+    ref, ckpt = tied_rows()
+    same = metrics.same_top_tied(ref, ckpt)
+    top_ref, top_ckpt = np.argsort(-ref, axis=1, kind="stable"), np.argsort(-ckpt, axis=1, kind="stable")
+    detail = TokenDetail(np.exp(ref.max(1)), top_ref, top_ckpt, None, same_top=same)
+    kld = metrics.kl_divergence(ref, ckpt)
+    nll = np.full(4, 1.0)
+    values = detail_metrics(detail, kld, nll, nll, metrics.window_labels(2, 2))
+    assert values["top1_agreement"] == pytest.approx(float(np.mean(same))) == 0.75
+    assert "top1_agreement_stderr_window" in values and "top5_agreement_stderr_window" in values
