@@ -17,6 +17,7 @@ from evalsuite.errors import InputError
 from evalsuite.report import write_reports
 from evalsuite.runner import RunRequest, run
 from evalsuite.task import RunContext
+from evalsuite.tasks.noise_floor import NoiseFloorOptions
 from tests.conftest import Models, copy_checkpoint, edit_tensors, rerun, run_cli
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
@@ -57,11 +58,14 @@ def ppl_intref_out(tiny_pair, tmp_path_factory):
 def test_ppl_and_intref_forward_each_side_once_under_hf(ppl_intref_out):
     result, seen, out = ppl_intref_out
     assert result.results["verdict"] == "pass"
-    # 8 windows: the reference once, the candidate under hf once for both tasks and once more with noise
-    # (intref's rounding floor, in the same load), once under intref.
-    assert seen.windows == {(TINY_BF16, "hf"): 8, (TINY_W4A8, "hf"): 16, (TINY_W4A8, "intref"): 8}
+    # 8 windows: the reference once, the candidate under hf once for both tasks and once more per draw of
+    # intref's rounding floor (in the same load), once under intref.
+    draws = NoiseFloorOptions().draws
+    hf = 8 * (1 + draws)
+    assert seen.windows == {(TINY_BF16, "hf"): 8, (TINY_W4A8, "hf"): hf, (TINY_W4A8, "intref"): 8}
     assert sorted(seen.loads) == [(TINY_BF16, "hf"), (TINY_W4A8, "hf"), (TINY_W4A8, "intref")]
-    assert len(list((out / "observations").iterdir())) == 4
+    # ref, ckpt (hf), ckpt (intref) and one per draw of the floor
+    assert len(list((out / "observations").iterdir())) == 3 + draws
     ppl, intref = result.results["tasks"]["ppl"]["metrics"], result.results["tasks"]["intref"]["metrics"]
     assert ppl["ppl_ckpt"] == intref["ppl_hf"] and ppl["ppl_ref"] == intref["ppl_ref"]
 
