@@ -25,7 +25,9 @@ The candidates are the W4A8 copy and three copies of it with every weight scale 
                                                           [--parts a,b]
 
 `--pair tiny` runs the tiny MiniCPM-V 4.7 pair instead (a minute, not ten): its forwards are so cheap that the
-fixed costs of a comparison (KLD passes, plots, start-up) weigh far more than on any real model.
+fixed costs of a comparison (KLD passes, plots, start-up) weigh far more than on any real model. `--quick` is
+`--pair tiny --rounds 1 --parts a` on the test suite's fixtures (checks the bench, its figures say nothing).
+The figures go to bench/results/ as JSON (bench/figures.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from figures import TEST_FIXTURES, add_arguments, recorded
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -140,7 +143,10 @@ def main() -> None:
         "--parts", default="a,b,floor", help="what to time: a (in process), b (commands), floor (a compare "
         "with the noise floor); on a machine where one observation takes a minute, each is many minutes",
     )  # fmt: skip
+    add_arguments(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.pair, args.rounds, args.parts, args.fixtures = "tiny", 1, "a", TEST_FIXTURES
     source, quantized = (SMOLLM2_BF16, SMOLLM2_W4A8) if args.pair == "smollm2" else (TINY_BF16, TINY_W4A8)
     pair = build_fixtures(args.fixtures, [source, quantized])
     load_before = load_average()
@@ -194,6 +200,13 @@ def main() -> None:
             command = cli("compare", "--ref", ref, *ckpts, *common, "--no-noise-floor", "--out", out)
             commands.append((command, separate))
     load_after = load_average()
+    with recorded("compare", __doc__, args) as figures:
+        report(ref, candidates, observed, compared, ratios, inside, cpu, timings, commands, figures)
+        print(f"load average (1, 5, 15 min) at the start: {load_before}; at the end: {load_after}")
+
+
+def report(ref, candidates, observed, compared, ratios, inside, cpu, timings, commands, figures) -> None:
+    """Print the timings of every round and record the medians and per-round ratios."""
     n = len(candidates)
     print(f"{ref.name} pair, {n} candidates, task ppl; timings taken in one run (a shared, busy machine)")
     for r, (o, c, q) in enumerate(zip(observed, compared, ratios, strict=True)):
@@ -204,9 +217,11 @@ def main() -> None:
         print(f"compare in process (median): {timings[False]:.1f} s{with_floor}")
         median = statistics.median(ratios)
         print(f"(a) compare / observations, median of {len(ratios)} rounds = {median:.3f}   (goal <= 1.05)")
+        figures.add(f"(a) compare / observations, median of {len(ratios)} rounds", median, goal="<= 1.05")
         for r, (own, total) in enumerate(inside):
             print(f"(a') round {r + 1}: compare {total:.1f} s, of which its own observations {own:.1f} s: "
                   f"{total / own:.3f} ({total - own:.1f} s beyond observing)")  # fmt: skip
+            figures.add(f"(a') round {r + 1}: compare / its own observations", total / own)
         # CPU time is what no overlapping of compare's work with its observations can shrink: spread over
         # every core without a moment idle, compare's CPU seconds set a floor under its wall time.
         cores = len(os.sched_getaffinity(0))
@@ -215,18 +230,20 @@ def main() -> None:
             print(f"(a'') round {r + 1}: CPU time, observations alone {obs_cpu:.1f} s ({obs_cpu / o:.2f} of "
                   f"{cores} cores busy), compare {cmp_cpu:.1f} s ({cmp_cpu / obs_cpu:.3f} of it): with every "
                   f"core busy throughout, it would still take {floor:.3f} x the observations")  # fmt: skip
+            figures.add(f"(a'') round {r + 1}: CPU-time floor under (a)", floor)
     for r, (command, separate) in enumerate(commands):
         print(f"(b) round {r + 1}: evalsuite compare {command:.1f} s; {n} separate evalsuite run "
               f"{separate:.1f} s: {command / separate:.3f}")  # fmt: skip
     if commands:
         b = statistics.median(command / separate for command, separate in commands)
         print(f"(b) compare / separate runs, median of {len(commands)} rounds = {b:.3f}   (goal <= 0.6)")
+        figures.add(f"(b) compare / separate runs, median of {len(commands)} rounds", b, goal="<= 0.6")
     if True in timings:
         floor = timings[True] / timings[False]
         print(f"noise floor: compare with it / without = {floor:.3f}")
+        figures.add("noise floor: compare with it / without", floor)
         if commands:
             print(f"(b) with the floor (derived: (b) x the line above) = {b * floor:.3f}")
-    print(f"load average (1, 5, 15 min) at the start: {load_before}; at the end: {load_after}")
 
 
 if __name__ == "__main__":

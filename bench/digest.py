@@ -6,7 +6,9 @@ the cold time. "Cold" is evalsuite's digest cache, empty; the page cache is warm
 reading the files once first, so the ratio compares hashing, not the disk. Both figures are ratios measured
 in one run (the machines are shared and noisy).
 
-    python bench/digest.py [--gigabytes 2] [--shards 4] [--folder DIR]
+    python bench/digest.py [--gigabytes 2] [--shards 4] [--folder DIR] [--quick] [--results DIR]
+
+`--quick`: 32 MB in 2 shards (seconds). The figures go to bench/results/ as JSON (bench/figures.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from figures import add_arguments, recorded
 
 from evalsuite.digest import DigestCache
 
@@ -51,7 +55,10 @@ def main() -> None:
     parser.add_argument("--gigabytes", type=float, default=2.0)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--folder", type=Path, default=None, help="where to write the shards (a temp dir)")
+    add_arguments(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.gigabytes, args.shards = 0.03125, 2
     root = Path(tempfile.mkdtemp(prefix="evalsuite-bench-digest-", dir=args.folder))
     try:
         data = root / "checkpoint"
@@ -70,12 +77,20 @@ def main() -> None:
         again.sha256_many(paths)
         rerun = time.perf_counter() - started
         total = sum(p.stat().st_size for p in paths)
-        print(f"{args.shards} shards, {total / 1e9:.2f} GB, page cache warm for both")
-        print(f"sha256sum            {sha256sum:8.2f} s  ({total / sha256sum / 1e9:.2f} GB/s)")
-        print(f"evalsuite, cold      {cold:8.2f} s  ({total / cold / 1e9:.2f} GB/s, {os.cpu_count()} cores)")
-        print(f"evalsuite, unchanged {rerun:8.4f} s  (bytes read: {again.hashed_bytes})")
-        print(f"cold / sha256sum     {cold / sha256sum:8.3f}   (goal <= 1.1)")
-        print(f"unchanged / cold     {rerun / cold:8.4f}   (goal <= 0.05)")
+        with recorded("digest", __doc__, args) as figures:
+            print(f"{args.shards} shards, {total / 1e9:.2f} GB, page cache warm for both")
+            print(f"sha256sum            {sha256sum:8.2f} s  ({total / sha256sum / 1e9:.2f} GB/s)")
+            print(
+                f"evalsuite, cold      {cold:8.2f} s  ({total / cold / 1e9:.2f} GB/s, {os.cpu_count()} cores)"
+            )
+            print(f"evalsuite, unchanged {rerun:8.4f} s  (bytes read: {again.hashed_bytes})")
+            print(f"cold / sha256sum     {cold / sha256sum:8.3f}   (goal <= 1.1)")
+            print(f"unchanged / cold     {rerun / cold:8.4f}   (goal <= 0.05)")
+            figures.add("checkpoint", total / 1e9, "GB")
+            figures.add("sha256sum", total / sha256sum / 1e9, "GB/s")
+            figures.add("evalsuite, cold cache", total / cold / 1e9, "GB/s")
+            figures.add("cold / sha256sum", cold / sha256sum, goal="<= 1.1")
+            figures.add("unchanged / cold", rerun / cold, goal="<= 0.05")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

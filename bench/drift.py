@@ -15,7 +15,12 @@ supported").
 Prints kld_mean, ppl of the recording and of the live run, and same_top_p per variant, and writes them to
 `evalsuite/measured_drift.json`, the figure a replay under another environment quotes in its caveats.
 
-    flock /tmp/evalsuite-heavy.lock python bench/drift.py [--fixtures DIR] [--no-write]
+    flock /tmp/evalsuite-heavy.lock python bench/drift.py [--fixtures DIR] [--no-write] [--quick]
+                                                        [--results DIR]
+
+`--quick` runs the tiny MiniCPM-V 4.7 BF16 fixture on 2 windows, one variant (OMP_NUM_THREADS=1), and
+writes nothing to evalsuite/ (checks the bench, its figures say nothing). The figures also go to
+bench/results/ as JSON (bench/figures.py).
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
+
 from evalsuite.cli import DEFAULT_FIXTURES
-from evalsuite.fixtures import SMOLLM2_BF16, build_fixtures
+from evalsuite.fixtures import SMOLLM2_BF16, TINY_BF16, build_fixtures
 from evalsuite.machine import DRIFT_FILE, describe_machine
 
 VARIANTS = {
@@ -58,25 +65,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
     parser.add_argument("--no-write", action="store_true", help=f"Print only; leave evalsuite/{DRIFT_FILE}.")
+    add_arguments(parser)
     args = parser.parse_args()
-    reference = build_fixtures(args.fixtures, [SMOLLM2_BF16])[SMOLLM2_BF16]
+    source = TINY_BF16 if args.quick else SMOLLM2_BF16
+    reference = build_fixtures(TEST_FIXTURES if args.quick else args.fixtures, [source])[source]
+    variants = {"OMP_NUM_THREADS=1": VARIANTS["OMP_NUM_THREADS=1"]} if args.quick else VARIANTS
+    args.no_write = args.no_write or args.quick
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="evalsuite-drift-") as tmp:
+        spec = ("--spec", f"ppl={quick_ppl_spec(Path(tmp))}") if args.quick else ()
         recording = Path(tmp) / "recording"
         # The candidate is the recorded checkpoint itself: a live run of it is observed, never read from the
         # recording.
         candidate = reference
         failed = evalsuite(
-            "record", "--ckpt", str(reference), "--tasks", "ppl", "--corpus", CORPUS, "--out", str(recording)
+            "record", "--ckpt", str(reference), "--tasks", "ppl", "--corpus", CORPUS, "--out", str(recording),
+            *spec,
         )  # fmt: skip
         if failed:
             raise SystemExit(f"the recording {failed}")
         not_runnable: dict[str, str] = {}
-        for name, env in VARIANTS.items():
+        for name, env in variants.items():
             out = Path(tmp) / name.replace("=", "-")
             failed = evalsuite(
                 "run", "--ckpt", str(candidate), "--ref", str(recording), "--tasks", "ppl",
-                "--corpus", CORPUS, "--out", str(out), env=env,
+                "--corpus", CORPUS, "--out", str(out), *spec, env=env,
             )  # fmt: skip
             if failed:
                 not_runnable[name] = failed
@@ -84,17 +97,22 @@ def main() -> None:
             doc = json.loads((out / "results.json").read_text(encoding="utf-8"))
             results[name] = {key: doc["tasks"]["ppl"]["metrics"][key] for key in METRICS}
     machine = describe_machine("cpu")
-    print(f"SmolLM2-135M BF16 against its own recording; {machine['cpu_model']}, torch kernels "
-          f"{machine['torch_cpu_capability']}, oneDNN {machine['onednn_isa']}")  # fmt: skip
-    heading = "variant (recording: default kernels)"
-    print(f"{heading:40} {'kld_mean':>10} {'ppl rec':>9} {'ppl run':>9} {'same top':>9}")
-    for name, row in results.items():
-        print(
-            f"{name:40} {row['kld_mean']:10.3g} {row['ppl_ref']:9.4f} {row['ppl_ckpt']:9.4f} "
-            f"{row['same_top_p']:9.4f}"
-        )
-    for name, reason in not_runnable.items():
-        print(f"{name:40} not runnable here: {reason}")
+    with recorded("drift", __doc__, args) as figures:
+        print(f"{reference.name} against its own recording; {machine['cpu_model']}, torch kernels "
+              f"{machine['torch_cpu_capability']}, oneDNN {machine['onednn_isa']}")  # fmt: skip
+        heading = "variant (recording: default kernels)"
+        print(f"{heading:40} {'kld_mean':>10} {'ppl rec':>9} {'ppl run':>9} {'same top':>9}")
+        for name, row in results.items():
+            print(
+                f"{name:40} {row['kld_mean']:10.3g} {row['ppl_ref']:9.4f} {row['ppl_ckpt']:9.4f} "
+                f"{row['same_top_p']:9.4f}"
+            )
+            figures.add(f"{name}: kld_mean", row["kld_mean"])
+            figures.add(f"{name}: ppl recorded / run", row["ppl_ref"] / row["ppl_ckpt"])
+            figures.add(f"{name}: same_top_p", row["same_top_p"])
+        for name, reason in not_runnable.items():
+            print(f"{name:40} not runnable here: {reason}")
+            figures.add(f"{name}", "not runnable here")
     if not args.no_write:
         doc = {
             "what": "SmolLM2-135M BF16 fixture run against its own recording made under the default kernels",

@@ -12,7 +12,10 @@ setting (goal: under 30 minutes on 2 cores).
 These machines are shared and noisy (other engineers' test runs come and go): compare the figures of one
 run with each other, and read absolute seconds with that in mind.
 
-    python bench/exl3_decode.py [--repeats N]
+    python bench/exl3_decode.py [--repeats N] [--quick] [--results DIR]
+
+`--quick`: one decode per shape and setting (seconds). The figures go to bench/results/ as JSON
+(bench/figures.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from figures import add_arguments, recorded
 
 from evalsuite.formats.exl3_decode import decode_w_hat, decode_weight
 
@@ -48,7 +52,10 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=5, help="decodes per shape and setting; the fastest counts"
     )
+    add_arguments(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.repeats = 1
     default_threads = torch.get_num_threads()
     generator = torch.Generator().manual_seed(0)
     rows = []
@@ -76,33 +83,44 @@ def main() -> None:
         rows.append(row)
     torch.set_num_threads(default_threads)
 
-    mw = 1e6
-    print(f"EXL3 decode, K=4 mul1, fastest of {args.repeats}; torch default threads = {default_threads}")
-    print("throughput in millions of weights per second (wall clock; 'cpu' = per CPU-second)")
-    header = ["shape", "weights"] + [key for key in rows[0] if key not in ("label", "shape", "weights")]
-    print("  ".join(f"{h:>16}" for h in header))
-    for row in rows:
-        cells = [f"{row['label']} {row['shape']}", f"{row['weights']:,}"]
-        cells += [f"{row[key] / mw:.1f}" for key in header[2:]]
-        print("  ".join(f"{c:>16}" for c in cells))
+    with recorded("exl3_decode", __doc__, args) as figures:
+        mw = 1e6
+        print(f"EXL3 decode, K=4 mul1, fastest of {args.repeats}; torch default threads = {default_threads}")
+        print("throughput in millions of weights per second (wall clock; 'cpu' = per CPU-second)")
+        header = ["shape", "weights"] + [key for key in rows[0] if key not in ("label", "shape", "weights")]
+        print("  ".join(f"{h:>16}" for h in header))
+        for row in rows:
+            cells = [f"{row['label']} {row['shape']}", f"{row['weights']:,}"]
+            cells += [f"{row[key] / mw:.1f}" for key in header[2:]]
+            print("  ".join(f"{c:>16}" for c in cells))
 
-    settings = [key for key in rows[0] if key.startswith("dense ") and "cpu" not in key]
-    slowest = {key: min(row[key] for row in rows) for key in settings}
-    best = max(slowest, key=slowest.get)
-    minutes = PACK_WEIGHTS / slowest[best] / 60
-    per_core = min(row["dense cpu 1t"] for row in rows)
-    print(
-        f"35B-A3B pack ({PACK_WEIGHTS:.0e} weights) to dense float32 at the slowest shape's rate, "
-        f"setting '{best}': {minutes:.1f} min "
-        f"(goal < {GOAL_MINUTES:.0f} min; ratio {minutes / GOAL_MINUTES:.2f})"
-    )
-    print(
-        f"per CPU-second (single thread, less disturbed by other load): {per_core / mw:.1f} M weights/s, "
-        f"i.e. {PACK_WEIGHTS / per_core / 60:.1f} CPU-minutes, "
-        f"{PACK_WEIGHTS / per_core / 120:.1f} min on 2 idle cores"
-    )
-    w_hat_rate = min(row[f"w_hat {best.split()[1]}"] for row in rows)
-    print(f"W_hat alone (bit-exact part) at the same setting: {PACK_WEIGHTS / w_hat_rate / 60:.1f} min")
+        settings = [key for key in rows[0] if key.startswith("dense ") and "cpu" not in key]
+        slowest = {key: min(row[key] for row in rows) for key in settings}
+        best = max(slowest, key=slowest.get)
+        minutes = PACK_WEIGHTS / slowest[best] / 60
+        per_core = min(row["dense cpu 1t"] for row in rows)
+        print(
+            f"35B-A3B pack ({PACK_WEIGHTS:.0e} weights) to dense float32 at the slowest shape's rate, "
+            f"setting '{best}': {minutes:.1f} min "
+            f"(goal < {GOAL_MINUTES:.0f} min; ratio {minutes / GOAL_MINUTES:.2f})"
+        )
+        print(
+            f"per CPU-second (single thread, less disturbed by other load): {per_core / mw:.1f} M weights/s, "
+            f"i.e. {PACK_WEIGHTS / per_core / 60:.1f} CPU-minutes, "
+            f"{PACK_WEIGHTS / per_core / 120:.1f} min on 2 idle cores"
+        )
+        w_hat_rate = min(row[f"w_hat {best.split()[1]}"] for row in rows)
+        print(f"W_hat alone (bit-exact part) at the same setting: {PACK_WEIGHTS / w_hat_rate / 60:.1f} min")
+        figures.add(
+            f"35B-A3B pack to dense float32, setting '{best}'", minutes, "min", goal=f"<= {GOAL_MINUTES:g}"
+        )
+        figures.add("per CPU-second, single thread", per_core / mw, "M weights/s")
+        figures.add(
+            "35B-A3B pack on 2 idle cores (from the per-CPU-second rate)",
+            PACK_WEIGHTS / per_core / 120,
+            "min",
+        )
+        figures.add("W_hat alone at the same setting", PACK_WEIGHTS / w_hat_rate / 60, "min")
 
 
 if __name__ == "__main__":

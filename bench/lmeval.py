@@ -8,7 +8,10 @@ Runs, each as a fresh process with the same environment (offline, same threads):
 Prints the ratio evalsuite / (lm-eval ref + lm-eval ckpt) measured in this one run (goal <= 1.05: the wrapper
 adds nothing measurable), and checks that both tools report the same accuracies.
 
-    python bench/lmeval.py [--fixtures DIR] [--limit N]
+    python bench/lmeval.py [--fixtures DIR] [--limit N] [--quick] [--results DIR]
+
+`--quick` runs the tiny random Llama against itself, 2 documents per task (checks the bench, its figures say
+nothing). The figures go to bench/results/ as JSON (bench/figures.py).
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from figures import TEST_FIXTURES, add_arguments, recorded
+
 from evalsuite.cli import DEFAULT_FIXTURES
 from evalsuite.fixtures import build_fixtures
+from evalsuite.fixtures.names import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_LLAMA_BF16
 from evalsuite.tasks.lmeval import shipped_task_folder
 
 TASKS = ["evalsuite-mini", "evalsuite-mini-gen"]
@@ -54,9 +60,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
     parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
+    add_arguments(parser)
     args = parser.parse_args()
-    pair = build_fixtures(args.fixtures, ["smollm2-135m-bf16", "smollm2-135m-w4a8"])
-    ref, ckpt = pair["smollm2-135m-bf16"], pair["smollm2-135m-w4a8"]
+    if args.quick:
+        args.limit = 2
+        ref = ckpt = build_fixtures(TEST_FIXTURES, [TINY_LLAMA_BF16])[TINY_LLAMA_BF16]
+    else:
+        pair = build_fixtures(args.fixtures, [SMOLLM2_BF16, SMOLLM2_W4A8])
+        ref, ckpt = pair[SMOLLM2_BF16], pair[SMOLLM2_W4A8]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TQDM_DISABLE": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "lmeval.toml"
@@ -83,17 +94,22 @@ def main() -> None:
 
     total = t_lm_eval["ref"] + t_lm_eval["ckpt"]
     docs = "all documents" if args.limit is None else f"{args.limit} documents per task"
-    print(f"tasks: {', '.join(TASKS)} ({docs}), batch size 1, bf16, CPU, {os.cpu_count()} cores")
-    print(
-        f"evalsuite run --tasks lmeval: {t_evalsuite:.1f} s   "
-        f"lm_eval CLI: ref {t_lm_eval['ref']:.1f} s + ckpt {t_lm_eval['ckpt']:.1f} s = {total:.1f} s"
-    )
-    print(f"time ratio evalsuite / lm_eval CLI (both sides) = {t_evalsuite / total:.3f}   (goal <= 1.05)")
-    for (task, key), name in SCORES.items():
-        for role in ("ref", "ckpt"):
-            ours, theirs = metrics[f"{name}.{role}"], scores[role][(task, key)]
-            same = "same" if ours == theirs else "DIFFERENT"
-            print(f"  {name}.{role}: evalsuite {ours:.4f}, lm_eval CLI {theirs:.4f} ({same})")
+    with recorded("lmeval", __doc__, args) as figures:
+        print(f"tasks: {', '.join(TASKS)} ({docs}), batch size 1, bf16, CPU, {os.cpu_count()} cores")
+        print(
+            f"evalsuite run --tasks lmeval: {t_evalsuite:.1f} s   "
+            f"lm_eval CLI: ref {t_lm_eval['ref']:.1f} s + ckpt {t_lm_eval['ckpt']:.1f} s = {total:.1f} s"
+        )
+        print(f"time ratio evalsuite / lm_eval CLI (both sides) = {t_evalsuite / total:.3f}   (goal <= 1.05)")
+        figures.add("time, evalsuite / lm_eval CLI (both sides)", t_evalsuite / total, goal="<= 1.05")
+        different = 0
+        for (task, key), name in SCORES.items():
+            for role in ("ref", "ckpt"):
+                ours, theirs = metrics[f"{name}.{role}"], scores[role][(task, key)]
+                same = "same" if ours == theirs else "DIFFERENT"
+                different += ours != theirs
+                print(f"  {name}.{role}: evalsuite {ours:.4f}, lm_eval CLI {theirs:.4f} ({same})")
+        figures.add("accuracies that differ from lm_eval CLI's", different, goal="<= 0")
 
 
 if __name__ == "__main__":

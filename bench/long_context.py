@@ -11,7 +11,11 @@ ratios, not seconds):
   time    seconds per scored token (both sides' observations and the comparison) at 8k over the 512-token
           protocol's (goal <= 1.5).
 
-    flock /tmp/evalsuite-heavy.lock python bench/long_context.py [--fixtures DIR]
+    flock /tmp/evalsuite-heavy.lock python bench/long_context.py [--fixtures DIR] [--quick] [--results DIR]
+
+`--quick` runs the tiny MiniCPM-V 4.7 pair with 2 windows of 512 tokens and long windows of 1,024 and 2,048
+(seconds; checks the bench, its figures say nothing). The figures go to bench/results/ as JSON
+(bench/figures.py).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
+
 from evalsuite.cli import DEFAULT_FIXTURES
-from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, build_fixtures
+from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -111,33 +117,49 @@ def measure(spec: Path, window: int, ref: Path, ckpt: Path, work: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
+    add_arguments(parser)
     args = parser.parse_args()
-    pair = build_fixtures(args.fixtures, [SMOLLM2_BF16, SMOLLM2_W4A8])
-    ref, ckpt = pair[SMOLLM2_BF16], pair[SMOLLM2_W4A8]
+    source, quantized = (TINY_BF16, TINY_W4A8) if args.quick else (SMOLLM2_BF16, SMOLLM2_W4A8)
+    pair = build_fixtures(TEST_FIXTURES if args.quick else args.fixtures, [source, quantized])
+    ref, ckpt = pair[source], pair[quantized]
+    # The long protocol at a short and a long window: 2k and 8k (1k and 2k for --quick).
+    short, long = (1024, 2048) if args.quick else (2048, 8192)
+    short_name, long_name = f"{short // 1024}k", f"{long // 1024}k"
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
+        protocol = quick_ppl_spec(Path(tmp)) if args.quick else REPO / "tasks" / "ppl.toml"
         for name, spec, window in (
-            ("512", REPO / "tasks" / "ppl.toml", 0),
-            ("2k", REPO / "tasks" / "ppl-long.toml", 2048),
-            ("8k", REPO / "tasks" / "ppl-long.toml", 8192),
+            ("512", protocol, 0),
+            (short_name, REPO / "tasks" / "ppl-long.toml", short),
+            (long_name, REPO / "tasks" / "ppl-long.toml", long),
         ):
             runs[name] = measure(spec, window, ref, ckpt, Path(tmp) / name)
     mib = 2**20
-    for name, doc in runs.items():
+    with recorded("long_context", __doc__, args) as figures:
+        for name, doc in runs.items():
+            print(
+                f"{name:>4}: {doc['n_scored']} scored tokens per side; peak above the loaded model: ref "
+                f"{doc['ref_peak_above'] / mib:.0f} MiB, ckpt {doc['ckpt_peak_above'] / mib:.0f} MiB, "
+                f"compare "
+                f"{doc['compare_peak_above'] / mib:.0f} MiB; {doc['seconds']:.1f} s "
+                f"({doc['seconds_per_token'] * 1e3:.2f} ms per scored token), kld_mean {doc['kld_mean']:.5f}"
+            )
+            figures.add(f"{name}: peak above the loaded model", doc["peak_above"] / mib, "MiB")
+            figures.add(f"{name}: time per scored token", doc["seconds_per_token"] * 1e3, "ms")
+        vocab = runs[long_name]["vocab"]
+        unchunked = long * vocab * 4
+        memory = runs[long_name]["peak_above"] / runs[short_name]["peak_above"]
+        print(f"memory ratio {long_name} / {short_name} = {memory:.3f}   (goal <= 1.5)")
+        figures.add(f"memory, {long_name} / {short_name}", memory, goal="<= 1.5")
+        over_unchunked = runs[long_name]["peak_above"] / unchunked
         print(
-            f"{name:>4}: {doc['n_scored']} scored tokens per side; peak above the loaded model: ref "
-            f"{doc['ref_peak_above'] / mib:.0f} MiB, ckpt {doc['ckpt_peak_above'] / mib:.0f} MiB, compare "
-            f"{doc['compare_peak_above'] / mib:.0f} MiB; {doc['seconds']:.1f} s "
-            f"({doc['seconds_per_token'] * 1e3:.2f} ms per scored token), kld_mean {doc['kld_mean']:.5f}"
+            f"memory ratio {long_name} / one [{long} x {vocab}] float32 tensor ({unchunked / mib:.0f} MiB) = "
+            f"{over_unchunked:.3f}   (goal <= 0.25)"
         )
-    unchunked = 8192 * runs["8k"]["vocab"] * 4
-    print(f"memory ratio 8k / 2k = {runs['8k']['peak_above'] / runs['2k']['peak_above']:.3f}   (goal <= 1.5)")
-    print(
-        f"memory ratio 8k / one [8192 x {runs['8k']['vocab']}] float32 tensor ({unchunked / mib:.0f} MiB) = "
-        f"{runs['8k']['peak_above'] / unchunked:.3f}   (goal <= 0.25)"
-    )
-    ratio = runs["8k"]["seconds_per_token"] / runs["512"]["seconds_per_token"]
-    print(f"time per scored token ratio 8k / 512-token protocol = {ratio:.3f}   (goal <= 1.5)")
+        figures.add(f"memory, {long_name} / one unchunked float32 tensor", over_unchunked, goal="<= 0.25")
+        ratio = runs[long_name]["seconds_per_token"] / runs["512"]["seconds_per_token"]
+        print(f"time per scored token ratio {long_name} / 512-token protocol = {ratio:.3f}   (goal <= 1.5)")
+        figures.add(f"time per scored token, {long_name} / 512", ratio, goal="<= 1.5")
 
 
 if __name__ == "__main__":

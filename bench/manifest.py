@@ -6,7 +6,10 @@ Prints ratios measured in this one run (these machines are noisy; compare ratios
           (goal <= 1.1);
   warm    the same verification again through the cache that hashed them, over the cold one (goal <= 0.01).
 
-    python bench/manifest.py [--gib 1.0] [--shards 4] [--repeats 3]
+    python bench/manifest.py [--gib 1.0] [--shards 4] [--repeats 3] [--quick] [--results DIR]
+
+`--quick`: 32 MiB in 2 shards, one repeat (seconds). The figures go to bench/results/ as JSON
+(bench/figures.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from figures import add_arguments, recorded
 
 from evalsuite.digest import DigestCache
 from evalsuite.manifest import read_manifest, verify_manifest, write_sha256sums
@@ -36,7 +41,10 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0, help="total size of the shards")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    add_arguments(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.gib, args.shards, args.repeats = 0.03125, 2, 1
     with tempfile.TemporaryDirectory(prefix="evalsuite-bench-manifest-") as tmp:
         folder = Path(tmp) / "ckpt"
         folder.mkdir()
@@ -63,11 +71,17 @@ def main() -> None:
         warm = fastest(args.repeats, lambda: verify_manifest(manifest, DigestCache(Path(tmp) / "digests")))
         total = size * args.shards
         best_cold, best_core = min(times["cold"]), min(times["sha256sum"])
-        print(f"files {args.shards} x {size / 2**20:.0f} MiB; {os.cpu_count()} CPUs")
-        mib = total / 2**20
-        print(f"cold verify {mib / best_cold:.0f} MiB/s, sha256sum -c {mib / best_core:.0f} MiB/s")
-        print(f"cold / sha256sum = {best_cold / best_core:.2f}  (goal <= 1.1)")
-        print(f"warm / cold      = {warm / best_cold:.4f}  (goal <= 0.01)")
+        with recorded("manifest", __doc__, args) as figures:
+            print(f"files {args.shards} x {size / 2**20:.0f} MiB; {os.cpu_count()} CPUs")
+            mib = total / 2**20
+            print(f"cold verify {mib / best_cold:.0f} MiB/s, sha256sum -c {mib / best_core:.0f} MiB/s")
+            print(f"cold / sha256sum = {best_cold / best_core:.2f}  (goal <= 1.1)")
+            print(f"warm / cold      = {warm / best_cold:.4f}  (goal <= 0.01)")
+            figures.add("shards", total / 2**20, "MiB")
+            figures.add("cold verify", mib / best_cold, "MiB/s")
+            figures.add("sha256sum -c", mib / best_core, "MiB/s")
+            figures.add("cold / sha256sum", best_cold / best_core, goal="<= 1.1")
+            figures.add("warm / cold", warm / best_cold, goal="<= 0.01")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark of the `moe` task's memory and time: the 3 GB MoE pair, against `layers` alone.
 
-    python bench/moe.py [--fixtures DIR] [--small]
+    python bench/moe.py [--fixtures DIR] [--small] [--quick] [--results DIR]
 
 The pair is `bench/stream.py`'s: the tiny MiniCPM-V 4.7 architecture scaled to 3.1 GB in BF16 (28 hybrid
 MoE layers, hidden 1,024, 32 routed experts, top 2, a shared expert) and its W4A8 copy
@@ -16,7 +16,8 @@ tasks share, more), a child process of its own, in one sitting:
 
 Both runs start with the files' digests cached and the files in the page cache. These machines are shared:
 compare the ratios, not the seconds. `--small` runs the same on the tiny pair (seconds; the ratios say nothing
-there), to check the benchmark itself.
+there), to check the benchmark itself; `--quick` is `--small --windows 1` on the test suite's fixtures. The
+figures go to bench/results/ as JSON (bench/figures.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 # The child-process measurements are bench/stream.py's (this folder is on the path of a script run from it).
+from figures import TEST_FIXTURES, add_arguments, recorded
 from stream import rss_after_imports, timed_run
 
 from evalsuite.checkpoint import Checkpoint
@@ -59,7 +61,10 @@ def main() -> int:
     )
     parser.add_argument("--small", action="store_true", help="the tiny pair: checks the benchmark runs")
     parser.add_argument("--windows", type=int, default=4, help="windows of the ppl protocol (at most 8)")
+    add_arguments(parser)
     options = parser.parse_args()
+    if options.quick:
+        options.small, options.windows, options.fixtures = True, 1, TEST_FIXTURES
 
     names = [TINY_BF16, TINY_W4A8] if options.small else [SCALED_BF16, SCALED_W4A8]
     built = build_fixtures(options.fixtures, names, progress=print)
@@ -87,18 +92,31 @@ def main() -> int:
                 print(f"FAILED: `{task}` exited with {code}")
                 return 2
             runs[task] = (seconds, peak, cpu)
+        moe = json.loads(Path(f"{tmp}/moe/results.json").read_text())["tasks"]["moe"]
+    with recorded("moe", __doc__, options) as figures:
+        for task, (seconds, peak, cpu) in runs.items():
             print(
                 f"{task}: {seconds:.1f} s ({cpu:.1f} s of CPU), peak RSS {peak / 1e6:.0f} MB; (peak RSS − "
                 f"RSS after imports) / model bytes = {(peak - baseline) / model_bytes:.3f}"
             )
-        moe = json.loads(Path(f"{tmp}/moe/results.json").read_text())["tasks"]["moe"]
-    shown = ("mean_topk_overlap", "worst_layer", "worst_expert", "worst_expert_rel_err", "hot_hurt_experts")
-    print("moe: " + ", ".join(f"{m} {moe['metrics'][m]}" for m in shown))
-    memory = (runs["moe"][1] - baseline) / model_bytes
-    ratio = runs["moe"][0] / runs["layers"][0]
-    cpu_ratio = runs["moe"][2] / runs["layers"][2]
-    print(f"moe: (peak RSS − RSS after imports) / model bytes = {memory:.3f}  (goal <= {MEMORY_GOAL})")
-    print(f"moe time / layers time = {ratio:.2f}  (goal <= {TIME_GOAL}); CPU time ratio {cpu_ratio:.2f}")
+        shown = (
+            "mean_topk_overlap",
+            "worst_layer",
+            "worst_expert",
+            "worst_expert_rel_err",
+            "hot_hurt_experts",
+        )
+        print("moe: " + ", ".join(f"{m} {moe['metrics'][m]}" for m in shown))
+        memory = (runs["moe"][1] - baseline) / model_bytes
+        ratio = runs["moe"][0] / runs["layers"][0]
+        cpu_ratio = runs["moe"][2] / runs["layers"][2]
+        print(f"moe: (peak RSS − RSS after imports) / model bytes = {memory:.3f}  (goal <= {MEMORY_GOAL})")
+        print(f"moe time / layers time = {ratio:.2f}  (goal <= {TIME_GOAL}); CPU time ratio {cpu_ratio:.2f}")
+        figures.add("model (BF16)", model_bytes / 1e9, "GB")
+        figures.add("windows of 512 tokens", options.windows)
+        figures.add("moe: (peak RSS − RSS after imports) / model bytes", memory, goal=f"<= {MEMORY_GOAL}")
+        figures.add("moe time / layers time", ratio, goal=f"<= {TIME_GOAL}")
+        figures.add("moe CPU time / layers CPU time", cpu_ratio)
     return 0 if (memory <= MEMORY_GOAL and ratio <= TIME_GOAL) or options.small else 1
 
 

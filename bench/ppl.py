@@ -7,7 +7,10 @@ Prints ratios measured in this one run (these machines are noisy; compare ratios
           loads, over the same figure for observing the larger side alone (goal <= 1.3: it holds only if one
           model is resident at a time). Also printed over the bytes of the larger model's parameters.
 
-    python bench/ppl.py [--fixtures DIR]
+    python bench/ppl.py [--fixtures DIR] [--quick] [--results DIR]
+
+`--quick` runs the tiny MiniCPM-V 4.7 pair on 2 windows (seconds; checks the bench, its figures say nothing).
+The figures go to bench/results/ as JSON (bench/figures.py).
 """
 
 from __future__ import annotations
@@ -21,60 +24,77 @@ import time
 from pathlib import Path
 
 import torch
+from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
 
+from evalsuite.backends import load_backend
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.cli import DEFAULT_FIXTURES
-from evalsuite.fixtures import build_fixtures
-from evalsuite.runner import build_tasks, resident
+from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
+from evalsuite.runner import build_tasks
 from evalsuite.side import BackendOptions, Side
-from evalsuite.task import RunContext
+from evalsuite.task import RunContext, no_progress
 
-# A child process per measurement, so each peak is its own. argv: mode (run | ref | ckpt), ckpt, ref, out.
+# A child process per measurement, so each peak is its own. argv: mode (run | ref | ckpt), ckpt, ref, out,
+# and the ppl spec file ("" for the shipped one).
 CHILD = r"""
 import json, resource, sys
 from pathlib import Path
 import psutil
+from evalsuite.backends import load_backend
 from evalsuite.checkpoint import Checkpoint
-from evalsuite.runner import RunFolder, RunRequest, build_tasks, observe_side, run
+from evalsuite.runner import RunRequest, build_tasks, run
 from evalsuite.side import BackendOptions, Side
-from evalsuite.task import RunContext
-mode, ckpt, ref, out = sys.argv[1:5]
+from evalsuite.task import RunContext, no_progress
+mode, ckpt, ref, out, spec = sys.argv[1:6]
+specs = {"ppl": Path(spec)} if spec else {}
 first_load = []
-def on_load(side):
+def on_load(side, options=None):
     first_load.append(psutil.Process().memory_info().rss)
 context = RunContext(corpus_name="python-docs")
 if mode == "run":
-    request = RunRequest(ckpt=ckpt, ref=ref, tasks=["ppl"], out=Path(out), context=context, resume=False)
+    request = RunRequest(ckpt=ckpt, ref=ref, tasks=["ppl"], out=Path(out), context=context, resume=False,
+                         specs=specs)
     run(request, on_load=on_load)
 else:
-    side = Side(mode, Checkpoint.open(ckpt if mode == "ckpt" else ref), BackendOptions())
-    tasks = build_tasks(["ppl"], context, {})
-    inputs = {"ppl": tasks[0].prepare(side, side)}
-    observe_side(side, [(tasks[0], mode)], inputs, RunFolder(Path(out)), resume=False, on_load=on_load)
+    side = Side(mode, BackendOptions(), Checkpoint.open(ckpt if mode == "ckpt" else ref))
+    (task,) = build_tasks(["ppl"], context, {}, specs)
+    inputs = task.prepare(side, side)
+    on_load(side)
+    backend = load_backend(side.checkpoint, side.options)
+    folder = Path(out) / "child"
+    folder.mkdir(parents=True)
+    task.needs()[0].observer.observe(backend, inputs, folder, no_progress)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"above_baseline": peak - first_load[0]}))
 """
 
 
-def child_peak(mode: str, ckpt: Path, ref: Path, out: Path) -> int:
+def child_peak(mode: str, ckpt: Path, ref: Path, out: Path, spec: Path | None) -> int:
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(ckpt), str(ref), str(out)],
+        [sys.executable, "-c", CHILD, mode, str(ckpt), str(ref), str(out), str(spec or "")],
         capture_output=True,
         text=True,
-        check=True,
+        check=False,
     )
+    if proc.returncode != 0:
+        raise SystemExit(f"the {mode} child failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])["above_baseline"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
+    add_arguments(parser)
     args = parser.parse_args()
-    pair = build_fixtures(args.fixtures, ["smollm2-135m-bf16", "smollm2-135m-w4a8"])
-    ref_path, ckpt_path = pair["smollm2-135m-bf16"], pair["smollm2-135m-w4a8"]
-    (task,) = build_tasks(["ppl"], RunContext(corpus_name="python-docs"), {})
-    ref = Side("ref", Checkpoint.open(ref_path), BackendOptions())
-    ckpt = Side("ckpt", Checkpoint.open(ckpt_path), BackendOptions())
+    source, quantized = (TINY_BF16, TINY_W4A8) if args.quick else (SMOLLM2_BF16, SMOLLM2_W4A8)
+    pair = build_fixtures(TEST_FIXTURES if args.quick else args.fixtures, [source, quantized])
+    ref_path, ckpt_path = pair[source], pair[quantized]
+    spec_folder = tempfile.TemporaryDirectory()
+    spec = quick_ppl_spec(Path(spec_folder.name)) if args.quick else None
+    (task,) = build_tasks(["ppl"], RunContext(corpus_name="python-docs"), {}, {"ppl": spec} if spec else {})
+    ref = Side("ref", BackendOptions(), Checkpoint.open(ref_path))
+    ckpt = Side("ckpt", BackendOptions(), Checkpoint.open(ckpt_path))
+    observer = task.needs()[0].observer
     inputs = task.prepare(ref, ckpt)
     windows = torch.from_numpy(inputs["windows"])
     scored = task.spec.protocol.scored
@@ -85,8 +105,9 @@ def main() -> None:
     observations = {}
     with tempfile.TemporaryDirectory() as tmp:
         for side in (ref, ckpt):
-            with resident(side):
-                model = side.model.model
+            backend = load_backend(side.checkpoint, side.options)
+            try:
+                model = backend.model
                 with torch.inference_mode():
                     model(
                         input_ids=windows[:1], logits_to_keep=positions
@@ -99,31 +120,43 @@ def main() -> None:
                 folder = Path(tmp) / side.role
                 folder.mkdir()
                 t0 = time.perf_counter()
-                observations[side.role] = task.observe(side, inputs, folder)
+                observations[side.role] = observer.observe(backend, inputs, folder, no_progress)
                 observe += time.perf_counter() - t0
+            finally:
+                backend.close()
         t0 = time.perf_counter()
-        task.compare(observations["ref"], observations["ckpt"], Path(tmp) / "artifacts")
+        artifacts = Path(tmp) / "artifacts"
+        artifacts.mkdir()
+        task.compare(observations, artifacts)
         compare = time.perf_counter() - t0
 
         peaks = {
-            mode: child_peak(mode, ckpt_path, ref_path, Path(tmp) / mode) for mode in ("ref", "ckpt", "run")
+            mode: child_peak(mode, ckpt_path, ref_path, Path(tmp) / mode, spec)
+            for mode in ("ref", "ckpt", "run")
         }
+    spec_folder.cleanup()
     single = max(peaks["ref"], peaks["ckpt"])
     mib = 2**20
-    print(f"windows: {len(windows)} x {windows.shape[1]} tokens per side, {len(positions)} scored each")
-    print(f"bare forward: {bare:.2f} s   task observe: {observe:.2f} s   compare: {compare:.2f} s")
-    print(
-        f"time ratio (observe + compare) / bare forward = {(observe + compare) / bare:.3f}   (goal <= 1.15)"
-    )
-    print(
-        f"peak above baseline: run {peaks['run'] / mib:.0f} MiB, ref alone {peaks['ref'] / mib:.0f} MiB, "
-        f"ckpt alone {peaks['ckpt'] / mib:.0f} MiB; larger model's parameters {param_bytes / mib:.0f} MiB"
-    )
-    print(f"memory ratio run / larger side alone = {peaks['run'] / single:.3f}   (goal <= 1.3)")
-    print(
-        f"memory ratio run / larger model's parameters = {peaks['run'] / param_bytes:.3f}   "
-        "(includes activations, logits and compressed-tensors' decompression)"
-    )
+    with recorded("ppl", __doc__, args) as figures:
+        print(f"windows: {len(windows)} x {windows.shape[1]} tokens per side, {len(positions)} scored each")
+        print(f"bare forward: {bare:.2f} s   task observe: {observe:.2f} s   compare: {compare:.2f} s")
+        print(
+            f"time ratio (observe + compare) / bare forward = {(observe + compare) / bare:.3f}   "
+            "(goal <= 1.15)"
+        )
+        print(
+            f"peak above baseline: run {peaks['run'] / mib:.0f} MiB, ref alone {peaks['ref'] / mib:.0f} MiB, "
+            f"ckpt alone {peaks['ckpt'] / mib:.0f} MiB; larger model's parameters {param_bytes / mib:.0f} MiB"
+        )
+        print(f"memory ratio run / larger side alone = {peaks['run'] / single:.3f}   (goal <= 1.3)")
+        print(
+            f"memory ratio run / larger model's parameters = {peaks['run'] / param_bytes:.3f}   "
+            "(includes activations, logits and compressed-tensors' decompression)"
+        )
+        figures.add("time, (observe + compare) / bare forward", (observe + compare) / bare, goal="<= 1.15")
+        figures.add("memory, run / larger side alone", peaks["run"] / single, goal="<= 1.3")
+        figures.add("memory, run / larger model's parameters", peaks["run"] / param_bytes)
+        figures.add("peak above baseline, whole run", peaks["run"] / mib, "MiB")
 
 
 if __name__ == "__main__":

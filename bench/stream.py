@@ -1,6 +1,6 @@
 """Benchmark of streamed execution: a 3 GB model under a hard memory limit, and its time against a loaded run.
 
-    python bench/stream.py [--fixtures DIR]
+    python bench/stream.py [--fixtures DIR] [--exl3] [--quick] [--results DIR]
 
 The pair is the tiny MiniCPM-V 4.7 architecture scaled to 3.1 GB in BF16 (28 hybrid MoE layers, hidden
 1,024, 32 experts) and its W4A8 copy, built once by the fixtures code (`minicpmv47-3gb-{bf16,w4a8}`, 6 GB of
@@ -15,7 +15,9 @@ disk). Then, each `evalsuite run --tasks ppl` a child process of its own (the de
 `--exl3`: the same with the EXL3 copy of the 3 GB model (`minicpmv47-3gb-exl3`, K=4, a K=6 head, random
 trellis words: 0.8 GB on disk) as the candidate, run by the `exl3` backend's decoded path; the limit and the
 ratio are taken against the candidate's decoded BF16 bytes (what a loaded run holds), not its file size.
-`--ref DIR --ckpt DIR` run the same steps on another pair (a small one checks the script in seconds).
+`--ref DIR --ckpt DIR` run the same steps on another pair (a small one checks the script in seconds);
+`--quick` runs them on the test suite's tiny MiniCPM-V 4.7 pair (2 windows, 1 GB more headroom). The figures
+go to bench/results/ as JSON (bench/figures.py).
 
 Both runs start with the files' digests cached and the files in the page cache, so the ratio compares
 execution, not first reads. These machines are shared: compare the ratios, not the seconds. Needs root (the
@@ -34,14 +36,18 @@ import threading
 import time
 from pathlib import Path
 
+from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
+
 from evalsuite.backends.memory import exl3_decoded_bytes
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.digest import DigestCache
 from evalsuite.fixtures import build_fixtures
-from evalsuite.fixtures.names import SCALED_BF16, SCALED_EXL3, SCALED_W4A8
+from evalsuite.fixtures.names import SCALED_BF16, SCALED_EXL3, SCALED_W4A8, TINY_BF16, TINY_W4A8
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 LIMIT_FRACTION = 0.25
+# `--quick`'s limit above the full one: the tiny pair's bytes are a rounding error of a run's working memory.
+QUICK_HEADROOM = 1 << 30
 # What `evalsuite run` has imported when it loads its first model, streamed or not.
 IMPORTS = (
     "import psutil, evalsuite.cli, evalsuite.runner, evalsuite.registry, evalsuite.backends.hf, "
@@ -126,9 +132,18 @@ def main() -> int:
     parser.add_argument("--ref", type=Path, help="another reference (with --ckpt): a quick check")
     parser.add_argument("--ckpt", type=Path, help="another candidate (with --ref)")
     parser.add_argument("--streamed-only", action="store_true", help="skip step 3 (the loaded run)")
+    add_arguments(parser)
     options = parser.parse_args()
+    with recorded("stream" + ("_exl3" if options.exl3 else ""), __doc__, options) as figures:
+        return measure(options, figures)
 
-    if options.ref is not None and options.ckpt is not None:
+
+def measure(options: argparse.Namespace, figures) -> int:
+    """Steps 1 to 3; the figures recorded as they are printed."""
+    if options.quick:
+        built = build_fixtures(TEST_FIXTURES, [TINY_BF16, TINY_W4A8], progress=print)
+        ref, ckpt = built[TINY_BF16], built[TINY_W4A8]
+    elif options.ref is not None and options.ckpt is not None:
         ref, ckpt = options.ref, options.ckpt
     else:
         candidate = SCALED_EXL3 if options.exl3 else SCALED_W4A8
@@ -145,12 +160,17 @@ def main() -> int:
 
     baseline, baseline_anon = imports_footprint()
     limit = baseline + int(LIMIT_FRACTION * model_bytes)
+    if options.quick:  # a tiny model's quarter is nothing beside a run's working memory: check the bench only
+        limit += QUICK_HEADROOM
     print(f"{what} {model_bytes / 1e9:.2f} GB; RSS after imports {baseline / 1e6:.0f} MB")
-    print(f"limit: {limit / 1e6:.0f} MB = RSS after imports + {LIMIT_FRACTION} × those bytes")
+    headroom = f" + {QUICK_HEADROOM / 1e6:.0f} MB (--quick)" if options.quick else ""
+    print(f"limit: {limit / 1e6:.0f} MB = RSS after imports + {LIMIT_FRACTION} × those bytes{headroom}")
 
     with tempfile.TemporaryDirectory(prefix="evalsuite-bench-stream-") as tmp:
         base = ["run", "--ref", str(ref), "--ckpt", str(ckpt), "--tasks", "ppl", "--corpus", "python-docs"]
         base += ["--no-resume", "--quiet"]
+        if options.quick:
+            base += ["--spec", f"ppl={quick_ppl_spec(Path(tmp))}"]
         cgroup = CGROUP_ROOT / f"evalsuite-bench-{os.getpid()}"
         cgroup.mkdir()
         try:
@@ -176,6 +196,16 @@ def main() -> int:
             "  (goal <= 0.2)",
             flush=True,
         )
+        figures.add(what, model_bytes / 1e9, "GB")
+        figures.add("streamed: finished under the limit", True)
+        figures.add(
+            "streamed: (peak RSS − RSS after imports) / model bytes", (streamed_peak - baseline) / model_bytes
+        )
+        figures.add(
+            "streamed: (peak anonymous − after imports) / model bytes",
+            (streamed_anon - baseline_anon) / model_bytes,
+            goal="<= 0.2",
+        )
         if options.streamed_only:
             return 0
         code, loaded_s, loaded_peak = timed_run([*base, "--out", f"{tmp}/loaded"], None)
@@ -192,6 +222,11 @@ def main() -> int:
         f"(peak RSS − RSS after imports) / model bytes = {(loaded_peak - baseline) / model_bytes:.3f}"
     )
     print(f"streamed time / loaded time = {streamed_s / loaded_s:.2f}  (goal <= 1.3)")
+    figures.add(
+        "loaded: (peak RSS − RSS after imports) / model bytes", (loaded_peak - baseline) / model_bytes
+    )
+    figures.add("streamed time / loaded time", streamed_s / loaded_s, goal="<= 1.3")
+    figures.add("same metrics streamed and loaded", all(same[0][m] == same[1][m] for m in metrics))
     print(
         "same metrics streamed and loaded: " + ", ".join(f"{m} {same[0][m] == same[1][m]}" for m in metrics)
     )

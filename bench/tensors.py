@@ -16,6 +16,11 @@ Then, for each pack, it prints ratios measured in this one run (these machines a
 Each figure is the best of `--repeats` runs, with the files in the page cache (read once before).
 
     python bench/tensors.py [--source DIR] [--packs int,fp8,nvfp4] [--layers 11] [--repeats 2] [--tmp DIR]
+                            [--quick] [--results DIR]
+
+`--quick` takes the test suite's tiny MiniCPM-V 4.7 BF16 fixture as the source, the `int` pack, one repeat
+(seconds; checks the bench, its figures say nothing). The figures go to bench/results/ as JSON
+(bench/figures.py).
 """
 
 from __future__ import annotations
@@ -30,9 +35,17 @@ import time
 from pathlib import Path
 
 import torch
+from figures import TEST_FIXTURES, Figures, add_arguments, recorded
 from safetensors.torch import save_file
 
-from evalsuite.fixtures import TINY_W4A8_POLICY, QuantGroup, QuantPolicy, write_w4a8_copy
+from evalsuite.fixtures import (
+    TINY_BF16,
+    TINY_W4A8_POLICY,
+    QuantGroup,
+    QuantPolicy,
+    build_fixtures,
+    write_w4a8_copy,
+)
 
 HIDDEN, INTERMEDIATE, VOCAB, HEADS, KV_HEADS = 2048, 8192, 32768, 16, 4
 POLICY = QuantPolicy(
@@ -266,9 +279,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=11, help="generated decoder layers (11: a 2.4 GB pair)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tmp", type=Path, default=None, help="where packs are written (then removed)")
+    add_arguments(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.source = build_fixtures(TEST_FIXTURES, [TINY_BF16])[TINY_BF16]
+        args.packs, args.repeats = "int", 1
     mb = 1 << 20
-    with tempfile.TemporaryDirectory(prefix="evalsuite-bench-tensors-", dir=args.tmp) as tmp:
+    with (
+        recorded("tensors", __doc__, args) as figures,
+        tempfile.TemporaryDirectory(prefix="evalsuite-bench-tensors-", dir=args.tmp) as tmp,
+    ):
         root = Path(tmp)
         started = time.perf_counter()
         if args.source is None:
@@ -285,11 +305,13 @@ def main() -> None:
                 write_w4a8_copy(source, pack, policy)
             else:
                 write_float_copy(source, pack, kind, policy)
-            measure(kind, source, pack, root, args.repeats, time.perf_counter() - started, mb)
+            measure(kind, source, pack, root, args.repeats, time.perf_counter() - started, mb, figures)
             started = time.perf_counter()
 
 
-def measure(kind: str, source: Path, pack: Path, root: Path, repeats: int, built: float, mb: int) -> None:
+def measure(
+    kind: str, source: Path, pack: Path, root: Path, repeats: int, built: float, mb: int, figures: Figures
+) -> None:
     """Hash both checkpoints and run the task on them, `repeats` times each, and print the figures."""
     shards = sorted(source.glob("*.safetensors")) + sorted(pack.glob("*.safetensors"))
     total = sum(p.stat().st_size for p in shards)
@@ -317,6 +339,11 @@ def measure(kind: str, source: Path, pack: Path, root: Path, repeats: int, built
     print(f"hashlib.sha256, one pass: {best_hash:.2f} s = {total / best_hash / 1e9:.2f} GB/s")
     print(f"tensors task:             {best['seconds']:.2f} s = {total / best['seconds'] / 1e9:.2f} GB/s")
     print(f"[{kind}] throughput ratio: {best_hash / best['seconds']:.2f} (goal >= 0.8)")
+    figures.add(f"[{kind}] pair", total / 1e9, "GB")
+    figures.add(f"[{kind}] task status", best["status"])
+    figures.add(f"[{kind}] hashlib.sha256", total / best_hash / 1e9, "GB/s")
+    figures.add(f"[{kind}] tensors task", total / best["seconds"] / 1e9, "GB/s")
+    figures.add(f"[{kind}] throughput ratio, task / sha256", best_hash / best["seconds"], goal=">= 0.8")
     hash_cpu, task_cpu = min(h["cpu"] for h in hashing), min(t["cpu"] for t in task)
     print(
         f"CPU time (all threads and forked workers): hashing {hash_cpu:.2f} s, task {task_cpu:.2f} s: "
@@ -326,6 +353,10 @@ def measure(kind: str, source: Path, pack: Path, root: Path, repeats: int, built
     print(
         f"peak RSS: {peak / mb:.0f} MB, {above / mb:.0f} MB above the imported footprint "
         f"(goal <= 2 x {largest / mb:.0f} + 300 = {goal / mb:.0f} MB)"
+    )
+    held = above + 2 * max(worker_above, 0)
+    figures.add(
+        f"[{kind}] memory above the imported footprint (task + 2 workers) / goal", held / goal, goal="<= 1"
     )
     if worker_above > 0:
         # A forked worker's RSS counts the pages it shares with the task's process too: above that

@@ -1,0 +1,180 @@
+"""What a benchmark writes beside its printed table: its figures as JSON, with the machine and the commit.
+
+Every `bench/*.py` script records the figures it prints (the ratios it is judged by, with their goals) into
+one JSON file per run, `bench/results/<bench>-<UTC time>.json` (or under `--results DIR`):
+
+    {"schema": "evalsuite.bench/1", "bench": "digest", "script": "bench/digest.py", "title": "...",
+     "mode": "full" | "quick",
+     "date": "2026-12-03T16:50:00Z", "commit": "10450de...", "dirty": false,
+     "machine": {"cpu_model", "cpu_flags", "torch_cpu_capability", "onednn_isa", "cores", ...},
+     "argv": [...], "load_average": {"start": [...], "end": [...]},
+     "figures": [{"name", "value", "unit", "goal": {"op", "value"} | null, "met": bool | null}],
+     "printed": ["the lines the bench printed", ...]}
+
+`scripts/render_benchmarks.py` renders docs/benchmarks.md from the latest file of each bench. `--quick`
+runs a bench in seconds on the tiny fixtures (`tests/conftest.py`'s), to check the bench itself: its
+figures say nothing about the tool and are marked so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+SCHEMA = "evalsuite.bench/1"
+# Where `--quick` finds (and builds, once) the tiny fixtures: the test suite's cache.
+TEST_FIXTURES = Path(
+    os.environ.get("EVALSUITE_TEST_FIXTURES", Path.home() / ".cache" / "evalsuite" / "test-fixtures")
+)
+OPS = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b, "==": lambda a, b: a == b}
+# When and under what load the bench started: it imports this module first.
+STARTED = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+LOAD_AT_START = list(os.getloadavg())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--quick` (seconds, on the tiny fixtures) and `--results DIR` (where the JSON goes)."""
+    parser.add_argument(
+        "--quick", action="store_true", help="seconds-long mode on the tiny fixtures: checks the bench itself"
+    )
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where the figures' JSON goes")
+
+
+def quick_ppl_spec(folder: Path, windows: int = 2) -> Path:
+    """tasks/ppl.toml with only its first `windows` windows, written into `folder`: `--quick`'s protocol."""
+    text = (REPO / "tasks" / "ppl.toml").read_text(encoding="utf-8")
+    assert "count = 8 }" in text, "tasks/ppl.toml's window count moved: update bench/figures.py"
+    path = folder / "ppl-quick.toml"
+    path.write_text(text.replace("count = 8 }", f"count = {windows} }}"), encoding="utf-8")
+    return path
+
+
+def git_commit(repo: Path = REPO) -> tuple[str | None, bool]:
+    """The commit checked out in `repo` and whether tracked files differ from it (None, False outside git)."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None, False
+    return head, bool(status.strip())
+
+
+def bench_machine() -> dict[str, Any]:
+    """The CPU a bench ran on (evalsuite.machine's description: model, kernel flags, the ISA torch's and
+    oneDNN's kernels use, overrides in the environment) and its cores."""
+    from evalsuite.machine import describe_machine
+
+    machine = describe_machine("cpu")
+    machine.pop("gpu", None)
+    machine["cores"] = os.cpu_count()
+    machine["cores_usable"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return machine
+
+
+def _without_results(argv: list[str]) -> list[str]:
+    """The command line without `--results DIR` (where the JSON went is no part of what was measured)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--results":
+            skip = True
+        elif not arg.startswith("--results="):
+            kept.append(arg)
+    return kept
+
+
+class _Tee(io.TextIOBase):
+    """A stdout that also keeps what is written to it."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream, self.kept = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.kept.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+class Figures:
+    """The figures of one run of a bench, written as JSON when the run ends (`recorded`)."""
+
+    def __init__(self, bench: str, title: str, args: argparse.Namespace) -> None:
+        self.bench = bench
+        # The docstring's first paragraph, on one line.
+        self.title = " ".join(title.strip().split("\n\n")[0].split())
+        self.quick = bool(getattr(args, "quick", False))
+        self.results = Path(getattr(args, "results", RESULTS))
+        self.figures: list[dict[str, Any]] = []
+        self.started = STARTED
+        self.load_start = LOAD_AT_START
+
+    def add(self, name: str, value: Any, unit: str = "", goal: str | None = None) -> None:
+        """One figure; `goal` like `"<= 1.1"`, met or not by `value`."""
+        parsed = None
+        met = None
+        if goal is not None:
+            op, _, bound = goal.partition(" ")
+            parsed = {"op": op, "value": float(bound)}
+            met = bool(OPS[op](value, parsed["value"])) if isinstance(value, int | float) else None
+        if isinstance(value, float):
+            value = float(f"{value:.6g}")
+        self.figures.append({"name": name, "value": value, "unit": unit, "goal": parsed, "met": met})
+
+    def document(self, printed: str) -> dict[str, Any]:
+        commit, dirty = git_commit()
+        return {
+            "schema": SCHEMA,
+            "bench": self.bench,
+            "script": f"bench/{Path(sys.argv[0]).name}",
+            "title": self.title,
+            "mode": "quick" if self.quick else "full",
+            "date": self.started.isoformat().replace("+00:00", "Z"),
+            "commit": commit,
+            "dirty": dirty,
+            "machine": bench_machine(),
+            "argv": _without_results(sys.argv[1:]),
+            "load_average": {"start": self.load_start, "end": list(os.getloadavg())},
+            "figures": self.figures,
+            "printed": printed.splitlines(),
+        }
+
+    def write(self, printed: str) -> Path:
+        self.results.mkdir(parents=True, exist_ok=True)
+        stamp = self.started.strftime("%Y%m%dT%H%M%SZ")
+        path = self.results / f"{self.bench}-{stamp}{'-quick' if self.quick else ''}.json"
+        path.write_text(json.dumps(self.document(printed), indent=2) + "\n", encoding="utf-8")
+        return path
+
+
+@contextlib.contextmanager
+def recorded(bench: str, title: str, args: argparse.Namespace) -> Iterator[Figures]:
+    """`title`: the bench's docstring (its first paragraph is kept). Keep what the bench prints inside the
+    block and, when the block ends without an exception, write its figures beside it (the JSON's path is
+    printed last)."""
+    figures = Figures(bench, title, args)
+    tee = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        yield figures
+    path = figures.write(tee.kept.getvalue())
+    print(f"figures: {path}")
