@@ -183,7 +183,6 @@ def unit_bytes(folder: Path) -> dict[str, Any]:
     """A checkpoint's bytes on disk and loaded (`loaded_bytes`, backend hf): outside the decoder layers and
     per layer index."""
     checkpoint = Checkpoint.open(folder)
-    per_weight = loaded_bytes(checkpoint, BackendOptions()) / max(1, checkpoint.total_bytes)
     rest, layers = 0, {}
     for name, info in checkpoint.tensors.items():
         match = DECODER_LAYER.match(name)
@@ -194,7 +193,6 @@ def unit_bytes(folder: Path) -> dict[str, Any]:
     return {
         "files": checkpoint.total_bytes,
         "loaded": loaded_bytes(checkpoint, BackendOptions()),
-        "loaded_per_file_byte": per_weight,
         "rest": rest,
         "layers": [layers[i] for i in sorted(layers)],
     }
@@ -222,7 +220,10 @@ def extrapolate(doc: dict[str, Any], machine_bytes: int) -> dict[str, Any]:
         side: at_real_depth(s["rest"], s["layers"], kinds) * s["files"] / (s["rest"] + sum(s["layers"]))
         for side, s in sizes.items()
     }
-    loaded_40 = {side: files_40[side] * s["loaded_per_file_byte"] for side, s in sizes.items()}
+    # Every side holds about the reference's BF16 bytes once loaded (a W4A8 or EXL3 pack decompressed), so
+    # its loaded bytes grow with depth as the reference's files do (its own files compress unevenly).
+    deeper = files_40["ref"] / sizes["ref"]["files"]
+    loaded_40 = {side: s["loaded"] * deeper for side, s in sizes.items()}
     for name, run in doc["runs"].items():
         spec = RUNS[name]
         cand = spec.candidate
