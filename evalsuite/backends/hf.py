@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from evalsuite.backends.c_heap import tensors_mapped_while_loading
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
 from evalsuite.backends.intref_plan import DYNAMIC_INT8_PER_TOKEN
 from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION, DTYPE_NAMES, BackendOptions
@@ -214,7 +215,7 @@ def from_pretrained_with_report(
         with quiet_transformers(), fix:
             if by_handles:
                 settings = {k: v for k, v in kwargs.items() if k not in ("config", "trust_remote_code")}
-                with checkpoint.open_tensors(checkpoint.tensors) as handles:
+                with tensors_mapped_while_loading(), checkpoint.open_tensors(checkpoint.tensors) as handles:
                     model, info = model_class.from_pretrained(
                         None,
                         config=config,
