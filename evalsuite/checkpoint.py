@@ -249,8 +249,12 @@ class Checkpoint:
     @contextlib.contextmanager
     def open_tensors(self, names: Iterable[str]) -> Iterator[dict[str, Any]]:
         """Lazy handles of `names` for the duration of the block: safetensors slices, each read only when
-        indexed (`handle[...]` is the whole tensor), the way Transformers' own loader reads shards. Only the
-        shards holding `names` are opened. Unknown names are rejected before anything is opened."""
+        indexed (`handle[...]` is the whole tensor), as Transformers' own loader takes them. Only the shards
+        holding `names` are opened. Unknown names are rejected before anything is opened.
+
+        The shards are read with `pread`, not mapped: a mapped shard's pages count in the process's resident
+        memory for as long as it stays open, so a whole model loaded from mapped shards peaks at its tensors
+        plus every page of its files (about twice the model) though the copy is all it keeps."""
         infos = [self._info(n) for n in names]
         by_shard: dict[Path, list[str]] = {}
         for info in infos:
@@ -259,7 +263,7 @@ class Checkpoint:
             handles: dict[str, Any] = {}
             for shard in self.shards:
                 if shard in by_shard:
-                    reader = stack.enter_context(safe_open(shard, framework="pt"))
+                    reader = stack.enter_context(safe_open(shard, framework="pt", backend="pread"))
                     handles.update({name: reader.get_slice(name) for name in by_shard[shard]})
             yield handles
 

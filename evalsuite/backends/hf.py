@@ -12,10 +12,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from evalsuite.backends.c_heap import tensors_mapped_while_loading
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
 from evalsuite.backends.intref_plan import DYNAMIC_INT8_PER_TOKEN
 from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION, DTYPE_NAMES, BackendOptions
 from evalsuite.backends.packed_zero_points import zero_points_packed_on_meta
+from evalsuite.backends.skeleton import set_generation_config
 from evalsuite.backends.token_chunks import mlp_in_chunks
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import (
@@ -191,6 +193,14 @@ def from_pretrained(
     return model
 
 
+def _registered_class(auto_class: type, config: Any) -> type | None:
+    """The model class an Auto class maps this config to, None for one it reaches only by remote code."""
+    try:
+        return auto_class._model_mapping[type(config)]
+    except (KeyError, AttributeError):
+        return None
+
+
 def from_pretrained_with_report(
     checkpoint: Checkpoint, options: BackendOptions, config: Any, kwargs: dict[str, Any], device_map: Any
 ) -> tuple[Any, dict[str, Any]]:
@@ -200,15 +210,37 @@ def from_pretrained_with_report(
     # (packed_zero_points): without this such a checkpoint cannot load at all.
     compressed = checkpoint.format == "compressed-tensors"
     fix = zero_points_packed_on_meta() if compressed else contextlib.nullcontext()
+    # Transformers maps every shard for the whole load, and mapped pages count as resident memory: a loaded
+    # model would peak at its tensors plus every page of its files. The model class is given the tensors
+    # read with pread instead (`Checkpoint.open_tensors`), which it loads by the same conversions. A GGUF
+    # file is Transformers' to read, a load on the meta device reads nothing, and a remote-code class is
+    # only reached through its Auto class, which takes no tensors with a folder.
+    model_class = _registered_class(cls, config)
+    by_handles = checkpoint.format != "gguf" and device_map != "meta" and model_class is not None
     try:
         with quiet_transformers(), fix:
-            model, info = cls.from_pretrained(
-                str(checkpoint.path),
-                dtype=DTYPES[options.dtype],
-                device_map=device_map,
-                output_loading_info=True,
-                **kwargs,
-            )
+            if by_handles:
+                settings = {k: v for k, v in kwargs.items() if k not in ("config", "trust_remote_code")}
+                with tensors_mapped_while_loading(), checkpoint.open_tensors(checkpoint.tensors) as handles:
+                    model, info = model_class.from_pretrained(
+                        None,
+                        config=config,
+                        state_dict=handles,
+                        dtype=DTYPES[options.dtype],
+                        device_map=device_map,
+                        output_loading_info=True,
+                        **settings,
+                    )
+                model.config._name_or_path = str(checkpoint.path)
+                set_generation_config(model, checkpoint)
+            else:
+                model, info = cls.from_pretrained(
+                    str(checkpoint.path),
+                    dtype=DTYPES[options.dtype],
+                    device_map=device_map,
+                    output_loading_info=True,
+                    **kwargs,
+                )
     except (DependencyError, InputError):
         raise
     except ImportError as exc:

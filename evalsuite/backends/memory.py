@@ -1,9 +1,13 @@
 """Whether a side fits in memory loaded whole, or runs streamed one decoder layer at a time.
 
 `--max-memory SIZE` is the budget (default: the free RAM for `--device cpu`, the free memory of the CUDA
-device otherwise). A side whose model would need more than `FIT_FRACTION` of it once loaded runs streamed
-(`evalsuite.backends.streamed`) without being asked; `--stream` streams it whatever it needs. The estimate is
-made from the safetensors headers alone, before anything loads:
+device otherwise). A side whose load would peak above `FIT_FRACTION` of it runs streamed
+(`evalsuite.backends.streamed`) without being asked; `--stream` streams it whatever it needs. A load peaks
+at the model's weights once loaded plus its largest decoder layer once more (`loaded_peak_bytes`: a layer's
+file tensors are held beside what Transformers converts them into, its routed experts fused from per-expert
+tensors, a compressed-tensors module beside its decompressed weight); the shards are read, not mapped, so
+their pages add nothing (`Checkpoint.open_tensors`). The estimate is made from the safetensors headers alone,
+before anything loads:
 
 - backend `hf` holds every weight in the compute dtype: Transformers decompresses compressed-tensors weights
   (an INT4 `weight_packed` word is eight weights), so a W4A8 pack needs as much as its BF16 source;
@@ -45,6 +49,8 @@ _UNITS = {
 }
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# A decoder layer's tensors: `….layers.N.` outside the vision tower (whose blocks are small beside them).
+_DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
 
 
 def parse_memory_size(text: str) -> int:
@@ -89,6 +95,22 @@ def loaded_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
     return total
 
 
+def loaded_peak_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
+    """What loading the side whole peaks at: `loaded_bytes` plus its largest decoder layer's share of them
+    (module docstring)."""
+    total = loaded_bytes(checkpoint, options)
+    layers: dict[str, int] = {}
+    for name, info in checkpoint.tensors.items():
+        match = _DECODER_LAYER.search(name)
+        if match is not None and "vision" not in name:
+            layers[match.group(0)] = layers.get(match.group(0), 0) + info.nbytes
+    stored = sum(info.nbytes for info in checkpoint.tensors.values())
+    if not layers or stored == 0:
+        return total
+    # The layer's loaded bytes, in the proportion of the whole model's loaded bytes to its stored bytes.
+    return total + round(max(layers.values()) * total / stored)
+
+
 def memory_budget(options: BackendOptions) -> tuple[int, str] | None:
     """The bytes a side may fill and where that figure comes from; None on `--device auto`."""
     if options.max_memory is not None:
@@ -117,12 +139,12 @@ def streamed_if_needed(
     budget = memory_budget(options)
     if budget is None:
         return options, None
-    needed = loaded_bytes(checkpoint, options)
+    needed = loaded_peak_bytes(checkpoint, options)
     available, source = budget
     if needed <= FIT_FRACTION * available:
         return options, None
     reason = (
-        f"the model needs {format_bytes(needed)} loaded whole, more than {source} allows "
+        f"the model needs {format_bytes(needed)} to be loaded whole, more than {source} allows "
         f"({format_bytes(available)})"
     )
     return options.streamed(), reason

@@ -1,0 +1,484 @@
+"""Benchmark of the seed's model at its real shape: every task on the wide fixtures, extrapolated to 40.
+
+    python bench/real_shape.py [--layers 4|8] [--runs NAME,...] [--fixtures DIR] [--out FILE] [--quick]
+
+The fixtures are `minicpmv47-35b-a3b-wide` (MiniCPM-V-4.7-35B-A3B's real widths and 248,320 vocabulary at the
+first `--layers` decoder layers of its pattern, random BF16 weights), its W4A8 copy written with the seed's
+policy and its EXL3 pack (K=4, K=6 head, random trellis words), built once (`evalsuite fixtures --only ...`).
+Each run is `evalsuite run` in a child process of its own, on the `python-docs` corpus; its wall time, peak
+RSS (the kernel's, as `/usr/bin/time -v` reports it) and the machine's load average are recorded:
+
+- the W4A8 pair: `tensors`; `ppl` loaded and streamed; `smoke` loaded (generation cannot stream); `moe`,
+  `layers` streamed; `intref` loaded and streamed; and `ppl,moe,layers` streamed in one run;
+- the EXL3 pack against the same BF16 reference: `tensors`; `ppl` loaded and streamed;
+- the floor: a bare streamed forward of each side (`bare_streamed_forward`: the `ppl` windows through every
+  layer, one resident at a time, and the head on the scored positions; no task, nothing written), with the
+  time of each layer.
+
+Printed and written (`bench/results/real_shape.json`, `real_shape-8l.json` at 8 layers), with the machine
+and the git commit: per run its time, peak memory, layer loads per side where the run reports them, and:
+- `(ppl+moe+layers streamed) / (bare streamed forward of both sides)` (goal <= 1.3);
+- loaded peak RSS / the larger side's loaded bytes (goal <= 1.25);
+- the extrapolation to the real 40-layer model on this machine: the time and peak memory of a publisher's
+  validation of the W4A8 pack (`tensors`, `ppl`, `smoke`, `moe`, `intref`; each task loaded where its side
+  fits the machine, streamed otherwise) and of the EXL3 pack (`tensors`, `ppl`), beside the bare streamed
+  forward of both sides. How: the 40-layer model's bytes are the fixture's non-layer bytes plus 30 Gated
+  DeltaNet and 10 full-attention layers as the fixture stores them; a run's time is scaled by the bare
+  forward's (fixed part + 40 layers of their measured times) / (fixed part + the fixture's layers), a
+  `tensors` run's by the bytes; a loaded run's peak grows by the extra bytes loaded, a streamed run's peak
+  does not grow with depth (`--layers 8` shows how far that holds).
+
+`--runs` runs only the named runs and keeps the others' figures from the JSON file (so that the benchmark can
+be run in pieces on a shared machine); `--quick` runs a few runs on the tiny pair in seconds, to check the
+script. These machines are shared: the load averages say how busy each run's machine was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from evalsuite.backends.memory import loaded_bytes
+from evalsuite.backends.options import BackendOptions
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.digest import DigestCache
+from evalsuite.fixtures import build_fixtures
+from evalsuite.fixtures.names import TINY_BF16, TINY_EXL3, TINY_W4A8, wide_names
+from evalsuite.machine import describe_machine
+
+REAL_LAYERS = 40
+REAL_LAYER_TYPES = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(REAL_LAYERS)]
+RESULTS = Path(__file__).parent / "results"
+DECODER_LAYER = re.compile(r"model\.language_model\.layers\.(\d+)\.")
+CORPUS = "python-docs"
+STREAM_GOAL = 1.3
+LOADED_GOAL = 1.25
+W4A8_VALIDATION = ("tensors", "ppl", "smoke", "moe", "intref")
+EXL3_VALIDATION = ("tensors", "ppl")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One `evalsuite run`: the candidate (`w4a8` or `exl3`) against the BF16 reference, its tasks, and
+    whether both sides stream."""
+
+    candidate: str
+    tasks: str
+    streamed: bool
+
+    def args(self, ref: Path, ckpt: Path, out: Path) -> list[str]:
+        args = ["run", "--ref", str(ref), "--ckpt", str(ckpt), "--tasks", self.tasks, "--corpus", CORPUS]
+        return [*args, "--out", str(out), "--no-resume", "--quiet"] + (["--stream"] if self.streamed else [])
+
+
+RUNS = {
+    "tensors": Run("w4a8", "tensors", streamed=False),
+    "ppl-loaded": Run("w4a8", "ppl", streamed=False),
+    "ppl-streamed": Run("w4a8", "ppl", streamed=True),
+    "smoke-loaded": Run("w4a8", "smoke", streamed=False),
+    "moe-streamed": Run("w4a8", "moe", streamed=True),
+    "layers-streamed": Run("w4a8", "layers", streamed=True),
+    "intref-loaded": Run("w4a8", "intref", streamed=False),
+    "intref-streamed": Run("w4a8", "intref", streamed=True),
+    "ppl-moe-layers-streamed": Run("w4a8", "ppl,moe,layers", streamed=True),
+    "exl3-tensors": Run("exl3", "tensors", streamed=False),
+    "exl3-ppl-loaded": Run("exl3", "ppl", streamed=False),
+    "exl3-ppl-streamed": Run("exl3", "ppl", streamed=True),
+}
+BARE = ("bare-ref", "bare-w4a8", "bare-exl3")
+QUICK_RUNS = ("tensors", "ppl-streamed", "bare-ref", "bare-w4a8")
+
+
+def bare_streamed_forward(folder: Path) -> dict[str, Any]:
+    """The floor under every streamed task: one side's `ppl` windows through each decoder layer, one layer
+    resident at a time, then the head on the scored positions. Nothing is kept or written."""
+    import torch
+
+    from evalsuite.backends.streamed import StreamedBackend
+    from evalsuite.runner import build_tasks
+    from evalsuite.side import Side
+    from evalsuite.task import RunContext
+
+    started = time.perf_counter()
+    checkpoint = Checkpoint.open(folder)
+    options = BackendOptions(stream=True)
+    (ppl,) = build_tasks(["ppl"], RunContext(corpus_name=CORPUS), {})
+    side = Side("ref", options, checkpoint)
+    windows = torch.from_numpy(ppl.prepare(side, side)["windows"])
+    scored = ppl.spec.protocol.scored
+    positions = torch.arange(scored.first, scored.last + 1)
+
+    model = StreamedBackend(checkpoint, options)  # embeddings, vision tower, norm and head resident
+    calls = [model.capture(window) for window in windows]
+    states = [call.hidden for call in calls]
+    layer_seconds = []
+    for index in range(model.n_layers):
+        layer_started = time.perf_counter()
+        with model.resident(index) as layer:
+            states = [model.forward_layer(layer, index, h, c) for h, c in zip(states, calls, strict=True)]
+        layer_seconds.append(time.perf_counter() - layer_started)
+    for hidden, call in zip(states, calls, strict=True):
+        model.head_logits(hidden, call, positions)
+    return {
+        "seconds": time.perf_counter() - started,
+        "layer_seconds": layer_seconds,
+        "layer_kinds": model.layer_kinds(),
+        "windows": list(windows.shape),
+    }
+
+
+def measured(command: list[str]) -> dict[str, Any]:
+    """A child process's exit status, wall seconds, peak RSS (bytes, the kernel's own count for that process,
+    as `/usr/bin/time -v` reads it), stdout, and the load averages at its start and end."""
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        started = time.perf_counter()
+        child = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - started
+        child.returncode = os.waitstatus_to_exitcode(status)
+        stdout.seek(0)
+        stderr.seek(0)
+        output, errors = stdout.read(), stderr.read()
+    if child.returncode not in (0, 1):
+        print(f"  exited with {child.returncode}: {errors[-1500:]}", file=sys.stderr)
+    return {
+        "exit": child.returncode,
+        "seconds": round(seconds, 2),
+        "peak_rss": usage.ru_maxrss * 1024,
+        "stdout": output,
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+
+
+def layer_loads(results: dict[str, Any]) -> Any:
+    """The layer loads a run reports anywhere in its results.json (a key naming them), else None."""
+
+    def found(node: Any) -> Iterator[tuple[str, Any]]:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if "layer_loads" in key:
+                    yield key, value
+                else:
+                    yield from found(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from found(value)
+
+    loads = dict(found(results))
+    return loads or None
+
+
+def unit_bytes(folder: Path) -> dict[str, Any]:
+    """A checkpoint's bytes on disk and loaded (`loaded_bytes`, backend hf): outside the decoder layers and
+    per layer index."""
+    checkpoint = Checkpoint.open(folder)
+    rest, layers = 0, {}
+    for name, info in checkpoint.tensors.items():
+        match = DECODER_LAYER.match(name)
+        if match:
+            layers[int(match.group(1))] = layers.get(int(match.group(1)), 0) + info.nbytes
+        else:
+            rest += info.nbytes
+    return {
+        "files": checkpoint.total_bytes,
+        "loaded": loaded_bytes(checkpoint, BackendOptions()),
+        "rest": rest,
+        "layers": [layers[i] for i in sorted(layers)],
+    }
+
+
+def at_real_depth(rest: float, per_layer: list[float], kinds: list[str]) -> float:
+    """`rest` plus 40 layers of the real pattern, each layer costing the mean of the measured layers of its
+    kind (Gated DeltaNet or full attention)."""
+    by_kind: dict[str, list[float]] = {}
+    for value, kind in zip(per_layer, kinds, strict=True):
+        by_kind.setdefault(kind, []).append(value)
+    mean = {kind: sum(v) / len(v) for kind, v in by_kind.items()}
+    return rest + sum(mean[kind] for kind in REAL_LAYER_TYPES)
+
+
+def extrapolate(doc: dict[str, Any], machine_bytes: int) -> dict[str, Any]:
+    """The 40-layer figures from the measured ones (module docstring)."""
+    kinds = doc["bare"]["bare-ref"]["layer_kinds"]
+    out: dict[str, Any] = {"bare_40": {}, "runs": {}}
+    for name, bare in doc["bare"].items():
+        rest = bare["seconds"] - sum(bare["layer_seconds"])
+        out["bare_40"][name] = at_real_depth(rest, bare["layer_seconds"], bare["layer_kinds"])
+    sizes = doc["bytes"]
+    files_40 = {
+        side: at_real_depth(s["rest"], s["layers"], kinds) * s["files"] / (s["rest"] + sum(s["layers"]))
+        for side, s in sizes.items()
+    }
+    # Every side holds about the reference's BF16 bytes once loaded (a W4A8 or EXL3 pack decompressed), so
+    # its loaded bytes grow with depth as the reference's files do (its own files compress unevenly).
+    deeper = files_40["ref"] / sizes["ref"]["files"]
+    loaded_40 = {side: s["loaded"] * deeper for side, s in sizes.items()}
+    for name, run in doc["runs"].items():
+        spec = RUNS[name]
+        cand = spec.candidate
+        if f"bare-{cand}" not in doc["bare"]:
+            continue  # no floor of this candidate measured: nothing to scale by
+        bare_now = doc["bare"]["bare-ref"]["seconds"] + doc["bare"][f"bare-{cand}"]["seconds"]
+        bare_40 = out["bare_40"]["bare-ref"] + out["bare_40"][f"bare-{cand}"]
+        if spec.tasks == "tensors":
+            now = sizes["ref"]["files"] + sizes[cand]["files"]
+            scale = (files_40["ref"] + files_40[cand]) / now
+        else:
+            scale = bare_40 / bare_now
+        peak = run["peak_rss"]
+        if not spec.streamed and spec.tasks != "tensors":
+            # A loaded run holds the larger side whole: its peak grows by that side's extra loaded bytes.
+            grown = max(loaded_40[s] - sizes[s]["loaded"] for s in ("ref", cand))
+            peak += grown
+        layers = len(doc["bare"]["bare-ref"]["layer_seconds"])
+        seconds_40 = run["seconds"] * scale
+        out["runs"][name] = {
+            "seconds": seconds_40,
+            "seconds_per_layer": (seconds_40 - run["seconds"]) / (REAL_LAYERS - layers),
+            "peak_rss": peak,
+            "fits_machine": peak <= machine_bytes,
+        }
+    out["bytes_40"] = {"files": files_40, "loaded": loaded_40}
+    out["validations"] = {
+        "w4a8": validation(out, W4A8_VALIDATION, "", "bare-w4a8"),
+        "exl3": validation(out, EXL3_VALIDATION, "exl3-", "bare-exl3"),
+    }
+    return out
+
+
+def validation(
+    extrapolated: dict[str, Any], tasks: tuple[str, ...], prefix: str, bare: str
+) -> dict[str, Any]:
+    """A publisher's validation at 40 layers: each task loaded where it fits the machine, streamed otherwise
+    (smoke only loads); its time, its peak, and the floor (the bare streamed forward of both sides)."""
+    runs = extrapolated["runs"]
+    chosen: dict[str, str] = {}
+    for task in tasks:
+        if task == "tensors":
+            candidates = [f"{prefix}tensors"]
+        else:
+            candidates = [f"{prefix}{task}-loaded", f"{prefix}{task}-streamed"]
+        measured_runs = [c for c in candidates if c in runs]
+        fitting = [c for c in measured_runs if runs[c]["fits_machine"]]
+        if fitting or measured_runs:
+            chosen[task] = (fitting or measured_runs)[0]
+    missing = [t for t in tasks if t not in chosen]
+    return {
+        "runs": chosen,
+        "missing": missing,
+        "seconds": sum(runs[r]["seconds"] for r in chosen.values()),
+        "peak_rss": max((runs[r]["peak_rss"] for r in chosen.values()), default=0),
+        "fits_machine": all(runs[r]["fits_machine"] for r in chosen.values()),
+        "floor_seconds": (
+            extrapolated["bare_40"]["bare-ref"] + extrapolated["bare_40"][bare]
+            if bare in extrapolated["bare_40"]
+            else None
+        ),
+    }
+
+
+def git_commit() -> str:
+    """HEAD's commit, `+dirty` when the work tree differs from it."""
+    root = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True)
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def machine() -> dict[str, Any]:
+    """The CPU (model, flags, kernels' ISA), its cores and its memory."""
+    import psutil
+
+    return {
+        **describe_machine("cpu"),
+        "cores": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+    }
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def report(doc: dict[str, Any]) -> None:
+    """The figures for people."""
+    n = doc["layers"]
+    print(f"\n{doc['fixtures']['ref']} ({n} layers), commit {doc['commit']}, {doc['machine']['cpu_model']}")
+    for side, sizes in doc["bytes"].items():
+        print(f"  {side}: files {gb(sizes['files'])}, loaded {gb(sizes['loaded'])}")
+    print(f"\n{'run':<26}{'seconds':>9}{'per layer':>11}{'peak RSS':>12}  load avg   layer loads")
+    for name, run in doc["runs"].items():
+        extrapolated = doc.get("extrapolated", {}).get("runs", {}).get(name)
+        per_layer = f"{extrapolated['seconds_per_layer']:.1f}" if extrapolated else "n/a"
+        loads = json.dumps(run["layer_loads"]) if run.get("layer_loads") else "n/a"
+        print(
+            f"{name:<26}{run['seconds']:>9.1f}{per_layer:>11}{gb(run['peak_rss']):>12}"
+            f"  {run['load_average'][0]:>4.1f}-{run['load_average'][1]:<4.1f}  {loads}"
+        )
+    for name, bare in doc["bare"].items():
+        layers = " ".join(f"{s:.1f}" for s in bare["layer_seconds"])
+        print(f"{name:<26}{bare['seconds']:>9.1f}{'':>11}{gb(bare['peak_rss']):>12}  layers: {layers} s")
+    ratios = doc.get("ratios", {})
+    if "streamed_over_bare" in ratios:
+        print(
+            f"\n(ppl+moe+layers streamed) / (bare streamed forward of both sides) = "
+            f"{ratios['streamed_over_bare']:.2f}  (goal <= {STREAM_GOAL})"
+        )
+    for name in ("ppl-loaded", "intref-loaded", "smoke-loaded", "exl3-ppl-loaded"):
+        if f"{name}_peak_over_loaded_bytes" in ratios:
+            value = ratios[f"{name}_peak_over_loaded_bytes"]
+            print(f"{name}: peak RSS / larger side's loaded bytes = {value:.2f}  (goal <= {LOADED_GOAL})")
+    extrapolated = doc.get("extrapolated")
+    if not extrapolated:
+        return
+    print(
+        f"\nextrapolated to {REAL_LAYERS} layers on this machine ({gb(doc['machine']['memory_bytes'])} RAM):"
+    )
+    for what, v in extrapolated["validations"].items():
+        runs = ", ".join(f"{task}: {run}" for task, run in v["runs"].items())
+        fits = "fits" if v["fits_machine"] else "does NOT fit this machine's memory"
+        floor = "not measured" if v["floor_seconds"] is None else f"{v['floor_seconds'] / 60:.0f} min"
+        print(
+            f"  {what} validation ({runs}): {v['seconds'] / 60:.0f} min, peak {gb(v['peak_rss'])} ({fits}); "
+            f"bare streamed forward of both sides {floor}"
+            + (f"; not measured: {', '.join(v['missing'])}" if v["missing"] else "")
+        )
+
+
+def summarise(doc: dict[str, Any]) -> None:
+    """Ratios and the extrapolation, from whatever runs the document holds."""
+    ratios: dict[str, float] = {}
+    runs, bare, sizes = doc["runs"], doc["bare"], doc["bytes"]
+    if "ppl-moe-layers-streamed" in runs and {"bare-ref", "bare-w4a8"} <= set(bare):
+        floor = bare["bare-ref"]["seconds"] + bare["bare-w4a8"]["seconds"]
+        ratios["streamed_over_bare"] = runs["ppl-moe-layers-streamed"]["seconds"] / floor
+    for name, run in runs.items():
+        spec = RUNS[name]
+        if not spec.streamed and spec.tasks != "tensors":
+            larger = max(sizes["ref"]["loaded"], sizes[spec.candidate]["loaded"])
+            ratios[f"{name}_peak_over_loaded_bytes"] = run["peak_rss"] / larger
+    doc["ratios"] = ratios
+    if "bare-ref" in bare and len(bare) > 1:
+        doc["extrapolated"] = extrapolate(doc, doc["machine"]["memory_bytes"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=4, choices=(4, 8))
+    parser.add_argument(
+        "--runs", help="comma-separated run names (default: all): " + ", ".join([*RUNS, *BARE])
+    )
+    parser.add_argument(
+        "--fixtures",
+        type=Path,
+        default=Path(
+            os.environ.get("EVALSUITE_TEST_FIXTURES", Path.home() / ".cache" / "evalsuite" / "test-fixtures")
+        ),
+    )
+    parser.add_argument("--out", type=Path, help="the JSON file (default: bench/results/real_shape.json)")
+    parser.add_argument("--quick", action="store_true", help="a few runs on the tiny pair: checks the script")
+    parser.add_argument("--bare", type=Path, help=argparse.SUPPRESS)  # the child of a bare forward
+    options = parser.parse_args()
+    if options.bare is not None:
+        print(json.dumps(bare_streamed_forward(options.bare)))
+        return 0
+
+    if options.quick:
+        names = {"ref": TINY_BF16, "w4a8": TINY_W4A8, "exl3": TINY_EXL3}
+        wanted = list(QUICK_RUNS)
+    else:
+        bf16, w4a8, exl3 = wide_names(options.layers)
+        names = {"ref": bf16, "w4a8": w4a8, "exl3": exl3}
+        wanted = [*RUNS, *BARE]
+    if options.runs:
+        wanted = [r.strip() for r in options.runs.split(",") if r.strip()]
+        unknown = [r for r in wanted if r not in RUNS and r not in BARE]
+        if unknown:
+            parser.error(f"unknown runs {unknown}; choose from {[*RUNS, *BARE]}")
+    needed = {"ref"} | {RUNS[r].candidate for r in wanted if r in RUNS}
+    needed |= {r.removeprefix("bare-") for r in wanted if r in BARE}
+    built = build_fixtures(options.fixtures, [names[s] for s in sorted(needed)], progress=print)
+    folders = {side: built[names[side]] for side in needed}
+    for folder in folders.values():  # digests cached: every run starts alike, none pays the first hashing
+        Checkpoint.open(folder).content_sha256(DigestCache.default())
+
+    default_name = f"real_shape{'' if options.layers == 4 else f'-{options.layers}l'}.json"
+    out_file = options.out or RESULTS / ("real_shape-quick.json" if options.quick else default_name)
+    doc: dict[str, Any] = {}
+    if out_file.is_file():
+        doc = json.loads(out_file.read_text())
+        if doc.get("fixtures", {}).get("ref") != names["ref"]:
+            doc = {}
+    doc.update(
+        {
+            "schema": "evalsuite.bench.real_shape/1",
+            "layers": 2 if options.quick else options.layers,
+            "fixtures": names,
+            "commit": git_commit(),
+            "machine": machine(),
+            "corpus": CORPUS,
+        }
+    )
+    doc.setdefault("runs", {})
+    doc.setdefault("bare", {})
+    doc["bytes"] = {**doc.get("bytes", {}), **{side: unit_bytes(f) for side, f in folders.items()}}
+
+    with tempfile.TemporaryDirectory(prefix="evalsuite-bench-real-shape-") as tmp:
+        for name in wanted:
+            print(f"{name} ...", flush=True)
+            if name in BARE:
+                side = name.removeprefix("bare-")
+                command = [sys.executable, __file__, "--bare", str(folders[side])]
+                result = measured(command)
+                if result["exit"] != 0:
+                    return 2
+                figures = json.loads(result["stdout"].strip().splitlines()[-1])
+                doc["bare"][name] = {
+                    **figures,
+                    "seconds": figures["seconds"],
+                    "wall_seconds": result["seconds"],
+                }
+                doc["bare"][name].update({k: result[k] for k in ("peak_rss", "load_average")})
+            else:
+                spec = RUNS[name]
+                run_out = Path(tmp) / name
+                args = spec.args(folders["ref"], folders[spec.candidate], run_out)
+                result = measured([sys.executable, "-m", "evalsuite.cli", *args])
+                if result["exit"] not in (0, 1):
+                    return 2
+                results = json.loads((run_out / "results.json").read_text())
+                statuses = {task: entry["status"] for task, entry in results["tasks"].items()}
+                doc["runs"][name] = {
+                    "tasks": spec.tasks,
+                    "streamed": spec.streamed,
+                    "exit": result["exit"],
+                    "statuses": statuses,
+                    "seconds": result["seconds"],
+                    "peak_rss": result["peak_rss"],
+                    "load_average": result["load_average"],
+                    "layer_loads": layer_loads(results),
+                    "commit": doc["commit"],
+                }
+            summarise(doc)
+            out_file.parent.mkdir(parents=True, exist_ok=True)
+            out_file.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    report(doc)
+    print(f"\nwritten: {out_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
