@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from evalsuite.backends.c_heap import release_freed_memory, tensors_mapped_while_loading
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
 from evalsuite.backends.hf import (
     DTYPES,
@@ -189,7 +190,12 @@ class TransformersLayers:
     def _load(self, names: list[str]) -> None:
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
-        with self.checkpoint.open_tensors(names) as handles, quiet_transformers():
+        # A layer's per-expert tensors are read, fused and freed: mapped while loading, they go back at once.
+        with (
+            self.checkpoint.open_tensors(names) as handles,
+            quiet_transformers(),
+            tensors_mapped_while_loading(),
+        ):
             info, _ = convert_and_load_state_dict_in_model(self.model, handles, self.load_config)
         errors = list(info.conversion_errors.values()) + list(info.error_msgs)
         if info.mismatched_keys or errors:
@@ -329,31 +335,6 @@ class DecodedExl3Layers:
     def free_layer(self, index: int) -> None:
         # Decoded weights go back to meta; computed buffers (rotary frequencies) stay.
         _release_tensors(self.layers[index], keep_computed=True)
-
-
-def release_freed_memory() -> None:
-    """Hand the C heap's free memory back to the system (glibc's `malloc_trim`; nothing elsewhere).
-
-    A freed layer's tensors return to glibc's heaps, which keep the pages of chunks below its dynamic mmap
-    threshold: the next layer's differently sized tensors rarely fit the holes, so a streamed run's resident
-    memory would creep up layer after layer to several layers' worth."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _glibc() -> Any:
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
-
-
-_LIBC = _glibc()
 
 
 def _release_tensors(layer: nn.Module, keep_computed: bool) -> None:
