@@ -117,8 +117,8 @@ class _ReducedWindowLogits(WindowObserver):
 
 
 class CompactWindowLogits(_ReducedWindowLogits):
-    """Observer of the reference on long windows: per scored token its NLL, top token and compact form
-    (`compact_rows`, with `record`'s options), never its logits."""
+    """Observer of the reference on long windows: per scored token its NLL, top token, `TOP_K_AGREEMENT`
+    ranked tokens and compact form (`compact_rows`, with `record`'s options), never its logits."""
 
     name = REFERENCE_NAME
     what = "window logits, compact (chunked head)"
@@ -139,10 +139,14 @@ class CompactWindowLogits(_ReducedWindowLogits):
         # Seeded per window, not per run: a resumed observation draws the samples an uninterrupted one draws.
         seed = hashlib.sha256(f"{opts.seed}:{window}".encode()).digest()[:8]
         generator = torch.Generator().manual_seed(int.from_bytes(seed, "little") >> 1)
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("nll", "top", *COMPACT_ARRAYS)}
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("nll", "top", "ranked", *COMPACT_ARRAYS)}
         for block, targets in blocks:
             _add_nll_and_top(parts, block, targets)
-            for k, v in compact_rows(log_softmax64(block), opts, generator).items():
+            lp = log_softmax64(block)
+            # Ranked apart from the top-k: how torch orders equal BF16 logits depends on k, and top-K
+            # agreement must rank as the 512-token protocol does (`token_detail`: top-5 on each side).
+            parts["ranked"].append(lp.topk(TOP_K_AGREEMENT, dim=-1).indices.int().numpy())
+            for k, v in compact_rows(lp, opts, generator).items():
                 parts[k].append(v.numpy())
         return {k: np.concatenate(v) for k, v in parts.items()}
 
@@ -228,7 +232,7 @@ def detail_at_reference(ref: Observation, ckpt: Observation) -> tuple[TokenDetai
         a["top_logp"], c["at_top"], a["tail_mass"], a["tail_logp"], c["at_tail"]
     )
     ref_top_p = np.exp(a["top_logp"][:, 0].astype(np.float64))
-    top_ref = a["top_ids"][:, :TOP_K_AGREEMENT]
+    top_ref = a["ranked"] if "ranked" in a else a["top_ids"][:, :TOP_K_AGREEMENT]
     detail = TokenDetail(ref_top_p, top_ref, c["ranked"], None, same_top=c["same_top"])
     estimator = (
         f"top-{ref.meta['top_k']} exact + {ref.meta['tail_samples']} sampled tail ids "

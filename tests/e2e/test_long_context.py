@@ -86,9 +86,10 @@ def test_metrics_come_by_position_bucket_with_a_plot(chunked):
     weighted = sum(m[f"{b}_kld_mean"] * m[f"{b}_n_tokens"] for b in BUCKETS)
     assert weighted / m["n_scored_tokens"] == pytest.approx(m["kld_mean"], rel=1e-12)
     # The reference's compact form (top-64 and 64 tail samples: ids int32, log-probs float32; the tail mass,
-    # NLL and top token 8 bytes each), the candidate's log-probs at those ids (float32), its NLL, top token
-    # and 5 ranked ids (int32), whether the top tokens agree (1 byte): set by the spec, not the vocabulary.
-    assert m["ref_stored_bytes_per_token"] == 8 * 64 + 8 * 64 + 24
+    # NLL and top token 8 bytes each; 5 ranked ids, int32), the candidate's log-probs at those ids (float32),
+    # its NLL, top token, 5 ranked ids and whether the top tokens agree (1 byte): set by the spec, not the
+    # vocabulary.
+    assert m["ref_stored_bytes_per_token"] == 8 * 64 + 8 * 64 + 24 + 4 * 5
     assert m["ckpt_stored_bytes_per_token"] == 4 * (64 + 64) + 16 + 4 * 5 + 1
     assert "compact form" in m["kld_estimator"]
     observations = [p for p in (out / "observations").iterdir() if not p.name.startswith(".")]
@@ -209,7 +210,8 @@ def test_no_side_holds_more_than_a_chunk_of_vocabulary_rows(tiny_pair, tmp_path)
             backend.close()
         assert not list((tmp_path / role).iterdir())  # every window's part is in the observation's arrays
     ref, ckpt = observed["ref"], observed["ckpt"]
-    assert ref.meta["bytes_per_token"] == 8 * 8 + 8 * 8 + 24 < 512 * 2  # one bf16 logits row: 1,024 bytes
+    # Less than one bf16 logits row of the 512-token vocabulary (1,024 bytes), with top-8 and 8 samples.
+    assert ref.meta["bytes_per_token"] == 8 * 8 + 8 * 8 + 24 + 4 * 5 < 512 * 2
     assert ckpt.meta["bytes_per_token"] == 4 * (8 + 8) + 16 + 4 * 5 + 1
     assert ref.arrays["top_ids"].shape == ckpt.arrays["at_top"].shape == (len(positions), 8)
     _, kld, estimator = detail_at_reference(ref, ckpt)

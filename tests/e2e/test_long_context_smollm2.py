@@ -52,7 +52,7 @@ def test_one_8k_window_gives_the_metrics_of_the_unchunked_head(long_run, smollm2
             assert a[name] == value, name
     assert {f"{bucket}_n_tokens": n for bucket, n in BUCKETS.items()}.items() <= a.items()
     # What each side keeps per scored token is set by [record], not by the 49,152-token vocabulary.
-    assert a["ref_stored_bytes_per_token"] == 8 * 64 + 8 * 64 + 24
+    assert a["ref_stored_bytes_per_token"] == 8 * 64 + 8 * 64 + 24 + 4 * 5
     assert a["ckpt_stored_bytes_per_token"] == 4 * (64 + 64) + 16 + 4 * 5 + 1
 
 
