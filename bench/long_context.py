@@ -1,165 +1,142 @@
-"""Benchmark of long-context `ppl` (tasks/ppl-long.toml) on the SmolLM2 pair: memory, time per scored token.
+"""Benchmark of long-context `ppl` (tasks/ppl-long.toml) on the SmolLM2 pair: whole-process peak memory, disk
+per side, time per scored token.
 
-One child process per protocol (its peaks its own): the 512-token protocol (tasks/ppl.toml, the head on
-every scored position at once), and the long protocol with one window of 2,048 and of 8,192 tokens (the head
-applied 512 positions at a time). In each, per side: the model loads, then the peak resident memory above
-that footprint is taken over the side's observation (Linux's VmHWM, reset through /proc/self/clear_refs), and
-likewise over the comparison. Prints, from this one run (these machines are shared and noisy: compare
-ratios, not seconds):
-  memory  peak above the loaded model at 8k over the same at 2k (goal <= 1.5), and over the bytes of one
-          unchunked [8k × vocabulary] float32 log-probability tensor (goal <= 0.25);
-  time    seconds per scored token (both sides' observations and the comparison) at 8k over the 512-token
-          protocol's (goal <= 1.5).
+Each protocol is one `evalsuite run --tasks ppl` of the W4A8 copy against its BF16 source, a CLI process of
+its own under `/usr/bin/time -v` (its "Maximum resident set size": everything the process ever held at once,
+the models, the Python heap, the allocator's arenas): the 512-token protocol (tasks/ppl.toml), and the long
+protocol with one window of 2,048 and of 8,192 tokens. Writes the figures as JSON (`--json`), with the
+machine and the commit, and prints:
+  memory  the 8k spec's peak over the 512 protocol's, against the bound: 0.25 × one [8k × vocabulary]
+          float32 tensor;
+  disk    what each side's observation keeps, per scored token;
+  time    seconds per scored token at 8k over the 512-token protocol's (these machines are shared and noisy:
+          compare ratios, not seconds).
 
-    flock /tmp/evalsuite-heavy.lock python bench/long_context.py [--fixtures DIR] [--quick] [--results DIR]
-
-`--quick` runs the tiny MiniCPM-V 4.7 pair with 2 windows of 512 tokens and long windows of 1,024 and 2,048
-(seconds; checks the bench, its figures say nothing). The figures go to bench/results/ as JSON
-(bench/figures.py).
+    flock /tmp/evalsuite-heavy.lock python bench/long_context.py [--fixtures DIR] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
-import os
+import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
+from typing import Any
 
 from evalsuite.cli import DEFAULT_FIXTURES
-from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
+from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, build_fixtures
+from evalsuite.machine import describe_machine
 
 REPO = Path(__file__).resolve().parent.parent
-
-# argv: spec file, window (0: the spec's own), ref, ckpt, work folder. Prints one JSON line.
-CHILD = r"""
-import ctypes, json, re, sys, time
-from pathlib import Path
-from evalsuite.backends import load_backend
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.side import BackendOptions, Side
-from evalsuite.spec import load_spec
-from evalsuite.task import RunContext, no_progress
-from evalsuite.tasks.ppl import Perplexity, PplSpec
-
-def vm(field):
-    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
-
-def reset_peak():
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-
-spec_path, window, ref_path, ckpt_path, work = sys.argv[1:6]
-window = int(window)
-overrides = None
-if window:
-    overrides = {"protocol": {"window": window, "starts": {"first": 0, "step": window, "count": 1},
-                              "scored": {"first": 0, "last": window - 2}}}
-spec = load_spec(PplSpec, Path(spec_path), overrides)
-task = Perplexity(spec, RunContext(corpus_name="python-docs"))
-options = BackendOptions()
-paths = {"ref": ref_path, "ckpt": ckpt_path}
-sides = {role: Side(role, options, Checkpoint.open(path)) for role, path in paths.items()}
-inputs = task.prepare(sides["ref"], sides["ckpt"])
-observer = task.needs()[0].observer
-doc, observed = {"n_scored": 0}, {}
-for role, side in sides.items():
-    backend = load_backend(side.checkpoint, options)
-    reset_peak()
-    base = vm("VmRSS")
-    t0 = time.perf_counter()
-    folder = Path(work) / role
-    folder.mkdir(parents=True)
-    observed[role] = observer.observe(backend, inputs, folder, no_progress)
-    doc[f"{role}_seconds"] = time.perf_counter() - t0
-    doc[f"{role}_peak_above"] = vm("VmHWM") - base
-    backend.close()
-    del backend
-reset_peak()
-base = vm("VmRSS")
-t0 = time.perf_counter()
-artifacts = Path(work) / "artifacts"
-artifacts.mkdir()
-result = task.compare(observed, artifacts)
-doc["compare_seconds"] = time.perf_counter() - t0
-doc["compare_peak_above"] = vm("VmHWM") - base
-doc["n_scored"] = result.metrics["n_scored_tokens"]
-doc["vocab"] = observed["ref"].meta["vocab_size"]
-doc["kld_mean"] = result.metrics["kld_mean"]
-print(json.dumps(doc))
-"""
+MIB = 2**20
 
 
-def measure(spec: Path, window: int, ref: Path, ckpt: Path, work: Path) -> dict:
-    # Every allocation of 128 KiB or more mapped on its own and unmapped when freed (glibc's threshold
-    # fixed, not raised after frees): memory one side freed cannot hide the next side's peak.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(spec), str(window), str(ref), str(ckpt), str(work)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=env,
+def spec_for(window: int, folder: Path) -> Path:
+    """tasks/ppl-long.toml with one window of `window` tokens, every position scored."""
+    text = (REPO / "tasks" / "ppl-long.toml").read_text(encoding="utf-8")
+    text = re.sub(r"(?m)^window = \d+", f"window = {window}", text)
+    text = re.sub(r"step = \d+", f"step = {window}", text)
+    text = re.sub(
+        r"scored = \{ first = 0, last = \d+ \}", f"scored = {{ first = 0, last = {window - 2} }}", text
     )
-    if proc.returncode != 0:
-        raise SystemExit(f"the child for window {window or 512} failed:\n{proc.stderr[-3000:]}")
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
-    doc["peak_above"] = max(doc["ref_peak_above"], doc["ckpt_peak_above"], doc["compare_peak_above"])
-    doc["seconds"] = doc["ref_seconds"] + doc["ckpt_seconds"] + doc["compare_seconds"]
-    doc["seconds_per_token"] = doc["seconds"] / doc["n_scored"]
-    return doc
+    path = folder / f"ppl-long-{window}.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def measure(ref: Path, ckpt: Path, spec: Path | None, out: Path) -> dict[str, Any]:
+    """One `evalsuite run --tasks ppl` under /usr/bin/time -v: its peak RSS and seconds, the run's ppl
+    metrics, and the bytes each side's observation keeps on disk."""
+    args = ["--ckpt", str(ckpt), "--ref", str(ref), "--tasks", "ppl", "--corpus", "python-docs"]
+    if spec is not None:
+        args += ["--spec", f"ppl={spec}"]
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "evalsuite.cli", "run", *args, "--out", str(out)]
+    proc = subprocess.run([*cmd, "--quiet"], capture_output=True, text=True, check=False)
+    if proc.returncode not in (0, 1):  # 1: a threshold failed, which a W4A8 copy may do
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
+    wall = re.search(
+        r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", proc.stderr
+    )
+    if rss is None or wall is None:
+        raise SystemExit(f"no figures from /usr/bin/time -v:\n{proc.stderr[-2000:]}")
+    hours, minutes, seconds = (float(g or 0) for g in wall.groups())
+    metrics = json.loads((out / "results.json").read_text(encoding="utf-8"))["tasks"]["ppl"]["metrics"]
+    disk = {}
+    for folder in sorted((out / "observations").iterdir()):
+        role = folder.name.split("-", 1)[0]
+        disk[role] = disk.get(role, 0) + sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    return {
+        "peak_rss_bytes": int(rss.group(1)) * 1024,
+        "seconds": hours * 3600 + minutes * 60 + seconds,
+        "n_scored_tokens": metrics["n_scored_tokens"],
+        "disk_bytes": disk,
+        "metrics": {
+            k: metrics.get(k)
+            for k in ("window_tokens", "ppl_ref", "ppl_ckpt", "kld_mean", "kld_estimator", "same_top_p")
+        },
+    }
+
+
+def commit() -> str:
+    """The checked-out commit, `+dirty` when the tree has changes."""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True)
+    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
-    add_arguments(parser)
+    parser.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "long_context.json")
     args = parser.parse_args()
-    source, quantized = (TINY_BF16, TINY_W4A8) if args.quick else (SMOLLM2_BF16, SMOLLM2_W4A8)
-    pair = build_fixtures(TEST_FIXTURES if args.quick else args.fixtures, [source, quantized])
-    ref, ckpt = pair[source], pair[quantized]
-    # The long protocol at a short and a long window: 2k and 8k (1k and 2k for --quick).
-    short, long = (1024, 2048) if args.quick else (2048, 8192)
-    short_name, long_name = f"{short // 1024}k", f"{long // 1024}k"
+    pair = build_fixtures(args.fixtures, [SMOLLM2_BF16, SMOLLM2_W4A8])
+    ref, ckpt = pair[SMOLLM2_BF16], pair[SMOLLM2_W4A8]
+    vocab = json.loads((ref / "config.json").read_text(encoding="utf-8"))["vocab_size"]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        protocol = quick_ppl_spec(Path(tmp)) if args.quick else REPO / "tasks" / "ppl.toml"
-        for name, spec, window in (
-            ("512", protocol, 0),
-            (short_name, REPO / "tasks" / "ppl-long.toml", short),
-            (long_name, REPO / "tasks" / "ppl-long.toml", long),
-        ):
-            runs[name] = measure(spec, window, ref, ckpt, Path(tmp) / name)
-    mib = 2**20
-    with recorded("long_context", __doc__, args) as figures:
-        for name, doc in runs.items():
-            print(
-                f"{name:>4}: {doc['n_scored']} scored tokens per side; peak above the loaded model: ref "
-                f"{doc['ref_peak_above'] / mib:.0f} MiB, ckpt {doc['ckpt_peak_above'] / mib:.0f} MiB, "
-                f"compare "
-                f"{doc['compare_peak_above'] / mib:.0f} MiB; {doc['seconds']:.1f} s "
-                f"({doc['seconds_per_token'] * 1e3:.2f} ms per scored token), kld_mean {doc['kld_mean']:.5f}"
-            )
-            figures.add(f"{name}: peak above the loaded model", doc["peak_above"] / mib, "MiB")
-            figures.add(f"{name}: time per scored token", doc["seconds_per_token"] * 1e3, "ms")
-        vocab = runs[long_name]["vocab"]
-        unchunked = long * vocab * 4
-        memory = runs[long_name]["peak_above"] / runs[short_name]["peak_above"]
-        print(f"memory ratio {long_name} / {short_name} = {memory:.3f}   (goal <= 1.5)")
-        figures.add(f"memory, {long_name} / {short_name}", memory, goal="<= 1.5")
-        over_unchunked = runs[long_name]["peak_above"] / unchunked
-        print(
-            f"memory ratio {long_name} / one [{long} x {vocab}] float32 tensor ({unchunked / mib:.0f} MiB) = "
-            f"{over_unchunked:.3f}   (goal <= 0.25)"
+        folder = Path(tmp)
+        for name, window in (("512", 0), ("2k", 2048), ("8k", 8192)):
+            spec = spec_for(window, folder) if window else None
+            runs[name] = measure(ref, ckpt, spec, folder / name)
+    unchunked = 8192 * vocab * 4
+    bound = runs["512"]["peak_rss_bytes"] + unchunked // 4
+    per_token = {name: run["seconds"] / run["n_scored_tokens"] for name, run in runs.items()}
+    doc = {
+        "schema": "evalsuite.bench.long_context/1",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
+        "machine": describe_machine("cpu"),
+        "pair": {"ref": str(ref), "ckpt": str(ckpt), "vocab_size": vocab},
+        "runs": runs,
+        "peak_rss_8k_above_512_bytes": runs["8k"]["peak_rss_bytes"] - runs["512"]["peak_rss_bytes"],
+        "bound_8k_peak_rss_bytes": bound,
+        "within_bound": runs["8k"]["peak_rss_bytes"] <= bound,
+        "seconds_per_token_8k_over_512": per_token["8k"] / per_token["512"],
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    for name, run in runs.items():
+        sides = ", ".join(
+            f"{role} {size / MIB:.1f} MiB ({size / run['n_scored_tokens']:.0f} B per token)"
+            for role, size in run["disk_bytes"].items()
         )
-        figures.add(f"memory, {long_name} / one unchunked float32 tensor", over_unchunked, goal="<= 0.25")
-        ratio = runs[long_name]["seconds_per_token"] / runs["512"]["seconds_per_token"]
-        print(f"time per scored token ratio {long_name} / 512-token protocol = {ratio:.3f}   (goal <= 1.5)")
-        figures.add(f"time per scored token, {long_name} / 512", ratio, goal="<= 1.5")
+        print(
+            f"{name:>4}: peak RSS {run['peak_rss_bytes'] / MIB:.0f} MiB, {run['seconds']:.1f} s, "
+            f"{run['n_scored_tokens']} scored tokens per side; on disk: {sides}; "
+            f"kld_mean {run['metrics']['kld_mean']:.5f} ({run['metrics']['kld_estimator']})"
+        )
+    print(
+        f"8k peak {runs['8k']['peak_rss_bytes'] / MIB:.0f} MiB, bound {bound / MIB:.0f} MiB "
+        f"(the 512 protocol's + 0.25 x one [8192 x {vocab}] float32 tensor, {unchunked / 4 / MIB:.0f} MiB): "
+        f"{'within' if doc['within_bound'] else 'ABOVE'}"
+    )
+    print(f"time per scored token 8k / 512-token protocol = {doc['seconds_per_token_8k_over_512']:.3f}")
+    print(f"figures: {args.json}")
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ from evalsuite.observation import Observation
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
 from evalsuite.task import Inputs, Need, RunContext, TaskResult, task
+from evalsuite.tasks.compact_window_logits import detail_at_reference, is_at_reference, long_window_needs
 from evalsuite.tasks.kld_detail import detail_metrics, floor_metrics, token_detail, write_tokens
 from evalsuite.tasks.long_context import (
-    ChunkedWindowLogits,
     LongContext,
     check_long_windows,
     position_bucket_metrics,
@@ -118,20 +118,18 @@ class Perplexity:
         return inputs
 
     def needs(self) -> list[Need]:
-        observer = WindowLogits(self.spec.protocol, self.spec.record, self.spec.compare.kld_chunk_rows)
-        if self.spec.long_context.head_chunk_rows:
-            observer = ChunkedWindowLogits(
-                self.spec.protocol,
-                self.spec.record,
-                self.spec.compare.kld_chunk_rows,
-                self.spec.long_context.head_chunk_rows,
-            )
-        needs = [Need("ref", "ref", observer), Need("ckpt", "ckpt", observer)]
+        chunk_rows, head_rows = self.spec.compare.kld_chunk_rows, self.spec.long_context.head_chunk_rows
+        if head_rows:
+            needs = long_window_needs(self.spec.protocol, self.spec.record, chunk_rows, head_rows)
+        else:
+            observer = WindowLogits(self.spec.protocol, self.spec.record, chunk_rows)
+            needs = [Need("ref", "ref", observer), Need("ckpt", "ckpt", observer)]
         floor = self.spec.noise_floor
         if floor.enabled:
             for i in range(floor.draws):
-                chunk = self.spec.compare.kld_chunk_rows
-                noisy = NoisyWindowLogits(self.spec.protocol, self.spec.record, chunk, noise=floor.draw(i))
+                noisy = NoisyWindowLogits(
+                    self.spec.protocol, self.spec.record, chunk_rows, noise=floor.draw(i)
+                )
                 needs.append(Need(floor.label(i), "ref", noisy))
         return needs
 
@@ -143,8 +141,9 @@ class Perplexity:
         windows = metrics.window_labels(n_windows, len(nll_ref) // n_windows)
         ln_ratio = metrics.paired_log_ratio(nll_ref, nll_ckpt)
         chunk_rows = self.spec.compare.kld_chunk_rows
-        detail = token_detail(ref, ckpt, chunk_rows)
-        if detail.kld is not None:
+        if is_at_reference(ckpt):
+            detail, kld, estimator = detail_at_reference(ref, ckpt)
+        elif (detail := token_detail(ref, ckpt, chunk_rows)).kld is not None:
             kld, estimator = detail.kld, FULL_VOCABULARY
         else:
             kld, estimator = kld_per_token(ref, ckpt, chunk_rows)

@@ -285,24 +285,10 @@ class WindowLogits(WindowObserver):
         """
         opts = self.record_options
         generator = torch.Generator().manual_seed(opts.seed)
-        parts: dict[str, list[torch.Tensor]] = {
-            k: [] for k in ("top_ids", "top_logp", "tail_mass", "tail_ids", "tail_logp")
-        }
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in COMPACT_ARRAYS}
         for block in read_rows(window_paths(obs), self.chunk_rows):
-            lp = log_softmax64(block)
-            top_logp, top_ids = lp.topk(min(opts.top_k, lp.shape[-1]), dim=-1)
-            tail = lp.scatter(1, top_ids, float("-inf"))
-            tail_log_mass = torch.logsumexp(tail, dim=-1)
-            parts["top_ids"].append(top_ids.int())
-            parts["top_logp"].append(top_logp.float())
-            parts["tail_mass"].append(tail_log_mass.exp())
-            if opts.tail_samples and lp.shape[-1] > opts.top_k:
-                q = (tail - tail_log_mass[:, None]).exp()
-                ids = torch.multinomial(q, opts.tail_samples, replacement=True, generator=generator)
-            else:
-                ids = torch.empty((len(lp), 0), dtype=torch.long)
-            parts["tail_ids"].append(ids.int())
-            parts["tail_logp"].append(lp.gather(1, ids).float())
+            for k, v in compact_rows(log_softmax64(block), opts, generator).items():
+                parts[k].append(v)
         arrays = {k: torch.cat(v).numpy() for k, v in parts.items()}
         arrays.update(nll=obs.arrays["nll"], top=obs.arrays["top"])
         meta = {**obs.meta, "kind": "recorded", "top_k": opts.top_k, "tail_samples": opts.tail_samples}
@@ -325,6 +311,32 @@ class WindowLogitsVisitor(QuietVisitor):
                 yield self.backend.head_logits(final[w], calls[w], positions)
 
         return self.observer.observed(self.backend, self.inputs, self.folder, logits_of, lambda: None)
+
+
+# The arrays of a reference's compact form (`compact_rows`), beside its NLL and top token.
+COMPACT_ARRAYS = ("top_ids", "top_logp", "tail_mass", "tail_ids", "tail_logp")
+
+
+def compact_rows(
+    lp: torch.Tensor, opts: RecordOptions, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """The compact form of rows of float64 log-probabilities (`COMPACT_ARRAYS`): the top-k ids and
+    log-probs, the mass beyond them, and `tail_samples` ids drawn from that tail with their log-probs."""
+    top_logp, top_ids = lp.topk(min(opts.top_k, lp.shape[-1]), dim=-1)
+    tail = lp.scatter(1, top_ids, float("-inf"))
+    tail_log_mass = torch.logsumexp(tail, dim=-1)
+    if opts.tail_samples and lp.shape[-1] > opts.top_k:
+        q = (tail - tail_log_mass[:, None]).exp()
+        ids = torch.multinomial(q, opts.tail_samples, replacement=True, generator=generator)
+    else:
+        ids = torch.empty((len(lp), 0), dtype=torch.long)
+    return {
+        "top_ids": top_ids.int(),
+        "top_logp": top_logp.float(),
+        "tail_mass": tail_log_mass.exp(),
+        "tail_ids": ids.int(),
+        "tail_logp": lp.gather(1, ids).float(),
+    }
 
 
 def window_paths(obs: Observation) -> list[Path]:

@@ -1,5 +1,6 @@
 """Long-context `ppl` on the tiny MiniCPM-V 4.7 pair: a 1,024-token window through its linear-attention
-(gated delta rule) and full-attention layers, the head applied per chunk of positions.
+(gated delta rule) and full-attention layers, the head applied per chunk of positions and each chunk reduced
+at once to what the comparison needs (the reference's compact form, the candidate's log-probs at its ids).
 
 The CLI runs in this process (`cli_in_process`): what is tested is the protocol, not the interpreter. One
 chunked run is shared by the tests below; each other model run adds one side's forward at most.
@@ -14,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from evalsuite.backends import token_chunks
 from evalsuite.backends.hf import HFBackend
@@ -21,6 +24,13 @@ from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed import StreamedBackend
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
+from evalsuite.task import no_progress
+from evalsuite.tasks.compact_window_logits import (
+    CompactWindowLogits,
+    LogitsAtReference,
+    detail_at_reference,
+)
+from evalsuite.tasks.window_logits import RecordOptions, WindowProtocol, tokens_sha256
 from tests.conftest import assert_refused, cli_in_process
 
 WINDOW = 1024
@@ -75,8 +85,16 @@ def test_metrics_come_by_position_bucket_with_a_plot(chunked):
     assert [m[f"{b}_n_tokens"] for b in BUCKETS] == [256, 256, 511]
     weighted = sum(m[f"{b}_kld_mean"] * m[f"{b}_n_tokens"] for b in BUCKETS)
     assert weighted / m["n_scored_tokens"] == pytest.approx(m["kld_mean"], rel=1e-12)
-    # One bf16 logits row of the 512-token vocabulary per scored token, and its NLL and top token.
-    assert m["ref_stored_bytes_per_token"] == 512 * 2 + 16
+    # The reference's compact form (top-64 and 64 tail samples: ids int32, log-probs float32; the tail mass,
+    # NLL and top token 8 bytes each; 5 ranked ids, int32), the candidate's log-probs at those ids (float32),
+    # its NLL, top token, 5 ranked ids and whether the top tokens agree (1 byte): set by the spec, not the
+    # vocabulary.
+    assert m["ref_stored_bytes_per_token"] == 8 * 64 + 8 * 64 + 24 + 4 * 5
+    assert m["ckpt_stored_bytes_per_token"] == 4 * (64 + 64) + 16 + 4 * 5 + 1
+    assert "compact form" in m["kld_estimator"]
+    observations = [p for p in (out / "observations").iterdir() if not p.name.startswith(".")]
+    assert {p.name.split("-window-logits")[0] for p in observations} == {"ref", "ckpt"}
+    assert not [f for p in observations for f in p.rglob("*") if f.suffix == ".npy"]  # no logits files
     assert (out / result["artifacts"]["kld_by_position"]).stat().st_size > 0
 
 
@@ -100,14 +118,105 @@ def test_a_recorded_reference_replays_the_long_protocol(chunked, tiny_pair, tmp_
     )  # fmt: skip
     assert code == 0, lines
     manifest = json.loads((rec / "manifest.json").read_text(encoding="utf-8"))
-    assert "window-logits-chunked" in json.dumps(manifest)
+    assert "window-logits-compact" in json.dumps(manifest)
     shutil.copytree(out, tmp_path / "replay")  # the candidate's observation is reused
     replay = _run(tmp_path / "replay", tiny_pair[TINY_W4A8], rec, spec)["metrics"]
     live = result["metrics"]
-    assert "recording" in replay["kld_estimator"] and replay["ppl_ref"] == live["ppl_ref"]
+    # The live reference's observation is its recording: the replay gives the live run's numbers, bit for bit.
+    for name in ("ppl_ref", "kld_mean", "kld_p99", "same_top_p", "top5_agreement", "pos_512_inf_kld_mean"):
+        assert replay[name] == live[name], name
     assert replay["pos_512_inf_n_tokens"] == 511
-    # top-64 of a 512-token vocabulary + 64 sampled tail ids: an estimate near the full-vocabulary KLD
-    assert replay["kld_mean"] == pytest.approx(live["kld_mean"], rel=0.05)
+
+
+def test_the_compact_estimate_is_near_the_full_vocabulary_kld_and_the_rest_is_unchanged(
+    chunked, tiny_pair, tmp_path
+):
+    """Against both sides' full logits (the head on every scored position at once, head_chunk_rows = 0):
+    the NLLs and top tokens are the same numbers, and KL(ref ‖ ckpt) from the reference's top-64 + 64
+    sampled tail ids lies near the full-vocabulary one."""
+    _, result = chunked
+    whole = _run(tmp_path / "whole", tiny_pair[TINY_W4A8], tiny_pair[TINY_BF16], _spec(tmp_path, 0))[
+        "metrics"
+    ]
+    compact = result["metrics"]
+    assert whole["kld_estimator"] == "full-vocabulary" and "kld_reverse_mean" not in compact
+    nll_metrics = (
+        "ppl_ref",
+        "ppl_ckpt",
+        "ppl_ratio",
+        "delta_p_mean",
+        "rms_delta_p",
+        "pos_512_inf_ln_ppl_ratio",
+    )
+    for name in (*nll_metrics, "same_top_p", "top2_agreement", "top5_agreement"):
+        assert compact[name] == whole[name], name
+    assert compact["kld_mean"] == pytest.approx(whole["kld_mean"], rel=0.05)
+
+
+class _VocabularyRows(TorchDispatchMode):
+    """Notes the most rows any tensor of `vocab` columns (logits, log-probs) had in the ops run under it."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.most = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab:
+                self.most = max(self.most, t.numel() // self.vocab)
+        return out
+
+
+def test_no_side_holds_more_than_a_chunk_of_vocabulary_rows(tiny_pair, tmp_path):
+    """Both long-window observers make the head's logits `head_chunk_rows` positions at a time and reduce
+    each chunk at once: no tensor of more vocabulary rows than a chunk is ever made (the model's own head on
+    the whole window makes one of every scored position), and what a side keeps per scored token is set by
+    the record options, not by the vocabulary."""
+    window, positions = _long_window()
+    protocol = WindowProtocol(
+        window=WINDOW,
+        starts={"first": 0, "step": WINDOW, "count": 1},
+        scored={"first": 0, "last": WINDOW - 2},
+    )
+    inputs = {
+        "windows": window.numpy(),
+        "starts": [0],
+        "tokens_sha256": tokens_sha256(window.numpy()),
+        "corpus": "ids",
+        "n_tokens_text": WINDOW,
+    }
+    record = RecordOptions(top_k=8, tail_samples=8)
+    observed = {}
+    for role, name, observer in (
+        ("ref", TINY_BF16, CompactWindowLogits(protocol, record, chunk_rows=16, head_rows=100)),
+        ("ckpt", TINY_W4A8, LogitsAtReference(protocol, chunk_rows=16, head_rows=100)),
+    ):
+        (tmp_path / role).mkdir()
+        backend = HFBackend(Checkpoint.open(tiny_pair[name]), BackendOptions())
+        try:
+            seen = _VocabularyRows(backend.vocab_size)
+            with seen:
+                observed[role] = observer.observe(
+                    backend, {**inputs, "observed": observed}, tmp_path / role, no_progress
+                )
+            assert 0 < seen.most <= 100, role
+            if role == "ref":
+                whole = _VocabularyRows(backend.vocab_size)
+                with whole:
+                    next(iter(backend.window_logits(window, positions)))
+                assert whole.most == len(positions)  # the check sees a whole window's logits where made
+        finally:
+            backend.close()
+        assert not list((tmp_path / role).iterdir())  # every window's part is in the observation's arrays
+    ref, ckpt = observed["ref"], observed["ckpt"]
+    # Less than one bf16 logits row of the 512-token vocabulary (1,024 bytes), with top-8 and 8 samples.
+    assert ref.meta["bytes_per_token"] == 8 * 8 + 8 * 8 + 24 + 4 * 5 < 512 * 2
+    assert ckpt.meta["bytes_per_token"] == 4 * (8 + 8) + 16 + 4 * 5 + 1
+    assert ref.arrays["top_ids"].shape == ckpt.arrays["at_top"].shape == (len(positions), 8)
+    _, kld, estimator = detail_at_reference(ref, ckpt)
+    assert kld.shape == (len(positions),) and np.isfinite(kld).all() and kld.mean() > 0
+    assert estimator.startswith("top-8 exact + 8 sampled tail ids")
 
 
 def test_a_text_shorter_than_the_windows_is_refused(tiny_pair, tmp_path):

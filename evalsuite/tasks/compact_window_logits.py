@@ -1,0 +1,298 @@
+"""Long windows' logits reduced as the head makes them: no side keeps a window × vocabulary array.
+
+At a 248 k-token vocabulary one 32 k-token window's logits are 16 GB in bf16. Stored per side, as the
+512-token protocol stores its windows' logits, they would fill a disk, while the comparison needs a few
+hundred numbers per scored token. So on long windows (`[long_context] head_chunk_rows`) each chunk of logits
+the head makes (`ScoredStates.chunks`) is reduced a few rows at a time, in float64, and dropped:
+- the reference keeps its compact form, what `evalsuite record` keeps (`compact_rows`: the top-k ids and
+  log-probs, the mass beyond them, seeded samples of that tail), and its NLL and top token: its observation
+  is its own recording;
+- the candidate, observed after it, consumes it and keeps its log-probs at the ids the reference kept, its
+  NLL, top token and ranked top tokens.
+`compare` estimates KL(ref ‖ ckpt) as against a recording: exact over the reference's top-k, an unbiased
+sampled estimate beyond (`metrics.kl_divergence_top_k_tail`), labelled as such in results.json; a live
+reference and its recording give the same bits. Lost against full logits on both sides: the
+full-vocabulary KLD, the reverse KLD (KL(ckpt ‖ ref) needs the reference's log-probs at the candidate's
+ids), and the reuse of a candidate's observation against another reference.
+
+Each window's reduction is saved as it completes: an interrupted observation resumes at the next window.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from evalsuite import metrics
+from evalsuite.backends.chunked_head import map_large_allocations
+from evalsuite.errors import InputError
+from evalsuite.observation import Observation
+from evalsuite.task import Inputs, Need, Progress
+from evalsuite.tasks.kld_detail import TOP_K_AGREEMENT, TokenDetail
+from evalsuite.tasks.window_logits import (
+    COMPACT_ARRAYS,
+    RecordOptions,
+    WindowObserver,
+    WindowProtocol,
+    compact_rows,
+    log_softmax64,
+    window_logits_meta,
+    window_tensor,
+)
+
+if TYPE_CHECKING:
+    from evalsuite.backends import Backend
+    from evalsuite.backends.chunked_head import ScoredStates
+
+REFERENCE_NAME = "window-logits-compact"
+CANDIDATE_NAME = "window-logits-at-reference"
+# The label under which the candidate's observer finds the reference's (`Need.consumes`).
+REFERENCE_LABEL = "ref"
+
+
+class _ReducedWindowLogits(WindowObserver):
+    """Base of the two observers: each window forwarded with the head left out, its logits made
+    `head_rows` positions at a time, reduced `chunk_rows` rows at a time (`reduce`), each window's arrays
+    saved as it completes."""
+
+    what: str
+
+    def __init__(self, protocol: WindowProtocol, chunk_rows: int, head_rows: int) -> None:
+        super().__init__(protocol)
+        self.chunk_rows = chunk_rows
+        self.head_rows = head_rows
+
+    def identity(self) -> dict[str, Any]:
+        return {"protocol": self.protocol.model_dump(mode="json"), "head_chunk_rows": self.head_rows}
+
+    def reduce(
+        self, window: int, blocks: Iterator[tuple[torch.Tensor, torch.Tensor]], inputs: Inputs
+    ) -> dict:
+        """One window's arrays from its blocks of (logits, true next tokens), in row order."""
+        raise NotImplementedError
+
+    def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
+        from evalsuite.backends import ChunkedHead
+
+        if not isinstance(backend, ChunkedHead):
+            raise InputError(
+                f"backend {backend.describe().get('backend', type(backend).__name__)} cannot apply its head "
+                "per chunk of positions; set [long_context] head_chunk_rows = 0 to score whole windows"
+            )
+        self.check(backend, inputs)
+        map_large_allocations()
+        positions = self.protocol.positions
+        windows = window_tensor(inputs)
+        step = progress(self.what, len(windows))
+        todo = [w for w in range(len(windows)) if not _part(folder, w).is_file()]
+        for _ in range(len(windows) - len(todo)):
+            step()
+        for w, states in zip(todo, backend.window_scored_states(windows[todo], positions), strict=True):
+            targets = windows[w][positions + 1]
+            blocks = _logit_blocks(states, self.head_rows, self.chunk_rows, backend.vocab_size)
+            _save_part(folder, w, self.reduce(w, _with_targets(blocks, targets), inputs))
+            step()
+        parts = [_load_part(folder, w) for w in range(len(windows))]
+        arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        for w in range(len(windows)):  # the observation's own arrays hold them now
+            _part(folder, w).unlink()
+        meta = {
+            **window_logits_meta(backend, inputs),
+            "head_chunk_rows": self.head_rows,
+            "bytes_per_token": sum(a.nbytes for a in arrays.values()) // len(arrays["nll"]),
+        }
+        return Observation(name=self.name, meta=self.meta(meta), arrays=arrays)
+
+    def check(self, backend: Backend, inputs: Inputs) -> None:
+        """Refuse, before any window runs, what this side cannot be observed against."""
+
+    def meta(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """The observation's metadata, given what every long-window observation says of itself."""
+        return meta
+
+
+class CompactWindowLogits(_ReducedWindowLogits):
+    """Observer of the reference on long windows: per scored token its NLL, top token, `TOP_K_AGREEMENT`
+    ranked tokens and compact form (`compact_rows`, with `record`'s options), never its logits."""
+
+    name = REFERENCE_NAME
+    what = "window logits, compact (chunked head)"
+
+    def __init__(
+        self, protocol: WindowProtocol, record: RecordOptions, chunk_rows: int, head_rows: int
+    ) -> None:
+        super().__init__(protocol, chunk_rows, head_rows)
+        self.record_options = record
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "record": self.record_options.model_dump(mode="json")}
+
+    def reduce(
+        self, window: int, blocks: Iterator[tuple[torch.Tensor, torch.Tensor]], inputs: Inputs
+    ) -> dict:
+        opts = self.record_options
+        # Seeded per window, not per run: a resumed observation draws the samples an uninterrupted one draws.
+        seed = hashlib.sha256(f"{opts.seed}:{window}".encode()).digest()[:8]
+        generator = torch.Generator().manual_seed(int.from_bytes(seed, "little") >> 1)
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("nll", "top", "ranked", *COMPACT_ARRAYS)}
+        for block, targets in blocks:
+            _add_nll_and_top(parts, block, targets)
+            lp = log_softmax64(block)
+            # Ranked apart from the top-k: how torch orders equal BF16 logits depends on k, and top-K
+            # agreement must rank as the 512-token protocol does (`token_detail`: top-5 on each side).
+            parts["ranked"].append(lp.topk(TOP_K_AGREEMENT, dim=-1).indices.int().numpy())
+            for k, v in compact_rows(lp, opts, generator).items():
+                parts[k].append(v.numpy())
+        return {k: np.concatenate(v) for k, v in parts.items()}
+
+    def meta(self, meta: dict[str, Any]) -> dict[str, Any]:
+        # The compact form a recording holds: compared against as a recording is (`kld_per_token`).
+        opts = self.record_options
+        return {**meta, "kind": "recorded", "top_k": opts.top_k, "tail_samples": opts.tail_samples}
+
+    def record(self, obs: Observation, folder: Path) -> Observation:
+        """The observation itself: it holds the compact form already."""
+        return Observation(name=obs.name, key=obs.key, meta=dict(obs.meta), arrays=dict(obs.arrays))
+
+
+class LogitsAtReference(_ReducedWindowLogits):
+    """Observer of the candidate on long windows, given the reference's `CompactWindowLogits` (or its
+    recording): per scored token its log-probs at the ids the reference kept (`at_top`, `at_tail`), its NLL,
+    top token and `TOP_K_AGREEMENT` ranked tokens, and whether some token is most probable on both sides,
+    ties included (`same_top`, as `metrics.same_top_tied` takes it: the reference's most probable tokens are
+    those of its top-k that tie with its first)."""
+
+    name = CANDIDATE_NAME
+    what = "window logits at the reference's ids (chunked head)"
+
+    def check(self, backend: Backend, inputs: Inputs) -> None:
+        ref = _reference(inputs)
+        vocab = ref.meta.get("vocab_size")
+        if vocab != backend.vocab_size:
+            raise InputError(
+                f"the reference's vocabulary ({vocab} tokens) is not the candidate's ({backend.vocab_size})"
+            )
+        if ref.meta.get("tokens_sha256") != inputs["tokens_sha256"]:
+            raise InputError("the reference was observed on other tokens than the candidate's")
+        rows = len(inputs["windows"]) * len(self.protocol.positions)
+        if len(ref.arrays.get("top_ids", ())) != rows:
+            raise InputError(f"the reference's compact form does not hold the {rows} scored tokens")
+
+    def reduce(
+        self, window: int, blocks: Iterator[tuple[torch.Tensor, torch.Tensor]], inputs: Inputs
+    ) -> dict:
+        ref = _reference(inputs).arrays
+        start = window * len(self.protocol.positions)
+        names = ("nll", "top", "ranked", "at_top", "at_tail", "same_top")
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in names}
+        for block, targets in blocks:
+            rows = slice(start, start + len(block))
+            start += len(block)
+            _add_nll_and_top(parts, block, targets)
+            lp = log_softmax64(block)
+            parts["ranked"].append(lp.topk(TOP_K_AGREEMENT, dim=-1).indices.int().numpy())
+            at_top = lp.gather(1, torch.from_numpy(ref["top_ids"][rows]).long())
+            at_tail = lp.gather(1, torch.from_numpy(ref["tail_ids"][rows]).long())
+            parts["at_top"].append(at_top.float().numpy())
+            parts["at_tail"].append(at_tail.float().numpy())
+            on_top = (at_top == lp.amax(dim=-1, keepdim=True)).numpy()
+            ref_top = ref["top_logp"][rows]
+            parts["same_top"].append(np.any(on_top & (ref_top == ref_top[:, :1]), axis=1))
+        return {k: np.concatenate(v) for k, v in parts.items()}
+
+
+def long_window_needs(
+    protocol: WindowProtocol, record: RecordOptions, chunk_rows: int, head_rows: int
+) -> list[Need]:
+    """`ppl`'s needs on long windows: the reference's compact form, then the candidate at its ids."""
+    return [
+        Need(REFERENCE_LABEL, "ref", CompactWindowLogits(protocol, record, chunk_rows, head_rows)),
+        Need("ckpt", "ckpt", LogitsAtReference(protocol, chunk_rows, head_rows), consumes=(REFERENCE_LABEL,)),
+    ]
+
+
+def is_at_reference(obs: Observation) -> bool:
+    """Whether a candidate's observation holds its log-probs at the reference's ids (`LogitsAtReference`)."""
+    return obs.name == CANDIDATE_NAME
+
+
+def detail_at_reference(ref: Observation, ckpt: Observation) -> tuple[TokenDetail, np.ndarray, str]:
+    """The per-token detail, KL(ref ‖ ckpt) and its estimator's label, from the reference's compact form and
+    the candidate's log-probs at its ids (no reverse KLD: the candidate's top ids were never asked of the
+    reference)."""
+    a, c = ref.arrays, ckpt.arrays
+    if len(a["top_ids"]) != len(c["at_top"]):
+        raise InputError(f"the sides hold {len(a['top_ids'])} and {len(c['at_top'])} scored tokens")
+    kld = metrics.kl_divergence_top_k_tail(
+        a["top_logp"], c["at_top"], a["tail_mass"], a["tail_logp"], c["at_tail"]
+    )
+    ref_top_p = np.exp(a["top_logp"][:, 0].astype(np.float64))
+    top_ref = a["ranked"] if "ranked" in a else a["top_ids"][:, :TOP_K_AGREEMENT]
+    detail = TokenDetail(ref_top_p, top_ref, c["ranked"], None, same_top=c["same_top"])
+    estimator = (
+        f"top-{ref.meta['top_k']} exact + {ref.meta['tail_samples']} sampled tail ids "
+        "(the reference's compact form, long windows)"
+    )
+    return detail, kld, estimator
+
+
+def _reference(inputs: Inputs) -> Observation:
+    observed = inputs.get("observed") or {}
+    if REFERENCE_LABEL not in observed:
+        raise InputError("the candidate's long-window observation needs the reference's, observed first")
+    return observed[REFERENCE_LABEL]
+
+
+def _logit_blocks(
+    states: ScoredStates, head_rows: int, chunk_rows: int, vocab: int
+) -> Iterator[torch.Tensor]:
+    """The logits of every scored position, `chunk_rows` rows at a time: the head's output is made
+    `head_rows` rows at a time and each block of it normalised on its own (in float64), so neither the
+    window's logits nor a chunk's float64 copy ever exist whole."""
+    for logits in states.chunks(head_rows):
+        if logits.ndim != 2 or logits.shape[1] != vocab:
+            raise InputError(
+                f"the model's head returned logits of shape {tuple(logits.shape)}, vocabulary {vocab}"
+            )
+        yield from logits.split(chunk_rows)
+
+
+def _add_nll_and_top(parts: dict[str, list[np.ndarray]], block: torch.Tensor, targets: torch.Tensor) -> None:
+    """The true next token's NLL and the top token of a block of logit rows, as the 512-token protocol takes
+    them from its stored logits (`WindowLogits`: log-softmax in float32): the same numbers, bit for bit."""
+    lp = torch.log_softmax(block, dim=-1, dtype=torch.float32)
+    parts["nll"].append(-lp.gather(1, targets[:, None])[:, 0].double().numpy())
+    parts["top"].append(lp.argmax(dim=-1).numpy())
+
+
+def _with_targets(
+    blocks: Iterator[torch.Tensor], targets: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    start = 0
+    for block in blocks:
+        yield block, targets[start : start + len(block)]
+        start += len(block)
+
+
+def _part(folder: Path, window: int) -> Path:
+    return folder / f"window-{window:04d}.safetensors"
+
+
+def _save_part(folder: Path, window: int, arrays: dict[str, np.ndarray]) -> None:
+    """One window's arrays, under their final name only once complete (a resumed run trusts what it finds)."""
+    from safetensors.numpy import save_file
+
+    tmp = _part(folder, window).with_suffix(".tmp")
+    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp))
+    tmp.replace(_part(folder, window))
+
+
+def _load_part(folder: Path, window: int) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(_part(folder, window)))
