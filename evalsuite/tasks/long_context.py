@@ -88,10 +88,11 @@ def position_bucket_metrics(
     same_top: np.ndarray,
     nll_ref: np.ndarray,
     nll_ckpt: np.ndarray,
+    windows: np.ndarray | None = None,
 ) -> dict[str, float | int]:
     """Per position bucket (`metrics.position_buckets`): its token count, mean KLD with its standard error,
-    same-top-token rate, mean Δp and ln PPL ratio. The errors are per token: tokens of one window are
-    correlated, so they are lower bounds."""
+    same-top-token rate, mean Δp and ln PPL ratio; with the tokens' `windows` (cluster labels), the
+    window-clustered error of each mean and share (`_stderr_window`: null with fewer than two windows)."""
     values: dict[str, float | int] = {}
     for name, mask in metrics.position_buckets(positions, edges):
         kld_mean = metrics.mean_with_stderr(kld[mask])
@@ -109,4 +110,18 @@ def position_bucket_metrics(
                 f"{name}_ln_ppl_ratio": ln_ratio.value,
             }
         )
+        if windows is not None:
+            labels = windows[mask]
+            delta_p = np.exp(-nll_ckpt[mask]) - np.exp(-nll_ref[mask])
+            values.update(
+                {
+                    f"{name}_kld_mean_stderr_window": metrics.clustered_stderr(kld[mask], labels),
+                    f"{name}_same_top_p_stderr_window": metrics.clustered_stderr(same_top[mask], labels),
+                    f"{name}_delta_p_mean_stderr_window": metrics.clustered_stderr(delta_p, labels),
+                    f"{name}_rms_delta_p_stderr_window": metrics.rms_clustered_stderr(delta_p, labels),
+                    f"{name}_ln_ppl_ratio_stderr_window": metrics.clustered_stderr(
+                        nll_ckpt[mask] - nll_ref[mask], labels
+                    ),
+                }
+            )
     return values

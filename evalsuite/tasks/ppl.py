@@ -217,7 +217,9 @@ class Perplexity:
         if long.position_buckets:
             positions = scored_positions(protocol, n_windows)
             values.update(
-                position_bucket_metrics(long.position_buckets, positions, kld, same, nll_ref, nll_ckpt)
+                position_bucket_metrics(
+                    long.position_buckets, positions, kld, same, nll_ref, nll_ckpt, windows=windows
+                )
             )
             plots.kld_by_position(
                 positions, kld, long.position_buckets, artifacts / "ppl_kld_by_position.png", estimator

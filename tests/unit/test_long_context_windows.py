@@ -41,6 +41,26 @@ def test_bucket_metrics_are_those_of_the_buckets_tokens():
     assert m["pos_2_inf_ln_ppl_ratio"] == pytest.approx((0 + np.log(0.5)) / 2)
 
 
+def test_bucket_errors_are_clustered_by_window():
+    # Two windows of 4 tokens, positions 0..3 in each; bucket [0, 2) holds tokens 0, 1 of each window.
+    positions = np.tile(np.arange(4), 2)
+    windows = np.repeat([0, 1], 4)
+    kld = np.array([0.1, 0.3, 1.0, 1.0, 0.5, 0.7, 1.0, 1.0])
+    nll = np.full(8, 1.0)
+    same = np.array([True, True, True, True, False, True, True, True])
+    m = position_bucket_metrics([0, 2], positions, kld, same, nll, nll, windows=windows)
+    # The bucket's window means are 0.2 and 0.6: the clustered error is that of 2 cluster means.
+    bucket = kld[[0, 1, 4, 5]]
+    assert m["pos_0_2_kld_mean_stderr_window"] == pytest.approx(
+        metrics.clustered_stderr(bucket, windows[[0, 1, 4, 5]])
+    )
+    assert m["pos_0_2_kld_mean_stderr_window"] == pytest.approx(np.std([0.2, 0.6], ddof=1) / np.sqrt(2))
+    assert "pos_2_inf_same_top_p_stderr_window" in m and "pos_0_2_rms_delta_p_stderr_window" in m
+    # One window: no clustered error at all.
+    one = position_bucket_metrics([0, 2], positions, kld, same, nll, nll, windows=np.zeros(8, dtype=int))
+    assert np.isnan(one["pos_0_2_kld_mean_stderr_window"])
+
+
 def test_the_long_context_section_is_validated():
     assert LongContext() == LongContext(head_chunk_rows=0, position_buckets=[], every_window=False)
     for bad in ({"head_chunk_rows": -1}, {"position_buckets": [0, 4096, 1024]}, {"position_buckets": [-1]}):
