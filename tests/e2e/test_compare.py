@@ -218,3 +218,34 @@ def test_compare_of_the_smollm2_pair_the_exl3_pack_a_w4a16_copy_and_a_bf16_copy(
     for name, theirs in single.items():
         ours = json.loads((out / name / "results.json").read_text())["tasks"]["ppl"]["metrics"]
         assert {k: ours[k] for k in theirs} == theirs, name
+
+
+@pytest.mark.slow
+def test_with_one_long_window_no_candidate_is_claimed_within_or_above_the_floor(smollm2_pair, tmp_path):
+    """On the protocol's 8 windows the copy is `within` and the W4A8 `above` (the test above); on one 8k
+    window (tasks/ppl-long.toml) there is no window-clustered error to bound the excess with: both are
+    `undetermined`, never `within` for want of evidence."""
+    from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8
+
+    ref, w4a8 = smollm2_pair[SMOLLM2_BF16], smollm2_pair[SMOLLM2_W4A8]
+    same = copy_checkpoint(ref, tmp_path / "bf16-copy")
+    long_spec = Path(__file__).parents[2] / "tasks" / "ppl-long.toml"
+    out = tmp_path / "cmp"
+    args = (
+        "compare",
+        "--ref",
+        ref,
+        "--tasks",
+        "ppl",
+        "--spec",
+        f"ppl={long_spec}",
+        "--corpus",
+        "python-docs",
+    )
+    code, lines, _ = cli_in_process(*args, "--out", out, "--quiet", "--ckpt", w4a8, "--ckpt", same)
+    assert code in (0, 1), lines
+    rows = {
+        r["name"]: r for r in json.loads((out / "compare.json").read_text(encoding="utf-8"))["candidates"]
+    }
+    assert rows["bf16-copy"]["kld_mean"] == 0.0
+    assert rows["bf16-copy"]["noise_floor"] == rows[SMOLLM2_W4A8]["noise_floor"] == "undetermined"
