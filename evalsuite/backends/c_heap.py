@@ -35,6 +35,9 @@ def _glibc() -> Any:
 
 
 _LIBC = _glibc()
+# The threshold outside a load, restored after each (glibc does not report it): its usual ceiling, or the
+# load's own once `map_large_allocations` has made that the process's for good.
+_running_threshold = RUNNING_MMAP_THRESHOLD
 
 
 def release_freed_memory() -> None:
@@ -46,7 +49,7 @@ def release_freed_memory() -> None:
 @contextlib.contextmanager
 def tensors_mapped_while_loading() -> Iterator[None]:
     """For the duration of a model's load, tensors of 1 MiB or more mapped (and unmapped when freed); then
-    the threshold at glibc's usual ceiling and the heaps trimmed."""
+    the threshold back to the process's running one (`map_large_allocations`) and the heaps trimmed."""
     if _LIBC is None:
         yield
         return
@@ -54,5 +57,22 @@ def tensors_mapped_while_loading() -> Iterator[None]:
     try:
         yield
     finally:
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, RUNNING_MMAP_THRESHOLD)
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, _running_threshold)
         release_freed_memory()
+
+
+def map_large_allocations() -> bool:
+    """From now on in this process, every allocation of 1 MiB or more (`LOADING_MMAP_THRESHOLD`) is mapped
+    on its own and returned to the system when freed, loads or not; whether it applied (not on another C
+    library).
+
+    Why: a long window's reduction allocates thousands of same-sized temporaries (a block of float64
+    log-probs, its copies: 6 MB at a 49 k vocabulary, 32 MB at 248 k) between small results that live on, in
+    the arena of whichever torch thread asked: the small results split the freed blocks, the next block does
+    not fit the holes, and the arenas grow by a block each time, to many times the window's own working
+    memory (bench/long_context.py measures the whole process). A streamed layer's load keeps it so."""
+    global _running_threshold
+    if _LIBC is None:
+        return False
+    _running_threshold = LOADING_MMAP_THRESHOLD
+    return bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, _running_threshold))

@@ -14,9 +14,6 @@ Gemma-style final logit soft-capping (`transformers/models/gemma2/modeling_gemma
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,13 +22,6 @@ import torch
 from torch import nn
 
 from evalsuite.errors import InputError
-
-# glibc's mallopt parameter for the size from which an allocation is mapped on its own (malloc.h).
-_M_MMAP_THRESHOLD = -3
-# From this size on, an allocation is mapped on its own and unmapped when freed: a long window's
-# float64 blocks of log-probs (16 rows × vocabulary: 6 MB at 49 k tokens, 32 MB at 248 k) and its forward's
-# activations (8 k positions × hidden) are all above it.
-LARGE_ALLOCATION = 1 << 20
 
 
 @dataclass
@@ -111,27 +101,3 @@ def scored_states(model: Any, stand_in: _HeadInput, head: nn.Module) -> ScoredSt
     if stand_in.hidden is None or stand_in.hidden.shape[0] != 1:
         raise InputError(f"the forward of {type(model).__name__} did not call its head once on one window")
     return ScoredStates(hidden=stand_in.hidden[0], head=head, softcap=final_logit_softcap(model))
-
-
-@functools.cache
-def map_large_allocations() -> bool:
-    """From now on in this process, every allocation of `LARGE_ALLOCATION` bytes or more is mapped on its own
-    and returned to the system when freed (glibc's `mallopt(M_MMAP_THRESHOLD)`); whether it applied (not on
-    another C library).
-
-    Why: glibc serves allocations below its mmap threshold from its arenas, and raises that threshold
-    (up to 32 MB) each time a mapped block is freed. A long window's reduction allocates thousands of
-    same-sized temporaries (a block of float64 log-probs, its copies) between small results that live on,
-    in the arena of whichever torch thread asked: the small results split the freed blocks, the next block
-    does not fit the holes, and the arenas grow by a block each time, to many times the window's own
-    working memory (bench/long_context.py measures the whole process). A fixed threshold also turns off
-    glibc's raising of it, for the rest of the process."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = getattr(libc, "mallopt", None)
-    except OSError:
-        return False
-    if mallopt is None:
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION))

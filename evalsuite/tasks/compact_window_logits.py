@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from evalsuite import metrics
-from evalsuite.backends.chunked_head import map_large_allocations
+from evalsuite.backends.c_heap import map_large_allocations
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.task import Inputs, Need, Progress
