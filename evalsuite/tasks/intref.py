@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from evalsuite import claims, metrics, plots
+from evalsuite import metrics, plots
 from evalsuite.backends.intref_plan import ActivationConvention, integer_modules_or_reason
 from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION
 from evalsuite.errors import InputError
@@ -25,7 +25,7 @@ from evalsuite.observation import Observation
 from evalsuite.side import Side
 from evalsuite.spec import TaskSpec
 from evalsuite.task import Inputs, Need, RunContext, TaskResult, TaskSkipped, task
-from evalsuite.tasks.kld_detail import above_floor
+from evalsuite.tasks.kld_detail import against_floor
 from evalsuite.tasks.noise_floor import NoiseFloorOptions, NoisyWindowLogits
 from evalsuite.tasks.ppl import CompareOptions
 from evalsuite.tasks.window_logits import (
@@ -231,24 +231,20 @@ def _floor_metrics(
     for i, floor in enumerate(floors):
         same_inputs({"hf": hf, f"hf_floor_{i}": floor})
     draws = [kld_per_token(hf, floor, chunk_rows)[0] for floor in floors]
-    kld_floor = np.mean(draws, axis=0) if len(draws) > 1 else draws[0]
-    floor_mean = metrics.mean_with_stderr(kld_floor)
+    floor = against_floor(kld_ih, draws, windows, margin)
     same_floor = hf.arrays["top"] == floors[0].arrays["top"]
     same_top_floor = metrics.rate_with_stderr(same_floor)
-    above, above_se, ratio = above_floor(kld_ih, kld_floor, floor_mean.value, windows)
-    clusters = len(np.unique(windows))
-    means = [float(np.mean(d)) for d in draws]
     return {
-        "kld_hf_floor": floor_mean.value,
-        "kld_hf_floor_stderr_window": metrics.clustered_stderr(kld_floor, windows),
-        "kld_hf_floor_draws": len(draws),
-        "kld_hf_floor_draw_spread": max(means) - min(means) if len(means) > 1 else float("nan"),
+        "kld_hf_floor": floor.mean.value,
+        "kld_hf_floor_stderr_window": metrics.clustered_stderr(floor.kld, windows),
+        "kld_hf_floor_draws": floor.draws,
+        "kld_hf_floor_draw_spread": floor.draw_spread,
         "same_top_hf_floor": same_top_floor.value,
-        "kld_int_vs_hf_floor_ratio": ratio,
-        "kld_int_vs_hf_above_floor": above.value,
-        "kld_int_vs_hf_above_floor_stderr_window": above_se,
-        "kld_int_vs_hf_above_floor_upper95": claims.bound(above.value, above_se, clusters, "upper95"),
-        "int_vs_hf_floor": claims.equivalence(above.value, above_se, clusters, margin * floor_mean.value),
+        "kld_int_vs_hf_floor_ratio": floor.ratio,
+        "kld_int_vs_hf_above_floor": floor.excess.value,
+        "kld_int_vs_hf_above_floor_stderr_window": floor.excess_stderr,
+        "kld_int_vs_hf_above_floor_upper95": floor.bound("upper95"),
+        "int_vs_hf_floor": floor.outcome,
         "same_top_int_vs_hf_below_floor": same_top_floor.value - float(np.mean(same_ih)),
         "same_top_int_vs_hf_below_floor_stderr_window": metrics.clustered_stderr(
             same_floor.astype(np.float64) - same_ih.astype(np.float64), windows

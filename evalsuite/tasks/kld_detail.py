@@ -370,44 +370,70 @@ def floor_metrics(
     chunk_rows: int,
     margin: float,
 ) -> tuple[dict[str, Any], np.ndarray]:
-    """The noise floor and where the candidate stands against it.
-
-    `kld_floor`: the mean KLD of the noisy reference from the reference, its per-token KLDs averaged over the
-    floor's draws (`floors`, one per noise seed), with the spread of the draws' means; `kld_floor_ratio`; the
-    candidate's per-token excess over the floor, paired by token, with its window-clustered error and bounds;
-    and `noise_floor`, the equivalence outcome (`claims.equivalence`) against `margin` × the floor: `within`,
-    `above` or `undetermined`. Also the floor's per-token KLD."""
-    draws = [_floor_kld(ref, floor, chunk_rows) for floor in floors]
-    floor_kld = np.mean(draws, axis=0) if len(draws) > 1 else draws[0]
-    est = metrics.mean_with_stderr(floor_kld)
-    excess, excess_se, ratio = above_floor(kld, floor_kld, est.value, windows)
-    clusters = len(np.unique(windows))
-    means = [float(np.mean(d)) for d in draws]
-    allowed = margin * est.value
+    """The noise floor and where the candidate stands against it (`against_floor`), as `ppl` reports it:
+    `kld_floor` with the spread of its draws, `kld_floor_ratio`, the per-token excess over the floor with its
+    error and bounds, and `noise_floor`, the outcome. Also the floor's per-token KLD."""
+    floor = against_floor(kld, [_floor_kld(ref, f, chunk_rows) for f in floors], windows, margin)
     return {
-        "kld_floor": est.value,
-        "kld_floor_stderr": est.stderr,
-        "kld_floor_stderr_window": metrics.clustered_stderr(floor_kld, windows),
-        "kld_floor_draws": len(draws),
-        "kld_floor_draw_spread": max(means) - min(means) if len(means) > 1 else float("nan"),
-        "kld_floor_ratio": ratio,
-        "kld_above_floor": excess.value,
-        "kld_above_floor_stderr_window": excess_se,
-        "kld_above_floor_upper95": claims.bound(excess.value, excess_se, clusters, "upper95"),
-        "kld_above_floor_lower95": claims.bound(excess.value, excess_se, clusters, "lower95"),
-        "noise_floor_margin": allowed,
-        "noise_floor": claims.equivalence(excess.value, excess_se, clusters, allowed),
-    }, floor_kld
+        "kld_floor": floor.mean.value,
+        "kld_floor_stderr": floor.mean.stderr,
+        "kld_floor_stderr_window": metrics.clustered_stderr(floor.kld, windows),
+        "kld_floor_draws": floor.draws,
+        "kld_floor_draw_spread": floor.draw_spread,
+        "kld_floor_ratio": floor.ratio,
+        "kld_above_floor": floor.excess.value,
+        "kld_above_floor_stderr_window": floor.excess_stderr,
+        "kld_above_floor_upper95": floor.bound("upper95"),
+        "kld_above_floor_lower95": floor.bound("lower95"),
+        "noise_floor_margin": floor.allowed,
+        "noise_floor": floor.outcome,
+    }, floor.kld
 
 
-def above_floor(
-    kld: np.ndarray, floor_kld: np.ndarray, floor_mean: float, windows: np.ndarray
-) -> tuple[metrics.Estimate, float, float]:
-    """A per-token KLD's excess over a noise floor's, paired by token, its window-clustered standard error,
-    and its mean in units of the floor's mean (`floor_mean`)."""
-    excess = metrics.paired_difference(floor_kld, kld)
-    excess_se = metrics.clustered_stderr(kld - floor_kld, windows)
-    return excess, excess_se, metrics.ratio_to_floor(float(np.mean(kld)), floor_mean)
+@dataclass
+class FloorComparison:
+    """A per-token KLD against a noise floor drawn one or more times (`against_floor`)."""
+
+    kld: np.ndarray  # the floor's per-token KLD, averaged over its draws
+    mean: metrics.Estimate  # of `kld`
+    draws: int
+    draw_spread: float  # max − min of the draws' means; NaN for one draw
+    excess: metrics.Estimate  # of the per-token KLD − the floor's, paired by token
+    excess_stderr: float  # window-clustered
+    ratio: float  # mean KLD / the floor's mean
+    clusters: int
+    allowed: float  # the margin × the floor's mean
+
+    def bound(self, which: claims.Bound) -> float:
+        """A one-sided 95% bound of the excess (`claims.bound`)."""
+        return claims.bound(self.excess.value, self.excess_stderr, self.clusters, which)
+
+    @property
+    def outcome(self) -> claims.Outcome:
+        """`within`, `above` or `undetermined` the allowed excess (`claims.equivalence`)."""
+        return claims.equivalence(self.excess.value, self.excess_stderr, self.clusters, self.allowed)
+
+
+def against_floor(
+    kld: np.ndarray, draws: list[np.ndarray], windows: np.ndarray, margin: float
+) -> FloorComparison:
+    """A per-token KLD against a floor's per-token KLDs, one array per noise draw (averaged by token): the
+    excess paired by token with its window-clustered error, the ratio of the means, and the excess allowed
+    (`margin` × the floor's mean)."""
+    floor_kld = np.mean(draws, axis=0) if len(draws) > 1 else draws[0]
+    mean = metrics.mean_with_stderr(floor_kld)
+    means = [float(np.mean(d)) for d in draws]
+    return FloorComparison(
+        kld=floor_kld,
+        mean=mean,
+        draws=len(draws),
+        draw_spread=max(means) - min(means) if len(means) > 1 else float("nan"),
+        excess=metrics.paired_difference(floor_kld, kld),
+        excess_stderr=metrics.clustered_stderr(kld - floor_kld, windows),
+        ratio=metrics.ratio_to_floor(float(np.mean(kld)), mean.value),
+        clusters=len(np.unique(windows)),
+        allowed=margin * mean.value,
+    )
 
 
 # The floor's per-token KLD by the two observations' keys: it is the reference's alone, the same for every
