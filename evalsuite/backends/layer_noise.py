@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from evalsuite.backends.streamed import decoder_layers
+from evalsuite.backends.streamed import StreamedBackend, decoder_layers
 from evalsuite.errors import InputError
 
 BF16_ROUNDING = 2.0**-9
@@ -74,14 +74,41 @@ def noisy_window_logits(
 ) -> Iterator[torch.Tensor]:
     """`backend.window_logits` of each window with seeded noise on every decoder layer's output. Needs a
     backend that runs a whole Transformers model (`model` and `checkpoint`)."""
+    return _noisy_windows(backend, windows, scale, seed, lambda w: backend.window_logits(w, positions))
+
+
+def noisy_scored_states(
+    backend: Any, windows: torch.Tensor, positions: torch.Tensor, scale: float, seed: int
+) -> Iterator[Any]:
+    """`backend.window_scored_states` (the chunked head's states) of each window with the seeded noise of
+    `noisy_window_logits`: by hooks on a loaded model, by replacing each layer's output on a streamed one."""
+    if isinstance(backend, StreamedBackend):
+
+        def after_layer(hidden: torch.Tensor, call: Any, index: int) -> torch.Tensor:
+            return perturbed(hidden, call.window, index, scale, seed)
+
+        return backend.window_scored_states(windows, positions, after_layer)
+    return _noisy_windows(backend, windows, scale, seed, lambda w: backend.window_scored_states(w, positions))
+
+
+EachWindow = Callable[[torch.Tensor], Iterator[Any]]
+
+
+def _noisy_windows(
+    backend: Any, windows: torch.Tensor, scale: float, seed: int, each: EachWindow
+) -> Iterator[Any]:
+    """What `each` yields for every window (a batch of one), run with `NoisyLayers` on the backend's model."""
     model = getattr(backend, "model", None)
     if model is None:
         raise InputError(
             f"the noise floor runs the reference through Transformers with hooks on its decoder layers; "
             f"backend {backend.describe().get('backend')} exposes no such model (streamed or exllamav3)"
         )
-    noisy = NoisyLayers(model, backend.checkpoint, scale, seed)
+    return _hooked(NoisyLayers(model, backend.checkpoint, scale, seed), windows, each)
+
+
+def _hooked(noisy: NoisyLayers, windows: torch.Tensor, each: EachWindow) -> Iterator[Any]:
     with noisy.attached():
         for window in windows:
             noisy.window = window
-            yield from backend.window_logits(window[None], positions)
+            yield from each(window[None])

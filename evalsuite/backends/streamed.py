@@ -74,6 +74,8 @@ from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
 
 REST = None  # the unit of everything outside the decoder layers
+# What replaces a decoder layer's output on a window (`window_scored_states`): (states, call, layer index).
+AfterLayer = Callable[[torch.Tensor, "WindowCall", int], torch.Tensor]
 
 
 def decoder_layers(model: nn.Module, checkpoint: Checkpoint) -> tuple[nn.ModuleList, str]:
@@ -547,13 +549,17 @@ class StreamedBackend:
         for hidden, call in self._final_states(windows):
             yield self.head_logits(hidden, call, positions)
 
-    def _final_states(self, windows: torch.Tensor) -> list[tuple[torch.Tensor, WindowCall]]:
+    def _final_states(
+        self, windows: torch.Tensor, after_layer: AfterLayer | None = None
+    ) -> list[tuple[torch.Tensor, WindowCall]]:
         calls = [self.capture(window) for window in windows]
         states = [call.hidden for call in calls]
         for index in range(self.n_layers):
             # As a loaded model runs a long window (`HFBackend`): the MLP a chunk of positions at a time.
             with self.resident(index) as layer, mlp_in_chunks(layer, length=int(windows.shape[-1])):
                 states = [self.forward_layer(layer, index, h, c) for h, c in zip(states, calls, strict=True)]
+            if after_layer is not None:
+                states = [after_layer(h, c, index) for h, c in zip(states, calls, strict=True)]
         return list(zip(states, calls, strict=True))
 
     def head_states(self, hidden: torch.Tensor, call: WindowCall, positions: torch.Tensor) -> ScoredStates:
@@ -571,10 +577,13 @@ class StreamedBackend:
             self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
         return scored_states(self.model, stand_in, head)
 
-    def window_scored_states(self, windows: torch.Tensor, positions: torch.Tensor) -> Iterator[ScoredStates]:
+    def window_scored_states(
+        self, windows: torch.Tensor, positions: torch.Tensor, after_layer: AfterLayer | None = None
+    ) -> Iterator[ScoredStates]:
         """The chunked-head primitive (`ChunkedHead`): every window through every layer, one layer resident
-        at a time, then each window's final hidden states at `positions`."""
-        for hidden, call in self._final_states(windows):
+        at a time, then each window's final hidden states at `positions`. `after_layer(states, call, index)`
+        replaces each layer's output (the noise floor's perturbation)."""
+        for hidden, call in self._final_states(windows, after_layer):
             yield self.head_states(hidden, call, positions)
 
     def generate_greedy(

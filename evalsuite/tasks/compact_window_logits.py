@@ -28,12 +28,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from evalsuite import metrics
 from evalsuite.backends.c_heap import map_large_allocations
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.task import Inputs, Need, Progress
-from evalsuite.tasks.kld_detail import TOP_K_AGREEMENT, TokenDetail
+from evalsuite.tasks.kld_detail import TOP_K_AGREEMENT, TokenDetail, kld_at_reference
 from evalsuite.tasks.window_logits import (
     COMPACT_ARRAYS,
     RecordOptions,
@@ -46,7 +45,7 @@ from evalsuite.tasks.window_logits import (
 )
 
 if TYPE_CHECKING:
-    from evalsuite.backends import Backend
+    from evalsuite.backends import Backend, ChunkedHead
     from evalsuite.backends.chunked_head import ScoredStates
 
 REFERENCE_NAME = "window-logits-compact"
@@ -92,7 +91,7 @@ class _ReducedWindowLogits(WindowObserver):
         todo = [w for w in range(len(windows)) if not _part(folder, w).is_file()]
         for _ in range(len(windows) - len(todo)):
             step()
-        for w, states in zip(todo, backend.window_scored_states(windows[todo], positions), strict=True):
+        for w, states in zip(todo, self.scored_states(backend, windows[todo], positions), strict=True):
             targets = windows[w][positions + 1]
             blocks = _logit_blocks(states, self.head_rows, self.chunk_rows, backend.vocab_size)
             _save_part(folder, w, self.reduce(w, _with_targets(blocks, targets), inputs))
@@ -107,6 +106,12 @@ class _ReducedWindowLogits(WindowObserver):
             "bytes_per_token": sum(a.nbytes for a in arrays.values()) // len(arrays["nll"]),
         }
         return Observation(name=self.name, meta=self.meta(meta), arrays=arrays)
+
+    def scored_states(
+        self, backend: ChunkedHead, windows: torch.Tensor, positions: torch.Tensor
+    ) -> Iterator[ScoredStates]:
+        """Each window's final hidden states at `positions`, with the head: the backend's own forward."""
+        return backend.window_scored_states(windows, positions)
 
     def check(self, backend: Backend, inputs: Inputs) -> None:
         """Refuse, before any window runs, what this side cannot be observed against."""
@@ -217,8 +222,9 @@ def long_window_needs(
 
 
 def is_at_reference(obs: Observation) -> bool:
-    """Whether a candidate's observation holds its log-probs at the reference's ids (`LogitsAtReference`)."""
-    return obs.name == CANDIDATE_NAME
+    """Whether an observation holds its log-probs at the reference's ids (`LogitsAtReference`, the noise
+    floor's `NoisyLogitsAtReference` included)."""
+    return obs.name.startswith(CANDIDATE_NAME)
 
 
 def detail_at_reference(ref: Observation, ckpt: Observation) -> tuple[TokenDetail, np.ndarray, str]:
@@ -226,11 +232,7 @@ def detail_at_reference(ref: Observation, ckpt: Observation) -> tuple[TokenDetai
     the candidate's log-probs at its ids (no reverse KLD: the candidate's top ids were never asked of the
     reference)."""
     a, c = ref.arrays, ckpt.arrays
-    if len(a["top_ids"]) != len(c["at_top"]):
-        raise InputError(f"the sides hold {len(a['top_ids'])} and {len(c['at_top'])} scored tokens")
-    kld = metrics.kl_divergence_top_k_tail(
-        a["top_logp"], c["at_top"], a["tail_mass"], a["tail_logp"], c["at_tail"]
-    )
+    kld = kld_at_reference(ref, ckpt)
     ref_top_p = np.exp(a["top_logp"][:, 0].astype(np.float64))
     top_ref = a["ranked"] if "ranked" in a else a["top_ids"][:, :TOP_K_AGREEMENT]
     detail = TokenDetail(ref_top_p, top_ref, c["ranked"], None, same_top=c["same_top"])

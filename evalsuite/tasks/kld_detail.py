@@ -442,14 +442,31 @@ _FLOOR_KLD: dict[tuple[str, str, int], np.ndarray] = {}
 _FLOOR_KLD_KEEP = 4
 
 
+def kld_at_reference(ref: Observation, ckpt: Observation) -> np.ndarray:
+    """KL(ref ‖ ckpt) per scored token from the reference's compact form and the other side's log-probs at
+    the ids it kept (long windows: `compact_window_logits`): exact over the top-k, sampled beyond."""
+    a, c = ref.arrays, ckpt.arrays
+    if len(a["top_ids"]) != len(c["at_top"]):
+        raise InputError(f"the sides hold {len(a['top_ids'])} and {len(c['at_top'])} scored tokens")
+    return metrics.kl_divergence_top_k_tail(
+        a["top_logp"], c["at_top"], a["tail_mass"], a["tail_logp"], c["at_tail"]
+    )
+
+
+def _one_floor_kld(ref: Observation, floor: Observation, chunk_rows: int) -> np.ndarray:
+    if "at_top" in floor.arrays:  # long windows: the floor kept its log-probs at the reference's ids only
+        return kld_at_reference(ref, floor)
+    return kld_per_token(ref, floor, chunk_rows)[0]
+
+
 def _floor_kld(ref: Observation, floor: Observation, chunk_rows: int) -> np.ndarray:
     if not (ref.key and floor.key):  # unkeyed observations (made by hand, say) are never shared
-        return kld_per_token(ref, floor, chunk_rows)[0]
+        return _one_floor_kld(ref, floor, chunk_rows)
     key = (ref.key, floor.key, chunk_rows)
     if key not in _FLOOR_KLD:
         while len(_FLOOR_KLD) >= _FLOOR_KLD_KEEP:
             del _FLOOR_KLD[next(iter(_FLOOR_KLD))]
-        _FLOOR_KLD[key] = kld_per_token(ref, floor, chunk_rows)[0]
+        _FLOOR_KLD[key] = _one_floor_kld(ref, floor, chunk_rows)
         _FLOOR_KLD[key].setflags(write=False)
     return _FLOOR_KLD[key]
 

@@ -3,24 +3,28 @@ layer's output (`evalsuite.backends.layer_noise`), stored like any other window 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import Field
 
-from evalsuite.backends.layer_noise import BF16_ROUNDING, noisy_window_logits, perturbed
+from evalsuite.backends.layer_noise import BF16_ROUNDING, noisy_scored_states, noisy_window_logits, perturbed
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor
 from evalsuite.observation import Observation
 from evalsuite.spec import StrictModel
 from evalsuite.task import Inputs, Progress
+from evalsuite.tasks.compact_window_logits import CANDIDATE_NAME, LogitsAtReference
 from evalsuite.tasks.window_logits import WindowLogits, WindowLogitsVisitor
 
 if TYPE_CHECKING:
-    from evalsuite.backends import Backend
+    from evalsuite.backends import Backend, ChunkedHead
+    from evalsuite.backends.chunked_head import ScoredStates
     from evalsuite.backends.streamed import StreamedBackend, WindowCall
 
 OBSERVER_NAME = "window-logits-noise"
+AT_REFERENCE_NAME = f"{CANDIDATE_NAME}-noise"
 NOISY = "noisy"
 
 
@@ -124,3 +128,24 @@ class NoisyVisitor(WindowLogitsVisitor):
 
     def finish(self, final: list[torch.Tensor], calls: list[WindowCall]) -> Observation:
         return super().finish(self.noisy, calls)
+
+
+class NoisyLogitsAtReference(LogitsAtReference):
+    """The floor on long windows: the reference forwarded with the seeded noise, observed as a candidate is
+    (`LogitsAtReference`: its log-probs at the ids the reference's compact form kept, reduced chunk by chunk
+    as the head makes them), so that it holds no window × vocabulary array either."""
+
+    name = AT_REFERENCE_NAME
+    what = "window logits with noise, at the reference's ids (chunked head)"
+
+    def __init__(self, *args: Any, noise: NoiseFloorOptions, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.noise = noise
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "noise": {"scale": self.noise.scale, "seed": self.noise.seed}}
+
+    def scored_states(
+        self, backend: ChunkedHead, windows: torch.Tensor, positions: torch.Tensor
+    ) -> Iterator[ScoredStates]:
+        return noisy_scored_states(backend, windows, positions, self.noise.scale, self.noise.seed)

@@ -14,7 +14,12 @@ from evalsuite.observation import Observation
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
 from evalsuite.task import Inputs, Need, RunContext, TaskResult, task
-from evalsuite.tasks.compact_window_logits import detail_at_reference, is_at_reference, long_window_needs
+from evalsuite.tasks.compact_window_logits import (
+    REFERENCE_LABEL,
+    detail_at_reference,
+    is_at_reference,
+    long_window_needs,
+)
 from evalsuite.tasks.kld_detail import detail_metrics, floor_metrics, token_detail, write_tokens
 from evalsuite.tasks.long_context import (
     LongContext,
@@ -22,7 +27,7 @@ from evalsuite.tasks.long_context import (
     position_bucket_metrics,
     scored_positions,
 )
-from evalsuite.tasks.noise_floor import NoiseFloorOptions, NoisyWindowLogits
+from evalsuite.tasks.noise_floor import NoiseFloorOptions, NoisyLogitsAtReference, NoisyWindowLogits
 from evalsuite.tasks.window_logits import (
     FULL_VOCABULARY,
     RecordOptions,
@@ -124,12 +129,13 @@ class Perplexity:
         else:
             observer = WindowLogits(self.spec.protocol, self.spec.record, chunk_rows)
             needs = [Need("ref", "ref", observer), Need("ckpt", "ckpt", observer)]
-        floor = self.spec.noise_floor
-        if floor.enabled:
-            for i in range(floor.draws):
-                noisy = NoisyWindowLogits(
-                    self.spec.protocol, self.spec.record, chunk_rows, noise=floor.draw(i)
-                )
+        floor, protocol = self.spec.noise_floor, self.spec.protocol
+        for i in range(floor.draws if floor.enabled else 0):
+            if head_rows:  # as the candidate is observed on long windows: at the reference's ids
+                at_ref = NoisyLogitsAtReference(protocol, chunk_rows, head_rows, noise=floor.draw(i))
+                needs.append(Need(floor.label(i), "ref", at_ref, consumes=(REFERENCE_LABEL,)))
+            else:
+                noisy = NoisyWindowLogits(protocol, self.spec.record, chunk_rows, noise=floor.draw(i))
                 needs.append(Need(floor.label(i), "ref", noisy))
         return needs
 

@@ -153,6 +153,38 @@ def test_the_compact_estimate_is_near_the_full_vocabulary_kld_and_the_rest_is_un
     assert compact["kld_mean"] == pytest.approx(whole["kld_mean"], rel=0.05)
 
 
+def test_the_floor_on_long_windows_is_observed_at_the_reference_ids_loaded_and_streamed_alike(
+    chunked, tiny_pair, tmp_path
+):
+    """The noise floor on long windows is observed as the candidate is: its log-probs at the ids the
+    reference's compact form kept, chunk by chunk, never its logits (which at a 248 k vocabulary would be
+    16 GB a 32 k window). The same draws loaded and streamed: the same floor, bit for bit; and a floor that
+    is not the reference's own noisy run (another seed) moves it."""
+    out, result = chunked
+    floor_spec = tmp_path / "ppl-long-floor.toml"
+    floor_text = SPEC.replace("HEAD_ROWS", "100") + "\n[noise_floor]\nenabled = true\ndraws = 1\n"
+    floor_spec.write_text(floor_text, encoding="utf-8")
+    floors = {}
+    for how, extra in (("loaded", ()), ("streamed", ("--stream",))):
+        shutil.copytree(out, tmp_path / how)  # the reference's and the candidate's observations are reused
+        ckpt, ref = tiny_pair[TINY_W4A8], tiny_pair[TINY_BF16]
+        floors[how] = _run(tmp_path / how, ckpt, ref, floor_spec, *extra)["metrics"]
+        made = [p for p in (tmp_path / how / "observations").iterdir() if "noise" in p.name]
+        assert len(made) == 1 and "window-logits-at-reference-noise" in made[0].name, made
+        assert not [f for f in made[0].rglob("*") if f.suffix == ".npy"]  # no logits file
+    loaded, streamed = floors["loaded"], floors["streamed"]
+    assert 0 < loaded["kld_floor"] < loaded["kld_mean"] and "compact form" in loaded["kld_estimator"]
+    for name in ("kld_floor", "kld_floor_ratio", "kld_above_floor", "noise_floor", "kld_mean"):
+        assert streamed[name] == loaded[name], name
+    assert loaded["kld_mean"] == result["metrics"]["kld_mean"]  # the candidate's figures are its own
+    assert loaded["noise_floor"] == "undetermined"  # one window: no clustered error to bound with
+    other_seed = tmp_path / "ppl-long-floor-seed.toml"
+    other_seed.write_text(floor_text.replace("draws = 1", "draws = 1\nseed = 7"), encoding="utf-8")
+    shutil.copytree(out, tmp_path / "seed")
+    seeded = _run(tmp_path / "seed", tiny_pair[TINY_W4A8], tiny_pair[TINY_BF16], other_seed)["metrics"]
+    assert seeded["kld_floor"] != loaded["kld_floor"]
+
+
 class _VocabularyRows(TorchDispatchMode):
     """Notes the most rows any tensor of `vocab` columns (logits, log-probs) had in the ops run under it."""
 
