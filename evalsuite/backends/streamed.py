@@ -1,11 +1,11 @@
 """Streamed execution: a model larger than memory, run one decoder layer at a time.
 
-The model is Transformers' own, built on the meta device: no weight is in memory until it is needed. What lies
-outside the decoder layers (embeddings, vision tower, final norm, head: small beside the layers) is
-materialised once, as one unit; each decoder layer is materialised from the safetensors files (only its
-own tensors, read through `Checkpoint.open_tensors`), every window's hidden states are pushed through it, and
-it is freed before the next one is read. On CUDA the layer is materialised on the device and the hidden
-states stay there.
+The model is Transformers' own, built on the meta device: no weight is in memory until it is needed. The text
+path outside the decoder layers (embeddings, final norm, head) is materialised once, as one unit; a vision
+tower and its projector at the first image only (`stream_units`); each decoder layer is materialised from the
+safetensors files (only its own tensors, read through `Checkpoint.open_tensors`), every window's hidden
+states are pushed through it, and it is freed before the next one is read. On CUDA the layer is materialised
+on the device and the hidden states stay there.
 
 How the windows go through, with nothing but Transformers' own code computing:
 
@@ -48,7 +48,7 @@ import contextlib
 import copy
 import gc
 import io
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,11 +69,19 @@ from evalsuite.backends.hf import (
 )
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.skeleton import refuse_mismatch, set_generation_config, tie_weights
+from evalsuite.backends.stream_units import (
+    REST,
+    VISION,
+    Unit,
+    refuse_missing_in_layers,
+    text_modules,
+    unit_of,
+    vision_modules,
+)
 from evalsuite.backends.token_chunks import mlp_in_chunks
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
 
-REST = None  # the unit of everything outside the decoder layers
 # What replaces a decoder layer's output on a window (`window_scored_states`): (states, call, layer index).
 AfterLayer = Callable[[torch.Tensor, "WindowCall", int], torch.Tensor]
 
@@ -94,38 +102,6 @@ def decoder_layers(model: nn.Module, checkpoint: Checkpoint) -> tuple[nn.ModuleL
         f"modules under its decoder, {type(decoder).__name__}): streamed execution cannot run this model",
         checkpoint.path,
     )
-
-
-def _layer_of(name: str, prefix: str) -> int | None:
-    """The decoder layer a state-dict name belongs to, None outside the layers."""
-    if not name.startswith(prefix + "."):
-        return None
-    head = name[len(prefix) + 1 :].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
-
-
-def _refuse_missing_in_layers(
-    checkpoint: Checkpoint, prefix: str, missing: Iterable[str], unexpected: Iterable[str]
-) -> None:
-    """One line naming the first decoder layer whose tensors the files lack (or hold in excess); names
-    outside the decoder layers are left to the whole-checkpoint check."""
-    by_layer: dict[str, dict[int, list[str]]] = {"missing": {}, "unexpected": {}}
-    for what, names in (("missing", missing), ("unexpected", unexpected)):
-        for name in names:
-            layer = _layer_of(name, prefix)
-            if layer is not None:
-                by_layer[what].setdefault(layer, []).append(name)
-    for layer in sorted({*by_layer["missing"], *by_layer["unexpected"]}):
-        problems = []
-        for what, local_names in (
-            ("missing from the files", by_layer["missing"].get(layer)),
-            ("not in the model", by_layer["unexpected"].get(layer)),
-        ):
-            if local_names:
-                local = sorted(n.removeprefix(f"{prefix}.{layer}.") for n in local_names)
-                shown = ", ".join(local[:3]) + (f" and {len(local) - 3} more" if len(local) > 3 else "")
-                problems.append(f"{len(local)} tensors {what} ({shown})")
-        raise InputError(f"decoder layer {layer} ({prefix}.{layer}): " + "; ".join(problems), checkpoint.path)
 
 
 class TransformersLayers:
@@ -154,6 +130,7 @@ class TransformersLayers:
             # decompressed when it is materialised, by the same per-module function.
             self.compressor.remove_decompression_hook(self.model)
         self.layers, self.prefix = decoder_layers(self.model, checkpoint)
+        self.text = text_modules(self.model)
         dtype = DTYPES[options.dtype]
         mapping = get_model_conversion_mapping(self.model, None, self.quantizer)
         self.load_config = LoadStateDictConfig(
@@ -167,7 +144,7 @@ class TransformersLayers:
         refuse_partial_load(checkpoint, report)
         self._pristine: nn.Module | None = None
 
-    def _plan_units(self, mapping: list[Any]) -> dict[int | None, list[str]]:
+    def _plan_units(self, mapping: list[Any]) -> dict[Unit, list[str]]:
         """The files' tensor names by unit, placed by the names Transformers' own renaming gives them; a layer
         whose tensors are missing from the files (or in excess) is refused, naming the layer."""
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -176,17 +153,17 @@ class TransformersLayers:
         converters = [m for m in mapping if isinstance(m, WeightConverter)]
         expected = self.model.state_dict()
         prefix_name = self.model.base_model_prefix
-        units: dict[int | None, list[str]] = {}
+        units: dict[Unit, list[str]] = {}
         provided: set[str] = set()
         unexpected: list[str] = []
         for name in self.checkpoint.tensors:
             target, _ = rename_source_key(name, renamings, converters, prefix_name, expected)
-            units.setdefault(_layer_of(target, self.prefix), []).append(name)
+            units.setdefault(unit_of(target, self.prefix, self.text), []).append(name)
             provided.add(target)
             if target not in expected:
                 unexpected.append(target)
         missing = [target for target in expected if target not in provided]
-        _refuse_missing_in_layers(self.checkpoint, self.prefix, missing, unexpected)
+        refuse_missing_in_layers(self.checkpoint, self.prefix, missing, unexpected)
         return units
 
     def _load(self, names: list[str]) -> None:
@@ -226,13 +203,20 @@ class TransformersLayers:
                     decompress_module(module, self.compressor.force_compression_format)
 
     def load_rest(self) -> None:
-        """Everything outside the decoder layers, tied weights tied."""
+        """The text path outside the decoder layers, tied weights tied."""
         self._load(self.units.get(REST, []))
-        inside = {id(m) for m in self.layers.modules()}
-        outside = [m for m in self.model.modules() if id(m) not in inside]
+        apart = {id(m) for m in [*self.layers.modules(), *vision_modules(self.model, self.text)]}
+        outside = [m for m in self.model.modules() if id(m) not in apart]
         self._initialise_buffers(outside)
         self.model.tie_weights()
         self._decompress(outside)
+
+    def load_vision(self) -> None:
+        """What the text path never runs (`stream_units.VISION`), for the rest of the run."""
+        self._load(self.units.get(VISION, []))
+        modules = vision_modules(self.model, self.text)
+        self._initialise_buffers(modules)
+        self._decompress(modules)
 
     def load_layer(self, index: int) -> None:
         """Decoder layer `index`, as a loaded model holds it."""
@@ -265,14 +249,15 @@ class IntegerLayers:
         self.model = self.skeleton.model
         self.layers, self.prefix = decoder_layers(self.model, checkpoint)
         missing, unexpected = self.skeleton.expected_tensors()
-        _refuse_missing_in_layers(checkpoint, self.prefix, missing, unexpected)
+        refuse_missing_in_layers(checkpoint, self.prefix, missing, unexpected)
         refuse_mismatch(checkpoint, missing, unexpected)
-        self.units: dict[int | None, list[str]] = {}
+        self.text = text_modules(self.model)
+        self.units: dict[Unit, list[str]] = {}
         for name in checkpoint.tensors:
             if not (
                 name.endswith(".weight_shape") and name.removesuffix(".weight_shape") in self.skeleton.plan
             ):
-                self.units.setdefault(_layer_of(name, self.prefix), []).append(name)
+                self.units.setdefault(unit_of(name, self.prefix, self.text), []).append(name)
 
     def _load(self, names: list[str]) -> None:
         self.skeleton.load_named(self.model, self.skeleton.plan, self.skeleton.dtype, names)
@@ -281,11 +266,11 @@ class IntegerLayers:
         self._load(self.units.get(REST, []))
         tie_weights(self.model)
         set_generation_config(self.model, self.checkpoint)
-        if self.device.type != "cpu":
-            inside = {id(m) for m in self.layers.modules()}
-            for module in self.model.modules():
-                if id(module) not in inside:
-                    _move_own_tensors(module, self.device)
+        _move_outside_layers(self.model, self.layers, self.device)
+
+    def load_vision(self) -> None:
+        self._load(self.units.get(VISION, []))
+        _move_outside_layers(self.model, self.layers, self.device)
 
     def load_layer(self, index: int) -> None:
         self._load(self.units.get(index, []))
@@ -311,23 +296,24 @@ class DecodedExl3Layers:
         self.skeleton = DecodedSkeleton(checkpoint, options)
         self.model = self.skeleton.model
         self.layers, self.prefix = decoder_layers(self.model, checkpoint)
-        _refuse_missing_in_layers(checkpoint, self.prefix, self.skeleton.missing(), self.skeleton.unexpected)
+        refuse_missing_in_layers(checkpoint, self.prefix, self.skeleton.missing(), self.skeleton.unexpected)
         self.skeleton.refuse_problems()
         ignored = set(self.skeleton.ignored)
-        self.units: dict[int | None, set[str]] = {}
+        self.text = text_modules(self.model)
+        self.units: dict[Unit, set[str]] = {}
         for name in checkpoint.tensors:
             if name not in ignored:
-                self.units.setdefault(_layer_of(name, self.prefix), set()).add(name)
+                self.units.setdefault(unit_of(name, self.prefix, self.text), set()).add(name)
 
     def load_rest(self) -> None:
         self.skeleton.load_tensors(self.units.get(REST, set()))
         tie_weights(self.model)
         set_generation_config(self.model, self.checkpoint)
-        if self.device.type != "cpu":
-            inside = {id(m) for m in self.layers.modules()}
-            for module in self.model.modules():
-                if id(module) not in inside:
-                    _move_own_tensors(module, self.device)
+        _move_outside_layers(self.model, self.layers, self.device)
+
+    def load_vision(self) -> None:
+        self.skeleton.load_tensors(self.units.get(VISION, set()))
+        _move_outside_layers(self.model, self.layers, self.device)
 
     def load_layer(self, index: int) -> None:
         self.skeleton.load_tensors(self.units.get(index, set()))
@@ -349,6 +335,16 @@ def _release_tensors(layer: nn.Module, keep_computed: bool) -> None:
         for name, buffer in module._buffers.items():
             if buffer is not None and not (keep_computed and name in module._non_persistent_buffers_set):
                 module._buffers[name] = buffer.to("meta")
+
+
+def _move_outside_layers(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:
+    """The tensors read so far outside the decoder layers, onto `device` (a no-op on the CPU)."""
+    if device.type == "cpu":
+        return
+    inside = {id(m) for m in layers.modules()}
+    for module in model.modules():
+        if id(module) not in inside:
+            _move_own_tensors(module, device)
 
 
 def _move_own_tensors(module: nn.Module, device: torch.device) -> None:
@@ -430,6 +426,7 @@ class StreamedBackend:
         self.device = self.loader.device
         with contextlib.redirect_stderr(io.StringIO()):
             self.loader.load_rest()
+        self._vision_loaded = False
         self._tuple_output = False
         output_embeddings = self.model.get_output_embeddings()
         text_config = self.model.config.get_text_config()
@@ -593,7 +590,11 @@ class StreamedBackend:
         raise InputError("streamed execution does not generate; tasks that generate load the whole model")
 
     def image_features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The vision tower and merger's output: they lie outside the decoder layers, resident as one unit."""
+        """The vision tower and merger's output: read at the first image, resident from then on."""
+        if not self._vision_loaded:
+            with contextlib.redirect_stderr(io.StringIO()):
+                self.loader.load_vision()
+            self._vision_loaded = True
         return image_features(self.model, self.device, inputs, self.checkpoint)
 
     def close(self) -> None:

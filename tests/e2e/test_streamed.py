@@ -14,7 +14,13 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
+from evalsuite.backends import load_backend
+from evalsuite.backends.options import BackendOptions
+from evalsuite.backends.streamed import StreamedBackend
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.fixtures import TINY_BF16, TINY_EXL3, TINY_W4A8
 from tests.conftest import copy_checkpoint, edit_tensors, run_cli
 
 TWO_WINDOWS = """
@@ -223,3 +229,41 @@ def test_a_model_whose_decoder_layers_cannot_be_found_is_refused_naming_its_clas
     )
     assert "the decoder layers of FlatForCausalLM cannot be found" in line
     assert str(flat) in line
+
+
+@pytest.mark.parametrize(
+    ("fixture", "backend"),
+    [(TINY_BF16, "hf"), (TINY_W4A8, "hf"), (TINY_W4A8, "intref"), (TINY_EXL3, "exl3")],
+)
+def test_a_streamed_side_reads_its_vision_tower_at_the_first_image_only(
+    tiny_pair, tiny_exl3_pair, fixture, backend
+):
+    """A text pass never runs the vision tower: streamed, it stays on the meta device (at the real shape it
+    is as large as a decoder layer), while the text path outside the layers is resident. At the first image
+    it is read, and its features are those of the loaded model, bit for bit."""
+    from evalsuite.multimodal import VisualProcessing
+    from evalsuite.spec import default_spec_path, load_spec
+    from evalsuite.tasks.vision import VisionSpec, prepare_case
+
+    checkpoint = Checkpoint.open({**tiny_pair, **tiny_exl3_pair}[fixture])
+    options = BackendOptions(backend=backend)
+    case = load_spec(VisionSpec, default_spec_path("vision")).resolved_cases()[0]
+    tensors = prepare_case(case, VisualProcessing(checkpoint.path))["tensors"]
+    streamed = StreamedBackend(checkpoint, options.streamed())
+    try:
+        model, text = streamed.model, streamed.loader.text
+
+        def vision() -> list[torch.Tensor]:
+            return [p for n, p in model.named_parameters() if not n.startswith(text)]
+
+        assert vision() and all(p.is_meta for p in vision())
+        assert not model.get_input_embeddings().weight.is_meta
+        features = streamed.image_features(tensors)
+        assert not any(p.is_meta for p in vision())
+    finally:
+        streamed.close()
+    loaded = load_backend(checkpoint, options)
+    try:
+        assert torch.equal(features, loaded.image_features(tensors))
+    finally:
+        loaded.close()
