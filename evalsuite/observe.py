@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from evalsuite.backends import load_backend, load_pair
+from evalsuite.backends.c_heap import release_freed_memory
 from evalsuite.backends.options import BackendOptions
 from evalsuite.observation import Observation
 from evalsuite.offline import hub_offline
@@ -62,6 +63,8 @@ def observe_all(
                 log.append(_load_entry(role, options, todo, backend, loads_before))
         finally:
             backend.close()
+            # The next side loads into what this one leaves: its freed heaps go back to the system first.
+            release_freed_memory()
     return observed
 
 
