@@ -34,6 +34,7 @@ BENCHES = (
     "long_context",
     "manifest",
     "moe",
+    "outliers",
     "ppl",
     "record",
     "stream",
