@@ -19,9 +19,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["digest", "manifest", "exl3_decode", "exl3_tiles", "tensors", "intref", "moe", "stream", "outliers"]
-SLOW = ["ppl", "record", "drift", "compare", "lmeval"]
+SLOW = ["ppl", "record", "drift", "compare", "lmeval", "long_context"]
 # Benches that still write JSON of their own (not yet through bench/figures.py, so not yet on the page).
-OWN_JSON = ["long_context", "real_shape"]
+OWN_JSON = ["real_shape"]
 
 
 def render_module():
