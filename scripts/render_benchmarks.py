@@ -36,6 +36,7 @@ BENCHES = (
     "moe",
     "outliers",
     "ppl",
+    "real_shape",
     "record",
     "stream",
     "stream_exl3",
