@@ -6,14 +6,18 @@ one JSON file per run, `bench/results/<bench>-<UTC time>.json` (or under `--resu
     {"schema": "evalsuite.bench/1", "bench": "digest", "script": "bench/digest.py", "title": "...",
      "mode": "full" | "quick",
      "date": "2026-12-03T16:50:00Z", "commit": "10450de...", "dirty": false,
-     "machine": {"cpu_model", "cpu_flags", "torch_cpu_capability", "onednn_isa", "cores", ...},
+     "machine": {"cpu_model", "cpu_flags", "torch_cpu_capability", "onednn_isa", "cores", "memory_bytes",
+                 ...},
      "argv": [...], "load_average": {"start": [...], "end": [...]},
      "figures": [{"name", "value", "unit", "goal": {"op", "value"} | null, "met": bool | null}],
-     "printed": ["the lines the bench printed", ...]}
+     "printed": ["the lines the bench printed", ...],
+     "data": {...},  # optional: the bench's own measurements, from which it prints and resumes
+     "note": "..."}  # optional: where a document came from when no run of the bench wrote it as it stands
 
 `scripts/render_benchmarks.py` renders docs/benchmarks.md from the latest file of each bench. `--quick`
 runs a bench in seconds on the tiny fixtures (`tests/conftest.py`'s), to check the bench itself: its
-figures say nothing about the tool and are marked so.
+figures say nothing about the tool and are marked so. A bench that runs in pieces (bench/real_shape.py) keeps
+its measurements under `data` and resumes from its latest document (`latest`).
 """
 
 from __future__ import annotations
@@ -86,7 +90,16 @@ def bench_machine() -> dict[str, Any]:
     machine.pop("gpu", None)
     machine["cores"] = os.cpu_count()
     machine["cores_usable"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    machine["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return machine
+
+
+def latest(bench: str, results: Path, quick: bool) -> dict[str, Any] | None:
+    """The latest document `bench` wrote under `results` in the same mode (`--quick` or not), or None."""
+    mode = "quick" if quick else "full"
+    docs = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(results.glob(f"{bench}-*.json"))]
+    docs = [d for d in docs if d.get("schema") == SCHEMA and (d.get("bench"), d.get("mode")) == (bench, mode)]
+    return max(docs, key=lambda d: d["date"], default=None)
 
 
 def _without_results(argv: list[str]) -> list[str]:
@@ -126,6 +139,9 @@ class Figures:
         self.quick = bool(getattr(args, "quick", False))
         self.results = Path(getattr(args, "results", RESULTS))
         self.figures: list[dict[str, Any]] = []
+        # The bench's own measurements, written beside the figures when set.
+        self.data: dict[str, Any] | None = None
+        self.tee: _Tee | None = None
         self.started = STARTED
         self.load_start = LOAD_AT_START
 
@@ -143,6 +159,7 @@ class Figures:
 
     def document(self, printed: str) -> dict[str, Any]:
         commit, dirty = git_commit()
+        data = {} if self.data is None else {"data": self.data}
         return {
             "schema": SCHEMA,
             "bench": self.bench,
@@ -157,6 +174,7 @@ class Figures:
             "load_average": {"start": self.load_start, "end": list(os.getloadavg())},
             "figures": self.figures,
             "printed": printed.splitlines(),
+            **data,
         }
 
     def write(self, printed: str) -> Path:
@@ -166,6 +184,12 @@ class Figures:
         path.write_text(json.dumps(self.document(printed), indent=2) + "\n", encoding="utf-8")
         return path
 
+    def save(self) -> Path:
+        """Write the document as it stands, with what the bench has printed so far (inside `recorded`): a
+        long bench keeps what it measured should a later step fail. The end of the run rewrites the file."""
+        assert self.tee is not None, "save() inside `recorded`"
+        return self.write(self.tee.kept.getvalue())
+
 
 @contextlib.contextmanager
 def recorded(bench: str, title: str, args: argparse.Namespace) -> Iterator[Figures]:
@@ -173,7 +197,7 @@ def recorded(bench: str, title: str, args: argparse.Namespace) -> Iterator[Figur
     block and, when the block ends without an exception, write its figures beside it (the JSON's path is
     printed last)."""
     figures = Figures(bench, title, args)
-    tee = _Tee(sys.stdout)
+    tee = figures.tee = _Tee(sys.stdout)
     with contextlib.redirect_stdout(tee):
         yield figures
     path = figures.write(tee.kept.getvalue())

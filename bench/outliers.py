@@ -1,6 +1,6 @@
 """The `tensors` task's outlier rule on clean packs: its false alarms, and how close the clean packs come.
 
-    python bench/outliers.py [--fixtures DIR] [--pair SOURCE:PACK ...] [--json PATH]
+    python bench/outliers.py [--fixtures DIR] [--pair SOURCE:PACK ...] [--quick] [--results DIR]
 
 For every clean quantized pack among the fixtures (the tiny Llama's and SmolLM2's llm-compressor packs, GPTQ
 included, the tiny MiniCPM-V 4.7 and SmolLM2 W4A8 copies, the EXL3 fixtures; those built in the cache) and
@@ -8,20 +8,23 @@ every `--pair` given, `verify_tensors` judges each output channel against its te
 tensor against its siblings (`tensor_verification/_outliers.py`). Per pack: channels and tensors judged,
 those flagged (false alarms: every pack here is clean), the largest robust z of each, and the closest
 approach to the rule: max over channels (tensors) of min(z / Z, ratio / R), 1 or more being an outlier.
-Prints a table and, with `--json`, writes the rows (bench/outliers.json: this machine's last run).
+Prints a table; the figures go to bench/results/ as JSON (bench/figures.py), every pack's row under `data`.
+`--quick` judges the tiny MiniCPM-V 4.7 W4A8 copy alone (seconds; checks the bench).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from figures import TEST_FIXTURES, Figures, add_arguments, recorded
 
 from evalsuite.checkpoint import Checkpoint
+from evalsuite.fixtures import build_fixtures
+from evalsuite.fixtures.names import TINY_BF16, TINY_W4A8
 from evalsuite.tasks.tensor_verification import ModuleRules, verify_tensors
 from evalsuite.tasks.tensor_verification._outliers import TENSOR_RATIO, TENSOR_Z
 
@@ -82,34 +85,63 @@ def _cell(value: object) -> str:
     return "–" if value is None else str(value)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    default = os.environ.get(
-        "EVALSUITE_TEST_FIXTURES", Path.home() / ".cache" / "evalsuite" / "test-fixtures"
-    )
-    parser.add_argument("--fixtures", type=Path, default=Path(default))
-    parser.add_argument("--pair", action="append", default=[], help="SOURCE:PACK, another clean pack")
-    parser.add_argument("--json", type=Path, help="write the rows here")
-    options = parser.parse_args()
-    pairs = clean_pairs(options.fixtures)
-    pairs += [(Path(a), Path(b)) for a, b in (p.split(":", 1) for p in options.pair)]
-    rows = []
-    columns = ("pack", "channels_judged", "outlier_channels", "worst_channel_z", "nearest_channel")
-    columns += ("tensors_judged", "outlier_tensors", "worst_sibling_z", "nearest_tensor")
-    print(" | ".join(columns))
-    for source, pack in pairs:
-        row = judge(source, pack)
-        rows.append(row)
-        print(" | ".join(_cell(row[c]) for c in columns), flush=True)
+COLUMNS = (
+    "pack",
+    "channels_judged",
+    "outlier_channels",
+    "worst_channel_z",
+    "nearest_channel",
+    "tensors_judged",
+    "outlier_tensors",
+    "worst_sibling_z",
+    "nearest_tensor",
+)
+
+
+def print_row(row: dict[str, Any]) -> None:
+    print(" | ".join(_cell(row[c]) for c in COLUMNS), flush=True)
+
+
+def report(rows: list[dict[str, Any]], figures: Figures) -> None:
+    """The totals over every pack's row (`judge`), and each pack's closest approach to the rule."""
     channels = sum(r["channels_judged"] for r in rows)
     flagged = sum(r["outlier_channels"] or 0 for r in rows)
     tensors = sum(r["tensors_judged"] for r in rows)
     flagged_tensors = sum(r["outlier_tensors"] or 0 for r in rows)
     print(f"false alarms: {flagged} of {channels} channels, {flagged_tensors} of {tensors} tensors")
-    if options.json:
-        options.json.write_text(json.dumps({"packs": rows}, indent=1, allow_nan=True) + "\n")
+    figures.add("clean packs judged", len(rows))
+    figures.add("channels judged", channels)
+    figures.add("false alarms: channels", flagged, goal="== 0")
+    figures.add("tensors judged", tensors)
+    figures.add("false alarms: tensors", flagged_tensors, goal="== 0")
+    for row in rows:
+        for key, what in (("nearest_channel", "channels"), ("nearest_tensor", "tensors")):
+            if row[key] is not None:
+                figures.add(f"{row['pack']}: closest approach of its {what} (1 is an outlier)", row[key])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--fixtures", type=Path, default=TEST_FIXTURES)
+    parser.add_argument("--pair", action="append", default=[], help="SOURCE:PACK, another clean pack")
+    add_arguments(parser)
+    options = parser.parse_args()
+    if options.quick:
+        built = build_fixtures(TEST_FIXTURES, [TINY_BF16, TINY_W4A8])
+        pairs = [(built[TINY_BF16], built[TINY_W4A8])]
+    else:
+        pairs = clean_pairs(options.fixtures)
+    pairs += [(Path(a), Path(b)) for a, b in (p.split(":", 1) for p in options.pair)]
+    with recorded("outliers", __doc__, options) as figures:
+        print(" | ".join(COLUMNS))
+        rows = []
+        for source, pack in pairs:
+            rows.append(judge(source, pack))
+            print_row(rows[-1])
+        report(rows, figures)
+        figures.data = {"packs": rows}
     return 0
 
 

@@ -1,6 +1,6 @@
-"""Benchmark of the seed's model at its real shape: every task on the wide fixtures, extrapolated to 40.
+"""Benchmark of the seed's model at its real shape: each task on the wide fixtures, extrapolated to 40 layers.
 
-    python bench/real_shape.py [--layers 4|8] [--runs NAME,...] [--fixtures DIR] [--out FILE] [--quick]
+    python bench/real_shape.py [--layers 4|8] [--runs NAME,...] [--fixtures DIR] [--quick] [--results DIR]
 
 The fixtures are `minicpmv47-35b-a3b-wide` (MiniCPM-V-4.7-35B-A3B's real widths and 248,320 vocabulary at the
 first `--layers` decoder layers of its pattern, random BF16 weights), its W4A8 copy written with the seed's
@@ -15,8 +15,9 @@ RSS (the kernel's, as `/usr/bin/time -v` reports it) and the machine's load aver
   layer, one resident at a time, and the head on the scored positions; no task, nothing written), with the
   time of each layer.
 
-Printed and written (`bench/results/real_shape.json`, `real_shape-8l.json` at 8 layers), with the machine
-and the git commit: per run its time, peak memory, layer loads per side where the run reports them, and:
+Printed and written as JSON into bench/results/ (bench/figures.py: bench `real_shape`, `real_shape_8l` at 8
+layers), with the machine and the git commit, every run's own commit beside it: per run its time, peak
+memory, layer loads per side where the run reports them, and:
 - `(ppl+moe+layers streamed) / (bare streamed forward of both sides)` (goal <= 1.3);
 - loaded peak RSS / the larger side's loaded bytes (goal <= 1.25);
 - the extrapolation to the real 40-layer model on this machine: the time and peak memory of a publisher's
@@ -28,8 +29,9 @@ and the git commit: per run its time, peak memory, layer loads per side where th
   `tensors` run's by the bytes; a loaded run's peak grows by the extra bytes loaded, a streamed run's peak
   does not grow with depth (`--layers 8` shows how far that holds).
 
-`--runs` runs only the named runs and keeps the others' figures from the JSON file (so that the benchmark can
-be run in pieces on a shared machine); `--quick` runs a few runs on the tiny pair in seconds, to check the
+`--runs` runs only the named runs and keeps the others' figures from the bench's latest JSON file (its `data`:
+so that the benchmark can be run in pieces on a shared machine; the file is rewritten after each run, and the
+new one supersedes the old); `--quick` runs a few runs on the tiny pair (tens of seconds), to check the
 script. These machines are shared: the load averages say how busy each run's machine was.
 """
 
@@ -48,13 +50,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from figures import TEST_FIXTURES, Figures, add_arguments, bench_machine, git_commit, latest, recorded
+
 from evalsuite.backends.memory import loaded_bytes
 from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.digest import DigestCache
 from evalsuite.fixtures import build_fixtures
-from evalsuite.fixtures.names import TINY_BF16, TINY_EXL3, TINY_W4A8, wide_names
-from evalsuite.machine import describe_machine
+from evalsuite.fixtures.names import DEFAULT_WIDE_LAYERS, TINY_BF16, TINY_EXL3, TINY_W4A8, wide_names
 
 REAL_LAYERS = 40
 REAL_LAYER_TYPES = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(REAL_LAYERS)]
@@ -63,6 +66,7 @@ DECODER_LAYER = re.compile(r"model\.language_model\.layers\.(\d+)\.")
 CORPUS = "python-docs"
 STREAM_GOAL = 1.3
 LOADED_GOAL = 1.25
+LOADED_RUNS = ("ppl-loaded", "intref-loaded", "smoke-loaded", "exl3-ppl-loaded")
 W4A8_VALIDATION = ("tensors", "ppl", "smoke", "moe", "intref")
 EXL3_VALIDATION = ("tensors", "ppl")
 
@@ -288,63 +292,58 @@ def validation(
     }
 
 
-def git_commit() -> str:
-    """HEAD's commit, `+dirty` when the work tree differs from it."""
-    root = Path(__file__).resolve().parent.parent
-    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True)
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
-def machine() -> dict[str, Any]:
-    """The CPU (model, flags, kernels' ISA), its cores and its memory."""
-    import psutil
-
-    return {
-        **describe_machine("cpu"),
-        "cores": os.cpu_count(),
-        "memory_bytes": psutil.virtual_memory().total,
-    }
-
-
 def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def load_text(run: dict[str, Any]) -> str:
+    """A run's load averages at its start and end."""
+    start, end = run["load_average"]
+    return f"{start:>4.1f}-{end:<4.1f}"
+
+
+def short_commit(commit: str | None) -> str:
+    """A run's commit in 7 digits, `+dirty` kept; `n/a` for a run recorded without one."""
+    if not commit:
+        return "n/a"
+    return commit[:7] + ("+dirty" if commit.endswith("+dirty") else "")
+
+
 def report(doc: dict[str, Any]) -> None:
-    """The figures for people."""
+    """The figures for people. A run measured in an earlier sitting (`--runs`) shows its own commit."""
     n = doc["layers"]
-    print(f"\n{doc['fixtures']['ref']} ({n} layers), commit {doc['commit']}, {doc['machine']['cpu_model']}")
+    print(f"{doc['fixtures']['ref']} ({n} layers), {gb(doc['memory_bytes'])} of memory")
     for side, sizes in doc["bytes"].items():
         print(f"  {side}: files {gb(sizes['files'])}, loaded {gb(sizes['loaded'])}")
-    print(f"\n{'run':<26}{'seconds':>9}{'per layer':>11}{'peak RSS':>12}  load avg   layer loads")
+    print(f"\n{'run':<26}{'seconds':>9}{'per layer':>11}{'peak RSS':>12}  load avg   commit   layer loads")
     for name, run in doc["runs"].items():
         extrapolated = doc.get("extrapolated", {}).get("runs", {}).get(name)
         per_layer = f"{extrapolated['seconds_per_layer']:.1f}" if extrapolated else "n/a"
         loads = json.dumps(run["layer_loads"]) if run.get("layer_loads") else "n/a"
         print(
             f"{name:<26}{run['seconds']:>9.1f}{per_layer:>11}{gb(run['peak_rss']):>12}"
-            f"  {run['load_average'][0]:>4.1f}-{run['load_average'][1]:<4.1f}  {loads}"
+            f"  {load_text(run)}  {short_commit(run.get('commit')):<7}  {loads}"
         )
     for name, bare in doc["bare"].items():
         layers = " ".join(f"{s:.1f}" for s in bare["layer_seconds"])
-        print(f"{name:<26}{bare['seconds']:>9.1f}{'':>11}{gb(bare['peak_rss']):>12}  layers: {layers} s")
+        print(
+            f"{name:<26}{bare['seconds']:>9.1f}{'':>11}{gb(bare['peak_rss']):>12}"
+            f"  {load_text(bare)}  {short_commit(bare.get('commit')):<7}  layers: {layers} s"
+        )
     ratios = doc.get("ratios", {})
     if "streamed_over_bare" in ratios:
         print(
             f"\n(ppl+moe+layers streamed) / (bare streamed forward of both sides) = "
             f"{ratios['streamed_over_bare']:.2f}  (goal <= {STREAM_GOAL})"
         )
-    for name in ("ppl-loaded", "intref-loaded", "smoke-loaded", "exl3-ppl-loaded"):
+    for name in LOADED_RUNS:
         if f"{name}_peak_over_loaded_bytes" in ratios:
             value = ratios[f"{name}_peak_over_loaded_bytes"]
             print(f"{name}: peak RSS / larger side's loaded bytes = {value:.2f}  (goal <= {LOADED_GOAL})")
     extrapolated = doc.get("extrapolated")
     if not extrapolated:
         return
-    print(
-        f"\nextrapolated to {REAL_LAYERS} layers on this machine ({gb(doc['machine']['memory_bytes'])} RAM):"
-    )
+    print(f"\nextrapolated to {REAL_LAYERS} layers on this machine ({gb(doc['memory_bytes'])} RAM):")
     for what, v in extrapolated["validations"].items():
         runs = ", ".join(f"{task}: {run}" for task, run in v["runs"].items())
         fits = "fits" if v["fits_machine"] else "does NOT fit this machine's memory"
@@ -370,27 +369,66 @@ def summarise(doc: dict[str, Any]) -> None:
             ratios[f"{name}_peak_over_loaded_bytes"] = run["peak_rss"] / larger
     doc["ratios"] = ratios
     if "bare-ref" in bare and len(bare) > 1:
-        doc["extrapolated"] = extrapolate(doc, doc["machine"]["memory_bytes"])
+        doc["extrapolated"] = extrapolate(doc, doc["memory_bytes"])
+
+
+def add_figures(doc: dict[str, Any], figures: Figures) -> None:
+    """What `report` prints, as the figures of the JSON (replacing any recorded before)."""
+    figures.figures.clear()
+    figures.add("decoder layers measured", doc["layers"])
+    for side, sizes in doc["bytes"].items():
+        figures.add(f"{side}: files", sizes["files"] / 1e9, "GB")
+        figures.add(f"{side}: loaded", sizes["loaded"] / 1e9, "GB")
+    for name, run in [*doc["runs"].items(), *doc["bare"].items()]:
+        figures.add(f"{name}: time", run["seconds"], "s")
+        figures.add(f"{name}: peak RSS", run["peak_rss"] / 1e9, "GB")
+    ratios = doc.get("ratios", {})
+    if "streamed_over_bare" in ratios:
+        what = "(ppl+moe+layers streamed) / (bare streamed forward of both sides)"
+        figures.add(what, ratios["streamed_over_bare"], goal=f"<= {STREAM_GOAL}")
+    for name in LOADED_RUNS:
+        if f"{name}_peak_over_loaded_bytes" in ratios:
+            what = f"{name}: peak RSS / the larger side's loaded bytes"
+            figures.add(what, ratios[f"{name}_peak_over_loaded_bytes"], goal=f"<= {LOADED_GOAL}")
+    extrapolated = doc.get("extrapolated")
+    if not extrapolated:
+        return
+    at_40 = f"{REAL_LAYERS} layers (35B)"
+    for kind, sides in extrapolated["bytes_40"].items():
+        for side, size in sides.items():
+            figures.add(f"{at_40}, {side}: {kind}", size / 1e9, "GB")
+    for name, seconds in extrapolated["bare_40"].items():
+        figures.add(f"{at_40}, {name}: time", seconds / 60, "min")
+    for name, run in extrapolated["runs"].items():
+        figures.add(f"{at_40}, {name}: time", run["seconds"] / 60, "min")
+        figures.add(f"{at_40}, {name}: time per layer", run["seconds_per_layer"], "s")
+        figures.add(f"{at_40}, {name}: peak RSS", run["peak_rss"] / 1e9, "GB")
+        figures.add(f"{at_40}, {name}: fits this machine's memory", run["fits_machine"])
+    for what, v in extrapolated["validations"].items():
+        runs = ", ".join(f"{task}: {run}" for task, run in v["runs"].items()) or "none measured"
+        figures.add(f"{at_40}, {what} validation: runs", runs)
+        if v["runs"]:
+            figures.add(f"{at_40}, {what} validation: time", v["seconds"] / 60, "min")
+            figures.add(f"{at_40}, {what} validation: peak RSS", v["peak_rss"] / 1e9, "GB")
+            figures.add(f"{at_40}, {what} validation: fits this machine's memory", v["fits_machine"])
+        if v["floor_seconds"] is not None:
+            what_floor = f"{at_40}, {what} validation: bare streamed forward of both sides"
+            figures.add(what_floor, v["floor_seconds"] / 60, "min")
+        if v["missing"]:
+            figures.add(f"{at_40}, {what} validation: not measured", ", ".join(v["missing"]))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--layers", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--layers", type=int, default=DEFAULT_WIDE_LAYERS, choices=(4, 8))
     parser.add_argument(
         "--runs", help="comma-separated run names (default: all): " + ", ".join([*RUNS, *BARE])
     )
-    parser.add_argument(
-        "--fixtures",
-        type=Path,
-        default=Path(
-            os.environ.get("EVALSUITE_TEST_FIXTURES", Path.home() / ".cache" / "evalsuite" / "test-fixtures")
-        ),
-    )
-    parser.add_argument("--out", type=Path, help="the JSON file (default: bench/results/real_shape.json)")
-    parser.add_argument("--quick", action="store_true", help="a few runs on the tiny pair: checks the script")
+    parser.add_argument("--fixtures", type=Path, default=TEST_FIXTURES)
     parser.add_argument("--bare", type=Path, help=argparse.SUPPRESS)  # the child of a bare forward
+    add_arguments(parser)
     options = parser.parse_args()
     if options.bare is not None:
         print(json.dumps(bare_streamed_forward(options.bare)))
@@ -410,47 +448,53 @@ def main() -> int:
             parser.error(f"unknown runs {unknown}; choose from {[*RUNS, *BARE]}")
     needed = {"ref"} | {RUNS[r].candidate for r in wanted if r in RUNS}
     needed |= {r.removeprefix("bare-") for r in wanted if r in BARE}
-    built = build_fixtures(options.fixtures, [names[s] for s in sorted(needed)], progress=print)
+    fixtures = TEST_FIXTURES if options.quick else options.fixtures
+    built = build_fixtures(fixtures, [names[s] for s in sorted(needed)], progress=print)
     folders = {side: built[names[side]] for side in needed}
     for folder in folders.values():  # digests cached: every run starts alike, none pays the first hashing
         Checkpoint.open(folder).content_sha256(DigestCache.default())
 
-    default_name = f"real_shape{'' if options.layers == 4 else f'-{options.layers}l'}.json"
-    out_file = options.out or RESULTS / ("real_shape-quick.json" if options.quick else default_name)
+    deeper = not options.quick and options.layers != DEFAULT_WIDE_LAYERS
+    bench = f"real_shape_{options.layers}l" if deeper else "real_shape"
+    earlier = latest(bench, options.results, options.quick)
     doc: dict[str, Any] = {}
-    if out_file.is_file():
-        doc = json.loads(out_file.read_text())
-        if doc.get("fixtures", {}).get("ref") != names["ref"]:
-            doc = {}
+    if earlier is not None and earlier.get("data", {}).get("fixtures", {}).get("ref") == names["ref"]:
+        doc = earlier["data"]
+    commit, dirty = git_commit()
     doc.update(
         {
-            "schema": "evalsuite.bench.real_shape/1",
             "layers": 2 if options.quick else options.layers,
             "fixtures": names,
-            "commit": git_commit(),
-            "machine": machine(),
             "corpus": CORPUS,
+            "memory_bytes": bench_machine()["memory_bytes"],
         }
     )
     doc.setdefault("runs", {})
     doc.setdefault("bare", {})
     doc["bytes"] = {**doc.get("bytes", {}), **{side: unit_bytes(f) for side, f in folders.items()}}
+    with recorded(bench, __doc__, options) as figures:
+        figures.data = doc
+        code = measure_runs(doc, wanted, folders, f"{commit}{'+dirty' if dirty else ''}", figures)
+        report(doc)
+        add_figures(doc, figures)
+    return code
 
+
+def measure_runs(
+    doc: dict[str, Any], wanted: list[str], folders: dict[str, Path], commit: str, figures: Figures
+) -> int:
+    """Each wanted run into `doc` (its progress on stderr), the JSON rewritten after each: 2 when a run could
+    not be done, else 0."""
     with tempfile.TemporaryDirectory(prefix="evalsuite-bench-real-shape-") as tmp:
         for name in wanted:
-            print(f"{name} ...", flush=True)
+            print(f"{name} ...", file=sys.stderr, flush=True)
             if name in BARE:
                 side = name.removeprefix("bare-")
-                command = [sys.executable, __file__, "--bare", str(folders[side])]
-                result = measured(command)
+                result = measured([sys.executable, __file__, "--bare", str(folders[side])])
                 if result["exit"] != 0:
                     return 2
-                figures = json.loads(result["stdout"].strip().splitlines()[-1])
-                doc["bare"][name] = {
-                    **figures,
-                    "seconds": figures["seconds"],
-                    "wall_seconds": result["seconds"],
-                }
+                figures_of_run = json.loads(result["stdout"].strip().splitlines()[-1])
+                doc["bare"][name] = {**figures_of_run, "wall_seconds": result["seconds"], "commit": commit}
                 doc["bare"][name].update({k: result[k] for k in ("peak_rss", "load_average")})
             else:
                 spec = RUNS[name]
@@ -470,13 +514,11 @@ def main() -> int:
                     "peak_rss": result["peak_rss"],
                     "load_average": result["load_average"],
                     "layer_loads": layer_loads(results),
-                    "commit": doc["commit"],
+                    "commit": commit,
                 }
             summarise(doc)
-            out_file.parent.mkdir(parents=True, exist_ok=True)
-            out_file.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    report(doc)
-    print(f"\nwritten: {out_file}")
+            add_figures(doc, figures)
+            figures.save()
     return 0
 
 

@@ -34,7 +34,9 @@ BENCHES = (
     "long_context",
     "manifest",
     "moe",
+    "outliers",
     "ppl",
+    "real_shape",
     "record",
     "stream",
     "stream_exl3",
@@ -46,9 +48,10 @@ HEADER = """# Benchmarks
 
 Speed and memory goals are checked by the scripts in `bench/`, never by timed assertions in tests. Each script
 prints its table and writes the same figures as JSON into `bench/results/`, with the machine it ran on (CPU
-model, the instruction sets torch's and oneDNN's kernels use, cores) and the commit; this page is rendered
-from the latest file of each bench by `python scripts/render_benchmarks.py`. The machines are shared and
-noisy: read the ratios a run measured against each other, not its seconds against another run's.
+model, the instruction sets torch's and oneDNN's kernels use, cores, memory) and the commit; this page is
+rendered from the latest file of each bench by `python scripts/render_benchmarks.py`. The machines are shared
+and noisy: read the ratios a run measured against each other, not its seconds against another run's. A `note`
+says where a section's figures came from when no run of the bench wrote them as they stand.
 
 Run a bench under the shared lock, then render and commit its JSON with the page:
 
@@ -107,6 +110,8 @@ def machine_text(machine: dict[str, Any]) -> str:
         parts.append("flags " + " ".join(machine["cpu_flags"]))
     if machine.get("cores"):
         parts.append(f"{machine['cores']} cores")
+    if machine.get("memory_bytes"):
+        parts.append(f"{machine['memory_bytes'] / 1e9:.1f} GB of memory")
     if machine.get("kernel_overrides"):
         parts.append("overrides " + ", ".join(f"{k}={v}" for k, v in machine["kernel_overrides"].items()))
     return "; ".join(parts)
@@ -127,6 +132,8 @@ def section(doc: dict[str, Any]) -> str:
         f"- machine: {machine_text(doc.get('machine') or {})}",
         f"- command: `{command}`",
     ]
+    if doc.get("note"):
+        lines.append(f"- note: {doc['note']}")
     if load.get("start") and load.get("end"):
         start, end = (" ".join(f"{x:.2f}" for x in load[k]) for k in ("start", "end"))
         lines.append(f"- load average (1, 5, 15 min): {start} at the start, {end} at the end")

@@ -1,9 +1,12 @@
 """Every bench runs in its `--quick` mode on the tiny fixtures, writes its figures as JSON with the machine
-and the commit, and that JSON renders into the benchmarks page.
+and the commit, and that JSON renders into the benchmarks page; the page gives the real shape's run
+extrapolated to 40 layers with its machine.
 
 The quick modes check the benches, not the tool: a bench whose code drifted from the package fails here, not
 on the day someone measures with it. The benches that take tens of seconds even in quick mode (child processes
-that each import torch, lm-eval's own CLI twice) are in the slow tier.
+that each import torch, lm-eval's own CLI twice) are in the slow tier. bench/real_shape.py's quick run is also
+checked for what its hour-long run on the wide fixtures ends with: the runs, the bare forwards and the
+40-layer extrapolation.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from evalsuite.fixtures.names import REAL_WIDE_BF16
+
 ROOT = Path(__file__).resolve().parents[2]
-FAST = ["digest", "manifest", "exl3_decode", "exl3_tiles", "tensors", "intref", "moe", "stream"]
-SLOW = ["ppl", "record", "drift", "compare", "lmeval"]
-# Benches that still write JSON of their own (not yet through bench/figures.py, so not yet on the page).
-OWN_JSON = ["long_context", "real_shape", "outliers"]
+FAST = ["digest", "manifest", "exl3_decode", "exl3_tiles", "tensors", "intref", "moe", "stream", "outliers"]
+SLOW = ["ppl", "record", "drift", "compare", "lmeval", "long_context", "real_shape"]
 
 
 def render_module():
@@ -55,7 +58,8 @@ def run_quick(bench: str, results: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def check_bench(bench: str, tmp_path: Path) -> None:
+def check_bench(bench: str, tmp_path: Path) -> tuple[dict, str]:
+    """Run `bench` quick; its JSON and the page's section rendered from it."""
     if bench == "stream" and not cgroup_v1_writable():
         pytest.skip(
             "bench/stream.py runs under a cgroup-v1 memory limit: needs root and /sys/fs/cgroup/memory"
@@ -80,6 +84,23 @@ def check_bench(bench: str, tmp_path: Path) -> None:
     assert "**Quick mode**" in section
     for figure in doc["figures"]:
         assert figure["name"].replace("|", "\\|") in section
+    return doc, section
+
+
+def check_real_shape(doc: dict, section: str) -> None:
+    """What the wide run ends with, from the tiny pair's quick run: the runs, both bare forwards layer by
+    layer, the W4A8 validation extrapolated to 40 layers, on the page with the machine's memory."""
+    data = doc["data"]
+    assert set(data["runs"]) == {"tensors", "ppl-streamed"}
+    assert all(run["exit"] == 0 and run["peak_rss"] > 0 for run in data["runs"].values())
+    assert all(run["commit"].startswith(doc["commit"]) for run in data["runs"].values())
+    assert [len(data["bare"][side]["layer_seconds"]) for side in ("bare-ref", "bare-w4a8")] == [2, 2]
+    w4a8 = data["extrapolated"]["validations"]["w4a8"]
+    assert w4a8["runs"] == {"tensors": "tensors", "ppl": "ppl-streamed"}
+    assert w4a8["missing"] == ["smoke", "moe", "intref"] and w4a8["floor_seconds"] > 0
+    assert "extrapolated to 40 layers" in "\n".join(doc["printed"])
+    assert "| 40 layers (35B), w4a8 validation: time |" in section
+    assert f"{doc['machine']['memory_bytes'] / 1e9:.1f} GB of memory" in section
 
 
 @pytest.mark.parametrize("bench", FAST)
@@ -90,10 +111,27 @@ def test_a_bench_runs_quick_and_its_json_renders_into_the_benchmarks_page(bench,
 @pytest.mark.slow
 @pytest.mark.parametrize("bench", SLOW)
 def test_a_slower_bench_runs_quick_and_its_json_renders(bench, tiny_pair, tmp_path) -> None:
-    check_bench(bench, tmp_path)
+    doc, section = check_bench(bench, tmp_path)
+    if bench == "real_shape":
+        check_real_shape(doc, section)
 
 
 def test_every_bench_is_tested_and_known_to_the_page() -> None:
     scripts = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"figures"}
-    assert scripts == set(FAST) | set(SLOW) | set(OWN_JSON)
-    assert scripts - set(OWN_JSON) <= set(render_module().BENCHES)
+    assert scripts == set(FAST) | set(SLOW)
+    assert scripts <= set(render_module().BENCHES)
+
+
+def test_the_benchmarks_page_gives_the_35b_extrapolation_with_the_machine_it_was_measured_on() -> None:
+    """The committed run of bench/real_shape.py on the wide fixtures, extrapolated to the 40-layer model."""
+    docs = [json.loads(p.read_text()) for p in (ROOT / "bench" / "results").glob("real_shape-*.json")]
+    wide = [d for d in docs if d["mode"] == "full" and d["data"]["fixtures"]["ref"] == REAL_WIDE_BF16]
+    assert wide, "bench/results/ holds a run on the wide fixtures"
+    doc = max(wide, key=lambda d: d["date"])
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    section = page[page.index("## real_shape\n") :].split("\n## ", 1)[0]
+    assert f"- machine: {render_module().machine_text(doc['machine'])}\n" in section
+    assert "GB of memory" in section and f"commit `{doc['commit'][:10]}`" in section
+    for what in ("time", "peak RSS", "fits this machine's memory"):
+        assert f"| 40 layers (35B), w4a8 validation: {what} |" in section
+    assert "| 40 layers (35B), ppl-moe-layers-streamed: peak RSS |" in section

@@ -97,7 +97,7 @@ def test_the_committed_benchmarks_page_regenerates_byte_identical_from_the_commi
 
 def test_the_benchmarks_page_takes_each_benchs_latest_full_run(tmp_path: Path) -> None:
     render = script("render_benchmarks")
-    machine = {"cpu_model": "Test CPU", "torch_cpu_capability": "AVX2", "cores": 2}
+    machine = {"cpu_model": "Test CPU", "torch_cpu_capability": "AVX2", "cores": 2, "memory_bytes": 16e9}
 
     def run(date: str, mode: str, commit: str, value: float) -> dict:
         return {
@@ -113,7 +113,7 @@ def test_the_benchmarks_page_takes_each_benchs_latest_full_run(tmp_path: Path) -
     for i, doc in enumerate(
         [
             run("2026-01-01T00:00:00Z", "full", "a" * 40, 0.9),
-            run("2026-02-01T00:00:00Z", "full", "b" * 40, 1.3),
+            {**run("2026-02-01T00:00:00Z", "full", "b" * 40, 1.3), "note": "converted from an older file"},
             run("2026-03-01T00:00:00Z", "quick", "c" * 40, 0.1),
         ]
     ):
@@ -121,7 +121,8 @@ def test_the_benchmarks_page_takes_each_benchs_latest_full_run(tmp_path: Path) -
     page = render.render(tmp_path)
     assert "`bbbbbbbbbb`" in page and "cccccccccc" not in page  # the latest full run, not the later quick one
     assert "| cold / sha256sum | 1.3 | ≤ 1.1 | **missed** |" in page
-    assert "Test CPU; torch kernels AVX2; 2 cores" in page
+    assert "- machine: Test CPU; torch kernels AVX2; 2 cores; 16.0 GB of memory\n" in page
+    assert "- note: converted from an older file\n" in page
     assert render.render(tmp_path) == page  # deterministic
 
 
