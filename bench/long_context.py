@@ -9,7 +9,10 @@ protocol with one window of 2,048 and of 8,192 tokens. Prints:
           vocabulary] float32 tensor;
   disk    what each side's observation keeps, per scored token;
   time    seconds per scored token at the longest window over the 512-token protocol's (these machines are
-          shared and noisy: compare ratios, not seconds).
+          shared and noisy: compare ratios, not seconds);
+  floor   at the longest window, the noise floor (`[noise_floor] enabled`, its default draws) observed alone
+          against the candidate observed alone (each a run in a copy of the longest window's folder, its
+          other observations reused): the floor's peak over the candidate's (goal: within 10%).
 
     flock /tmp/evalsuite-heavy.lock python bench/long_context.py [--fixtures DIR] [--quick] [--results DIR]
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +44,8 @@ QUICK_LONG_WINDOWS = (1024, 2048)
 # The longest window's peak may exceed the 512 protocol's by this share of one [window × vocabulary] float32
 # tensor: the head's logits are reduced a chunk of positions at a time, never held whole.
 MEMORY_GOAL = 0.25
+# The floor on long windows is observed as the candidate is (at the reference's ids): its peak within 10%.
+FLOOR_GOAL = 1.10
 
 
 def spec_for(window: int, folder: Path) -> Path:
@@ -88,6 +94,22 @@ def measure(ref: Path, ckpt: Path, spec: Path, out: Path) -> dict[str, Any]:
     }
 
 
+def alone(ref: Path, ckpt: Path, spec: Path, done: Path, folder: Path) -> dict[str, dict[str, Any]]:
+    """The candidate's observation and the noise floor's, each made alone in a copy of the finished run
+    `done` (the run reuses every other observation by its key): their processes' figures."""
+    candidate = folder / "candidate-alone"
+    shutil.copytree(done, candidate)
+    for observation in (candidate / "observations").glob("ckpt-*"):
+        shutil.rmtree(observation)
+    floor_spec = spec.with_name(f"{spec.stem}-floor.toml")
+    floor_spec.write_text(
+        spec.read_text(encoding="utf-8") + "\n[noise_floor]\nenabled = true\n", encoding="utf-8"
+    )
+    floor = folder / "floor-alone"
+    shutil.copytree(done, floor)
+    return {"candidate": measure(ref, ckpt, spec, candidate), "floor": measure(ref, ckpt, floor_spec, floor)}
+
+
 def report(data: dict[str, Any], figures: Figures) -> None:
     """Print the runs' figures and record them: `data` is {"pair": {"ref", "ckpt", "vocab_size"}, "runs":
     {"512": run, then one per long window, shortest first}} (runs as `measure` returns them)."""
@@ -129,6 +151,17 @@ def report(data: dict[str, Any], figures: Figures) -> None:
         goal=f"<= {MEMORY_GOAL}",
     )
     figures.add(f"time per scored token, {longest} / 512-token protocol", slower)
+    if "alone" in data:
+        candidate, floor = (data["alone"][k]["peak_rss_bytes"] for k in ("candidate", "floor"))
+        print(
+            f"{longest}, each observed alone: the noise floor peaks {floor / MIB:.0f} MiB, the candidate "
+            f"{candidate / MIB:.0f} MiB: {floor / candidate:.3f} x (goal <= {FLOOR_GOAL})"
+        )
+        figures.add(
+            f"{longest}: noise floor's peak RSS / the candidate's, each observed alone",
+            floor / candidate,
+            goal=f"<= {FLOOR_GOAL}",
+        )
 
 
 def window_name(window: int) -> str:
@@ -154,9 +187,12 @@ def main() -> int:
         runs["512"] = measure(ref, ckpt, base, folder / "512")
         for window in QUICK_LONG_WINDOWS if args.quick else LONG_WINDOWS:
             name = window_name(window)
-            runs[name] = measure(ref, ckpt, spec_for(window, folder), folder / name)
+            spec = spec_for(window, folder)
+            runs[name] = measure(ref, ckpt, spec, folder / name)
+        by_itself = alone(ref, ckpt, spec, folder / name, folder)
     with recorded("long_context", __doc__, args) as figures:
-        figures.data = {"pair": {"ref": ref.name, "ckpt": ckpt.name, "vocab_size": vocab}, "runs": runs}
+        pair = {"ref": ref.name, "ckpt": ckpt.name, "vocab_size": vocab}
+        figures.data = {"pair": pair, "runs": runs, "alone": by_itself}
         report(figures.data, figures)
     return 0
 
