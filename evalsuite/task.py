@@ -14,11 +14,13 @@ The registry of tasks is `evalsuite.registry`, above the plugins; this module kn
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 from evalsuite.corpus import Corpus, load_corpus
 from evalsuite.observation import Observation
@@ -244,16 +246,70 @@ def takes_progress(task: FileTask) -> bool:
     return "progress" in inspect.signature(task.compare_files).parameters
 
 
+T = TypeVar("T")
+
+
+class SharedWork:
+    """Results a run computes once and reuses across the sides and candidates it compares (the corpus's
+    token ids, a reference's normalisers, a noise floor's per-token KLD), by a key naming everything they
+    were computed from. Owned by one `RunContext`: two runs, in two threads or one after the other, share
+    nothing unless they share the context. Thread-safe; one computation per key at a time; keeps the
+    `keep` most recently used results."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._values: OrderedDict[Hashable, Any] = OrderedDict()
+        self._making: dict[Hashable, threading.Lock] = {}
+
+    def get(self, key: Hashable, make: Callable[[], T]) -> T:
+        """The result for `key`, made by `make()` if no earlier call kept it."""
+        with self._lock:
+            if key in self._values:
+                self._values.move_to_end(key)
+                return self._values[key]
+            making = self._making.setdefault(key, threading.Lock())
+        with making:  # a second caller with the same key waits for the first's result
+            with self._lock:
+                if key in self._values:
+                    return self._values[key]
+            value = make()
+            with self._lock:
+                self._values[key] = value
+                while len(self._values) > self.keep:
+                    self._values.popitem(last=False)
+                self._making.pop(key, None)
+        return value
+
+    def find(self, key: Hashable) -> Any | None:
+        """The result kept for `key`, or None."""
+        with self._lock:
+            return self._values.get(key)
+
+    def put(self, key: Hashable, value: Any) -> None:
+        """Keep `value` for `key` (results a caller made as a side effect of other work)."""
+        with self._lock:
+            self._values[key] = value
+            self._values.move_to_end(key)
+            while len(self._values) > self.keep:
+                self._values.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
 @dataclass
 class RunContext:
-    """What tasks may ask of the run beyond their spec: the text to score, chosen once for both sides, and
-    the run's file digests (the cache its observation keys are hashed through; None outside a run)."""
+    """What tasks may ask of the run beyond their spec: the text to score, chosen once for both sides, the
+    run's file digests (the cache its observation keys are hashed through; None outside a run) and the work
+    its tasks share across sides and candidates (`SharedWork`)."""
 
     corpus_name: str = "auto"
     text_file: Path | None = None
     allow_download: bool = False
     digests: DigestCache | None = None
     corpus_path: Path | None = None  # a local copy of WikiText-2's test split (`--corpus-path`)
+    shared: SharedWork = field(default_factory=SharedWork, repr=False, compare=False)
 
     @cached_property
     def corpus(self) -> Corpus:

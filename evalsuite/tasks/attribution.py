@@ -265,7 +265,7 @@ class Attribution:
                 "attribution runs the reference's own layers after each swapped unit, and a recording holds "
                 "the reference's outputs, not its weights: give the reference checkpoint"
             )
-        return prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt)
+        return prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt, self.context.shared)
 
     def needs(self) -> list[Need]:
         return [

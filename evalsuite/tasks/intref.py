@@ -125,7 +125,7 @@ class IntegerReference:
             self._hf_conventions = (
                 ((ADD_ACTIVATION_QUANTIZATION, True),) if any(m.weight_only for m in modules.values()) else ()
             )
-        return prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt)
+        return prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt, self.context.shared)
 
     def needs(self) -> list[Need]:
         observer = WindowLogits(self.spec.protocol, self.spec.record, self.spec.compare.kld_chunk_rows)

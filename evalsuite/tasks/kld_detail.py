@@ -6,22 +6,21 @@ Computed from the two observations' files a few rows at a time, like the forward
 
 from __future__ import annotations
 
-import contextlib
 import io
 import itertools
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from evalsuite import claims, metrics
+from evalsuite import claims, logit_rows, metrics
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
+from evalsuite.task import SharedWork
 from evalsuite.tasks.logits_file import Header, read_header, read_rows
 from evalsuite.tasks.window_logits import check_same_shape, kld_per_token, window_paths
 
@@ -45,12 +44,22 @@ class TokenDetail:
     same_top: np.ndarray | None = None
 
 
-def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenDetail:
+Precision = Literal["float32", "float64"]
+
+
+def token_detail(
+    ref: Observation,
+    ckpt: Observation,
+    chunk_rows: int,
+    precision: Precision = "float32",
+    shared: SharedWork | None = None,
+) -> TokenDetail:
     """The per-token detail of two observations (the reference possibly recorded). Against a live reference
-    both sides' logits are read and normalised once for every statistic, the forward KLD included: the same
-    arithmetic as `kld_per_token`, row for row, at a third of the reads and log-softmaxes. What it needs of a
-    keyed reference's rows is kept (`ReferenceRows`): the next candidate against the same reference gets the
-    same bits without normalising or ranking the reference again."""
+    both sides' logits are read once and every statistic, the forward KLD included, comes from that one
+    pass: in float32 with float64 sums (`logit_rows`, windows split between threads), or in float64 by the
+    definition's arithmetic (`precision`). In float64, what it needs of a keyed reference's rows is kept in
+    `shared` (`ReferenceRows`): the next candidate against the same reference gets the same bits without
+    normalising or ranking the reference again."""
     k = TOP_K_AGREEMENT
     if ref.meta.get("kind") == "recorded":
         a = ref.arrays
@@ -64,17 +73,21 @@ def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenD
         return TokenDetail(
             conf, a["top_ids"][:, :k], np.concatenate(top_ckpt), None, same_top=np.concatenate(same)
         )
-    known = _REFERENCE_ROWS.get(ref.key) if ref.key else None
     ref_paths, ckpt_paths = window_paths(ref), window_paths(ckpt)
     if len(ref_paths) != len(ckpt_paths):
         raise InputError(f"the sides hold {len(ref_paths)} and {len(ckpt_paths)} windows of logits")
     # Headers are read here, not in the threads (`read_rows` says why).
     ref_headers, ckpt_headers = [read_header(p) for p in ref_paths], [read_header(p) for p in ckpt_paths]
+    if precision == "float64":
+        return _detail64(
+            ref, _WindowRun(ref_paths, ckpt_paths, ref_headers, ckpt_headers, 0, chunk_rows), shared
+        )
     first_rows = np.cumsum([0] + [header[0][0] for header in ref_headers])
-    workers = max(1, min(DETAIL_THREADS, torch.get_num_threads(), len(ref_paths)))
-    # Each thread takes a contiguous run of windows, reads them itself and works through them a workspace
-    # of rows at a time; the shares are joined in row order. Per-row arithmetic: the same bits as one thread.
-    bounds = np.linspace(0, len(ref_paths), workers + 1).round().astype(int)
+    # Each thread takes a contiguous run of windows, reads them itself and works through them a few rows at
+    # a time; the shares are joined in row order. Per-row arithmetic: the same bits as one thread.
+    bounds = (
+        np.linspace(0, len(ref_paths), max(1, min(DETAIL_THREADS, len(ref_paths))) + 1).round().astype(int)
+    )
     parts = [
         _WindowRun(
             ref_paths[a:b],
@@ -83,57 +96,91 @@ def token_detail(ref: Observation, ckpt: Observation, chunk_rows: int) -> TokenD
             ckpt_headers[a:b],
             int(first_rows[a]),
             chunk_rows,
-            known,
         )
         for a, b in itertools.pairwise(bounds)
         if b > a
     ]
-    with _one_torch_thread_each(len(parts)) as pool:
-        shares = list((pool.map if pool is not None else map)(_detail_windows, parts))
-    rows = known or ReferenceRows.empty()
-    top_ckpt, forward, reverse, same = [], [], [], []
-    for share in shares:
-        top_ckpt += share.top_ckpt
-        forward += share.forward
-        reverse += share.reverse
-        same += share.same_top
-        if known is None:
-            assert share.rows is not None
-            rows.join(share.rows)
-    if known is None:
-        rows.finish()
-        if ref.key:
-            _keep_reference_rows(ref.key, rows)
+    if len(parts) == 1:
+        shares = [_pair_windows(parts[0])]
+    else:
+        with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="kld-detail") as pool:
+            shares = list(pool.map(_pair_windows, parts))
+    blocks = [block for share in shares for block in share]
+
+    def joined(name: str) -> np.ndarray:
+        return np.concatenate([getattr(block, name) for block in blocks])
+
     return TokenDetail(
-        rows.conf,
-        rows.top,
-        np.concatenate(top_ckpt),
-        np.concatenate(reverse),
-        np.concatenate(forward),
-        np.concatenate(same),
+        joined("ref_top_p"),
+        joined("top_ref"),
+        joined("top_ckpt"),
+        joined("reverse_kld"),
+        joined("kld"),
+        joined("same_top"),
     )
 
 
-# Threads `token_detail` splits each block of rows between (at most torch's own thread count): its float64
-# passes are numpy's, which run on one core each, and torch's top-k and log-softmax over a few rows, which
-# gain nothing from a second thread of their own.
+# Threads the float32 detail splits the windows between: numpy's ufuncs run on the calling thread alone, so
+# two threads keep both cores of a 2-core machine busy whatever torch's own thread count, which is left as
+# it is (a process-wide setting).
 DETAIL_THREADS = 2
 
 
-@contextlib.contextmanager
-def _one_torch_thread_each(workers: int) -> Iterator[ThreadPoolExecutor | None]:
-    """A pool of `workers` threads, torch held to one intra-op thread meanwhile (two callers each starting
-    torch's whole pool would put twice as many threads as cores to work); None for one worker."""
-    if workers == 1:
-        yield None
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kld-detail") as pool:
-            yield pool
-    finally:
-        torch.set_num_threads(before)
+def _detail64(ref: Observation, run: _WindowRun, shared: SharedWork | None) -> TokenDetail:
+    """`token_detail` in float64, on the calling thread, with the reference's rows kept in `shared`."""
+    key = ("reference-rows", ref.key)
+    known = shared.find(key) if ref.key and shared is not None else None
+    run.known = known
+    share = _detail_windows(run)
+    rows = known
+    if rows is None:
+        assert share.rows is not None
+        rows = share.rows
+        rows.finish()
+        if ref.key and shared is not None:
+            shared.put(key, rows)
+    return TokenDetail(
+        rows.conf,
+        rows.top,
+        np.concatenate(share.top_ckpt),
+        np.concatenate(share.reverse),
+        np.concatenate(share.forward),
+        np.concatenate(share.same_top),
+    )
+
+
+# The float32 detail's four row buffers take this many bytes: a few rows of a 49 k vocabulary, one row of a
+# 248 k one, so that a block's dozen passes stay in a core's cache (`CACHE_BYTES` says more).
+FLOAT32_BLOCK_BYTES = 4 << 20
+
+
+def _pair_windows(run: _WindowRun) -> list[logit_rows.PairRows]:
+    """The float32 statistics of a run of windows (`logit_rows.pair_statistics`), a few rows at a time."""
+    out: list[logit_rows.PairRows] = []
+    scratch: logit_rows.RowScratch | None = None
+    pairs = zip(
+        read_rows(run.ref_paths, run.chunk_rows, run.ref_headers),
+        read_rows(run.ckpt_paths, run.chunk_rows, run.ckpt_headers),
+        strict=True,
+    )
+    for block_ref, block_ckpt in pairs:
+        check_same_shape(block_ref, block_ckpt)
+        bfloat16 = block_ref.dtype == torch.bfloat16
+        if scratch is None:
+            vocab = block_ref.shape[-1]
+            scratch = logit_rows.RowScratch(max(1, FLOAT32_BLOCK_BYTES // (16 * vocab)), vocab)
+        x_raw, y_raw = _raw(block_ref), _raw(block_ckpt)
+        for i in range(0, len(x_raw), scratch.rows):
+            rows = slice(i, i + scratch.rows)
+            out.append(
+                logit_rows.pair_statistics(x_raw[rows], y_raw[rows], bfloat16, TOP_K_AGREEMENT, scratch)
+            )
+    return out
+
+
+def _raw(block: torch.Tensor) -> np.ndarray:
+    """A block of stored logits as numpy holds them (bf16 as its 16 bits)."""
+    return (block.view(torch.uint16) if block.dtype == torch.bfloat16 else block).numpy()
 
 
 @dataclass
@@ -158,7 +205,7 @@ class _WindowRun:
     ckpt_headers: list[Header]
     start: int
     chunk_rows: int
-    known: ReferenceRows | None
+    known: ReferenceRows | None = None
 
 
 def _detail_windows(run: _WindowRun) -> _Share:
@@ -298,18 +345,6 @@ class ReferenceRows:
         return x64
 
 
-# The reference's rows by its observation's key: `compare` runs every candidate against one reference, whose
-# log-normalisers and top tokens are otherwise computed again for each.
-_REFERENCE_ROWS: dict[str, ReferenceRows] = {}
-_REFERENCE_ROWS_KEEP = 4
-
-
-def _keep_reference_rows(key: str, rows: ReferenceRows) -> None:
-    while len(_REFERENCE_ROWS) >= _REFERENCE_ROWS_KEEP:
-        del _REFERENCE_ROWS[next(iter(_REFERENCE_ROWS))]
-    _REFERENCE_ROWS[key] = rows
-
-
 def _same_top_recorded(top_ids: np.ndarray, top_logp: np.ndarray, block: torch.Tensor) -> np.ndarray:
     """`metrics.same_top_tied` against a recording: the reference's most probable tokens are those of its
     recorded top-k that tie with its first."""
@@ -369,11 +404,12 @@ def floor_metrics(
     windows: np.ndarray,
     chunk_rows: int,
     margin: float,
+    shared: SharedWork | None = None,
 ) -> tuple[dict[str, Any], np.ndarray]:
     """The noise floor and where the candidate stands against it (`against_floor`), as `ppl` reports it:
     `kld_floor` with the spread of its draws, `kld_floor_ratio`, the per-token excess over the floor with its
     error and bounds, and `noise_floor`, the outcome. Also the floor's per-token KLD."""
-    floor = against_floor(kld, [_floor_kld(ref, f, chunk_rows) for f in floors], windows, margin)
+    floor = against_floor(kld, [_floor_kld(ref, f, chunk_rows, shared) for f in floors], windows, margin)
     return {
         "kld_floor": floor.mean.value,
         "kld_floor_stderr": floor.mean.stderr,
@@ -436,12 +472,6 @@ def against_floor(
     )
 
 
-# The floor's per-token KLD by the two observations' keys: it is the reference's alone, the same for every
-# candidate `compare` runs against it (one pass over two sides' logits each time otherwise).
-_FLOOR_KLD: dict[tuple[str, str, int], np.ndarray] = {}
-_FLOOR_KLD_KEEP = 4
-
-
 def kld_at_reference(ref: Observation, ckpt: Observation) -> np.ndarray:
     """KL(ref ‖ ckpt) per scored token from the reference's compact form and the other side's log-probs at
     the ids it kept (long windows: `compact_window_logits`): exact over the top-k, sampled beyond."""
@@ -459,16 +489,20 @@ def _one_floor_kld(ref: Observation, floor: Observation, chunk_rows: int) -> np.
     return kld_per_token(ref, floor, chunk_rows)[0]
 
 
-def _floor_kld(ref: Observation, floor: Observation, chunk_rows: int) -> np.ndarray:
-    if not (ref.key and floor.key):  # unkeyed observations (made by hand, say) are never shared
+def _floor_kld(
+    ref: Observation, floor: Observation, chunk_rows: int, shared: SharedWork | None
+) -> np.ndarray:
+    """The floor's per-token KLD, kept in `shared` by the two observations' keys: it is the reference's
+    alone, the same for every candidate `compare` runs against it."""
+    if not (ref.key and floor.key) or shared is None:  # unkeyed observations (made by hand) are never kept
         return _one_floor_kld(ref, floor, chunk_rows)
-    key = (ref.key, floor.key, chunk_rows)
-    if key not in _FLOOR_KLD:
-        while len(_FLOOR_KLD) >= _FLOOR_KLD_KEEP:
-            del _FLOOR_KLD[next(iter(_FLOOR_KLD))]
-        _FLOOR_KLD[key] = _one_floor_kld(ref, floor, chunk_rows)
-        _FLOOR_KLD[key].setflags(write=False)
-    return _FLOOR_KLD[key]
+
+    def make() -> np.ndarray:
+        kld = _one_floor_kld(ref, floor, chunk_rows)
+        kld.setflags(write=False)
+        return kld
+
+    return shared.get(("floor-kld", ref.key, floor.key, chunk_rows), make)
 
 
 def write_tokens(folder: Path, arrays: dict[str, np.ndarray]) -> str:

@@ -135,7 +135,7 @@ class Layers:
 
     def prepare(self, ref: Side, ckpt: Side) -> Inputs:
         """The `ppl` windows, tokenized once."""
-        return prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt)
+        return prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt, self.context.shared)
 
     def needs(self) -> list[Need]:
         return [

@@ -20,7 +20,13 @@ from evalsuite.tasks.compact_window_logits import (
     is_at_reference,
     long_window_needs,
 )
-from evalsuite.tasks.kld_detail import detail_metrics, floor_metrics, token_detail, write_tokens
+from evalsuite.tasks.kld_detail import (
+    Precision,
+    detail_metrics,
+    floor_metrics,
+    token_detail,
+    write_tokens,
+)
 from evalsuite.tasks.long_context import (
     LongContext,
     check_long_windows,
@@ -42,6 +48,10 @@ from evalsuite.tasks.window_logits import (
 
 class CompareOptions(StrictModel):
     kld_chunk_rows: int = 16
+    # float32: every per-token statistic from one pass over each row in float32 with float64 sums
+    # (`evalsuite.logit_rows`; kld_mean within 1e-4 relative of the float64 definition, a test holds it);
+    # float64: the definition's own arithmetic, slower.
+    precision: Precision = "float32"
 
 
 class PplSpec(TaskSpec):
@@ -118,7 +128,7 @@ class Perplexity:
 
     def prepare(self, ref: Side, ckpt: Side) -> Inputs:
         """The windows, tokenized once; the candidate's tokenizer must agree with the reference's."""
-        inputs = prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt)
+        inputs = prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt, self.context.shared)
         check_long_windows(self.spec.protocol, self.spec.long_context, inputs, [ref, ckpt])
         return inputs
 
@@ -146,10 +156,10 @@ class Perplexity:
         nll_ref, nll_ckpt = ref.arrays["nll"], ckpt.arrays["nll"]
         windows = metrics.window_labels(n_windows, len(nll_ref) // n_windows)
         ln_ratio = metrics.paired_log_ratio(nll_ref, nll_ckpt)
-        chunk_rows = self.spec.compare.kld_chunk_rows
+        chunk_rows, spec, shared = self.spec.compare.kld_chunk_rows, self.spec.compare, self.context.shared
         if is_at_reference(ckpt):
             detail, kld, estimator = detail_at_reference(ref, ckpt)
-        elif (detail := token_detail(ref, ckpt, chunk_rows)).kld is not None:
+        elif (detail := token_detail(ref, ckpt, chunk_rows, spec.precision, shared)).kld is not None:
             kld, estimator = detail.kld, FULL_VOCABULARY
         else:
             kld, estimator = kld_per_token(ref, ckpt, chunk_rows)
@@ -209,9 +219,11 @@ class Perplexity:
         values.update(claim_metrics(values, n_windows))
         tokens = {"kld": kld, "nll_ref": nll_ref, "nll_ckpt": nll_ckpt, "window": windows}
         if "floor" in observed:
-            spec = self.spec.noise_floor
-            draws = [observed[spec.label(i)] for i in range(spec.draws)]
-            floor, tokens["kld_floor"] = floor_metrics(ref, draws, kld, windows, chunk_rows, spec.margin)
+            floor_spec = self.spec.noise_floor
+            draws = [observed[floor_spec.label(i)] for i in range(floor_spec.draws)]
+            floor, tokens["kld_floor"] = floor_metrics(
+                ref, draws, kld, windows, chunk_rows, floor_spec.margin, shared
+            )
             values.update(floor)
         artifacts_made = self.plot(ref, nll_ckpt, kld, estimator, artifacts)
         long = self.spec.long_context

@@ -23,7 +23,7 @@ from evalsuite.backends.layer_pass import LayerVisitor, QuietVisitor
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.spec import StrictModel
-from evalsuite.task import Inputs, Progress
+from evalsuite.task import Inputs, Progress, SharedWork
 from evalsuite.tasks.logits_file import LogitsWriter, read_rows, window_file
 
 if TYPE_CHECKING:
@@ -99,40 +99,44 @@ def tokens_sha256(tokens: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i8").tobytes()).hexdigest()
 
 
-# The corpus's ids per (folder, tokenizer files and code, text, special tokens): `compare` plans every
-# candidate against one reference, and each plan would otherwise load its tokenizer and tokenize the text.
-_TOKENIZED: dict[tuple[str, str, bool, str, bool], np.ndarray] = {}
-_TOKENIZED_KEEP = 4
-
-
-def _tokenize(side: Side, corpus: Corpus, protocol: WindowProtocol) -> np.ndarray:
+def _tokenize(side: Side, corpus: Corpus, protocol: WindowProtocol, shared: SharedWork | None) -> np.ndarray:
+    """The corpus's ids by a side's tokenizer, shared through `shared` by (folder, tokenizer files and code,
+    text, special tokens): `compare` plans every candidate against one reference, and each plan would
+    otherwise load its tokenizer and tokenize the text again."""
     checkpoint = side.checkpoint
+
+    def tokenize() -> np.ndarray:
+        ids = side.tokenizer(corpus.text, add_special_tokens=protocol.add_special_tokens, verbose=False)[
+            "input_ids"
+        ]
+        tokens = np.asarray(ids, dtype=np.int64)
+        tokens.setflags(write=False)  # shared by every plan that asks: nobody may edit it
+        return tokens
+
+    if shared is None:
+        return tokenize()
     key = (
+        "tokens",
         str(checkpoint.path),
         checkpoint.tokenizer_sha256,
         side.options.trust_remote_code,
         corpus.sha256,
         protocol.add_special_tokens,
     )
-    if key not in _TOKENIZED:
-        ids = side.tokenizer(corpus.text, add_special_tokens=protocol.add_special_tokens, verbose=False)[
-            "input_ids"
-        ]
-        while len(_TOKENIZED) >= _TOKENIZED_KEEP:
-            del _TOKENIZED[next(iter(_TOKENIZED))]
-        _TOKENIZED[key] = np.asarray(ids, dtype=np.int64)
-        _TOKENIZED[key].setflags(write=False)  # shared by every plan that asks: nobody may edit it
-    return _TOKENIZED[key]
+    return shared.get(key, tokenize)
 
 
-def prepare_windows(protocol: WindowProtocol, corpus: Corpus, ref: Side, ckpt: Side) -> Inputs:
+def prepare_windows(
+    protocol: WindowProtocol, corpus: Corpus, ref: Side, ckpt: Side, shared: SharedWork | None = None
+) -> Inputs:
     """Tokenize once with the reference's tokenizer (the candidate's must give the same ids) and cut the
     windows. A recorded reference has no tokenizer: the candidate's tokens are used, and checked against
-    the recording's hash before anything runs."""
-    tokens = _tokenize(ckpt if ref.is_recorded else ref, corpus, protocol)
+    the recording's hash before anything runs. `shared`: the run's, where its ids are kept for the next
+    plan (`_tokenize`)."""
+    tokens = _tokenize(ckpt if ref.is_recorded else ref, corpus, protocol, shared)
     # Byte-identical tokenizer files give identical ids: the second tokenization would only cost time.
     if not ref.is_recorded and ref.checkpoint.tokenizer_sha256 != ckpt.checkpoint.tokenizer_sha256:
-        other = _tokenize(ckpt, corpus, protocol)
+        other = _tokenize(ckpt, corpus, protocol, shared)
         if other.shape != tokens.shape or not np.array_equal(other, tokens):
             where = metrics.first_divergence(tokens, other)
             raise InputError(

@@ -7,6 +7,7 @@ import torch
 
 from evalsuite import metrics
 from evalsuite.observation import Observation
+from evalsuite.task import SharedWork
 from evalsuite.tasks import kld_detail
 from evalsuite.tasks.logits_file import window_file, write_window_chunks
 from evalsuite.tasks.window_logits import log_softmax64
@@ -36,40 +37,95 @@ def _by_definition(ref: list[torch.Tensor], ckpt: list[torch.Tensor]) -> dict[st
 
 @pytest.fixture
 def three_torch_threads():
-    """Room for up to three threads of `token_detail` (it never takes more than torch's own count)."""
+    """torch at three intra-op threads, the test's own setting, to see that the detail leaves it alone."""
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     yield
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_token_detail_is_the_same_bits_for_the_first_candidate_and_the_next(
-    tmp_path, monkeypatch, three_torch_threads, threads
-):
-    monkeypatch.setattr(kld_detail, "_REFERENCE_ROWS", {})
-    monkeypatch.setattr(kld_detail, "DETAIL_THREADS", threads)  # windows split between threads
-    monkeypatch.setattr(kld_detail, "CACHE_BYTES", 3 * 8 * 1000)  # 3 rows at a time: blocks split unevenly
-    torch.manual_seed(0)
+def _sides(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    torch.manual_seed(seed)
     ref = [(torch.randn(n, 1000) * 4).to(torch.bfloat16) for n in (11, 6)]
     ckpt = [(x.float() + torch.randn_like(x.float()) * 0.3).to(torch.bfloat16) for x in ref]
     other = [(x.float() + torch.randn_like(x.float()) * 0.5).to(torch.bfloat16) for x in ref]
+    return ref, ckpt, other
+
+
+def test_float64_is_the_definition_bit_for_bit_for_the_first_candidate_and_the_next(tmp_path, monkeypatch):
+    monkeypatch.setattr(kld_detail, "CACHE_BYTES", 3 * 8 * 1000)  # 3 rows at a time: blocks split unevenly
+    ref, ckpt, other = _sides()
     r = _observation(tmp_path / "ref", ref, "ref-key")
     a, b = _observation(tmp_path / "a", ckpt, "a-key"), _observation(tmp_path / "b", other, "b-key")
-    first = kld_detail.token_detail(r, a, chunk_rows=4)
-    assert kld_detail._REFERENCE_ROWS["ref-key"].rebuildable  # this torch's log-softmax is (x − max) − log Σ
-    again, second = kld_detail.token_detail(r, a, chunk_rows=4), kld_detail.token_detail(r, b, chunk_rows=5)
+    shared = SharedWork()
+    first = kld_detail.token_detail(r, a, chunk_rows=4, precision="float64", shared=shared)
+    kept = shared.find(("reference-rows", "ref-key"))
+    assert kept is not None and kept.rebuildable  # this torch's log-softmax is (x − max) − log Σ
+    again = kld_detail.token_detail(r, a, chunk_rows=4, precision="float64", shared=shared)
+    second = kld_detail.token_detail(r, b, chunk_rows=5, precision="float64", shared=shared)
     for detail, sides in ((first, ckpt), (again, ckpt), (second, other)):
         for name, expected in _by_definition(ref, sides).items():
             got = getattr(detail, name)
             assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes(), name
-    assert torch.get_num_threads() == 3  # torch's own thread count is the caller's again
 
 
-def test_a_reference_without_a_key_is_never_kept(tmp_path, monkeypatch):
-    monkeypatch.setattr(kld_detail, "_REFERENCE_ROWS", {})
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_float32_keeps_the_definition_within_its_bound_and_leaves_torch_threads_alone(
+    tmp_path, monkeypatch, three_torch_threads, threads
+):
+    monkeypatch.setattr(kld_detail, "DETAIL_THREADS", threads)  # windows split between threads
+    monkeypatch.setattr(kld_detail, "FLOAT32_BLOCK_BYTES", 3 * 16 * 1000)  # 3 rows at a time
+    ref, ckpt, _ = _sides()
+    r, a = _observation(tmp_path / "ref", ref, "ref-key"), _observation(tmp_path / "a", ckpt, "a-key")
+    detail = kld_detail.token_detail(r, a, chunk_rows=4)
+    expected = _by_definition(ref, ckpt)
+    for name in ("top_ref", "top_ckpt"):  # ids: exactly the definition's, ties in the same order
+        assert np.array_equal(getattr(detail, name), expected[name]), name
+    for name in ("kld", "reverse_kld", "ref_top_p"):
+        got, want = getattr(detail, name), expected[name]
+        assert got.dtype == np.float64
+        # Each per-token figure to 1e-5 of its own size plus 1e-9: float32 exp's rounding, not the logits'.
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9, err_msg=name)
+    lp_ref, lp_ckpt = (log_softmax64(torch.cat(rows)).numpy() for rows in (ref, ckpt))
+    assert np.array_equal(detail.same_top, metrics.same_top_tied(lp_ref, lp_ckpt))
+    assert torch.get_num_threads() == 3  # torch's thread count is the caller's, never changed
+
+
+def test_float32_gives_the_same_bits_whatever_the_threads_and_blocks(tmp_path, monkeypatch):
+    ref, ckpt, _ = _sides(1)
+    r, a = _observation(tmp_path / "ref", ref, "ref-key"), _observation(tmp_path / "a", ckpt, "a-key")
+    runs = []
+    for threads, rows in ((1, 1), (2, 3), (3, 7)):
+        monkeypatch.setattr(kld_detail, "DETAIL_THREADS", threads)
+        monkeypatch.setattr(kld_detail, "FLOAT32_BLOCK_BYTES", rows * 16 * 1000)
+        runs.append(kld_detail.token_detail(r, a, chunk_rows=5))
+    for other in runs[1:]:
+        for name in ("kld", "reverse_kld", "ref_top_p", "top_ref", "top_ckpt", "same_top"):
+            assert getattr(other, name).tobytes() == getattr(runs[0], name).tobytes(), name
+
+
+def test_float32_rows_of_infinite_logits_fall_back_to_the_definition(tmp_path):
+    ref = torch.randn(4, 50) * 3
+    ckpt = ref + torch.randn(4, 50) * 0.2
+    ref[1, 7] = float("-inf")  # a token the reference rules out: its term is 0
+    ckpt[2, 3] = float("-inf")  # one the candidate rules out but the reference does not: KL is infinite
+    ref[3, :] = float("-inf")
+    ckpt[3, :] = float("-inf")  # a row of no distribution at all: the definition's masked terms sum to 0
+    r = _observation(tmp_path / "ref", [ref.to(torch.bfloat16)], "ref-key")
+    a = _observation(tmp_path / "a", [ckpt.to(torch.bfloat16)], "a-key")
+    detail = kld_detail.token_detail(r, a, chunk_rows=4)
+    lp_ref, lp_ckpt = (log_softmax64(x.to(torch.bfloat16)).numpy() for x in (ref, ckpt))
+    with np.errstate(invalid="ignore"):
+        want = metrics.kl_divergence(lp_ref, lp_ckpt)
+    np.testing.assert_allclose(detail.kld, want, rtol=1e-6)
+    assert np.isinf(detail.kld[2]) and np.isfinite(detail.kld[[0, 1, 3]]).all()
+
+
+def test_a_reference_without_a_key_is_never_kept(tmp_path):
     rows = [torch.randn(3, 50).to(torch.bfloat16)]
     r, a = _observation(tmp_path / "ref", rows, ""), _observation(tmp_path / "a", rows, "a-key")
-    detail = kld_detail.token_detail(r, a, chunk_rows=2)
-    assert not kld_detail._REFERENCE_ROWS
-    assert np.all(detail.kld == 0.0) and not np.signbit(detail.reverse_kld).any()
+    shared = SharedWork()
+    for precision in ("float32", "float64"):
+        detail = kld_detail.token_detail(r, a, chunk_rows=2, precision=precision, shared=shared)
+        assert not len(shared)
+        assert np.all(detail.kld == 0.0) and np.all(detail.reverse_kld == 0.0), precision

@@ -1,0 +1,136 @@
+"""Per-row statistics of two sides' next-token logits in float32, in one pass over each row: what `ppl` and
+`compare` report per scored token (both KL divergences, the reference's top-1 probability, both sides'
+ranked top tokens, whether their most probable tokens agree).
+
+numpy on purpose (torch for the top-k alone). numpy runs a ufunc on the calling thread only, so the caller
+may split rows between threads without touching torch's thread count, a process-wide setting (changed in one
+thread, it is changed for threads started later), and float32 exp runs in SIMD on CPUs without AVX-512 as on
+those with it.
+
+Precision. Logits arrive as bf16, float16 or float32 values, all exact in float32, so every shifted logit
+x − max(x) and every difference of two sides' shifted logits is exact or nearly so; the rounding that remains
+is float32 exp's (about one unit in the last place) and the products, each relative to the term it rounds.
+The sums (the normalisers Σ e^(x − max) and the KL sums) accumulate in float64. So the error of a KLD is
+relative to Σ p |log p − log q|, not to the logits' size: the float64 definition is kept to about 1e-5 of
+that scale, which the test on every fixture pair holds to 1e-4 relative of `kld_mean`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def as_float32(raw: np.ndarray, bfloat16: bool, out: np.ndarray) -> np.ndarray:
+    """Rows of stored logits as float32 in `out` (same shape): `raw` is bf16's 16 bits as uint16 when
+    `bfloat16` (numpy has no bfloat16; its bits are a float32's upper half), else float16 or float32."""
+    if bfloat16:
+        bits = out.view(np.uint32)
+        np.copyto(bits, raw, casting="safe")
+        bits <<= 16
+    else:
+        np.copyto(out, raw, casting="safe")
+    return out
+
+
+@dataclass
+class RowScratch:
+    """Float32 buffers for `pair_statistics` on up to `rows` rows of a vocabulary, allocated once per
+    thread rather than per block."""
+
+    rows: int
+    vocab: int
+
+    def __post_init__(self) -> None:
+        self.x, self.y, self.ex, self.ey = (np.empty((self.rows, self.vocab), np.float32) for _ in range(4))
+
+
+@dataclass
+class PairRows:
+    """`pair_statistics` of a block of rows."""
+
+    kld: np.ndarray  # KL(ref ‖ ckpt), float64
+    reverse_kld: np.ndarray  # KL(ckpt ‖ ref), float64
+    ref_top_p: np.ndarray  # the reference's top-1 probability, float64
+    top_ref: np.ndarray  # (rows, k) ids, most probable first, ties by lower id
+    top_ckpt: np.ndarray
+    same_top: np.ndarray  # some token is most probable on both sides (ties included)
+
+
+def pair_statistics(
+    raw_x: np.ndarray, raw_y: np.ndarray, bfloat16: bool, k: int, scratch: RowScratch
+) -> PairRows:
+    """Per row of stored logits `raw_x` (the reference) and `raw_y` (the candidate), as `as_float32` reads
+    them: the forward and reverse KLD, the reference's top-1 probability, both sides' `k` most probable ids
+    and whether their most probable tokens agree. Rows whose sums are not finite (logits of ±inf or NaN)
+    are computed again in float64 from the definition."""
+    n = len(raw_x)
+    x = as_float32(raw_x, bfloat16, scratch.x[:n])
+    y = as_float32(raw_y, bfloat16, scratch.y[:n])
+    top_ref, top_ckpt = top_ids(x, k), top_ids(y, k)
+    mx, my = x.max(axis=1, keepdims=True), y.max(axis=1, keepdims=True)
+    same = _same_top(x, y, mx, my)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        x -= mx
+        y -= my
+        ex, ey = np.exp(x, out=scratch.ex[:n]), np.exp(y, out=scratch.ey[:n])
+        sx, sy = ex.sum(axis=1, dtype=np.float64), ey.sum(axis=1, dtype=np.float64)
+        # log p − log q = (x − mx − log sx) − (y − my − log sy) = t − c with t the shifted x less the shifted
+        # y, in float32; c in float32 too, and what its rounding lost, c − c32, added back once (Σ p = 1).
+        c = np.log(sx) - np.log(sy)
+        c32 = c.astype(np.float32)
+        t = np.subtract(x, y, out=x)
+        t -= c32[:, None]
+        terms = np.multiply(ex, t, out=y)
+        forward = terms.sum(axis=1, dtype=np.float64) / sx - (c - c32)
+        np.multiply(ey, t, out=terms)
+        reverse = (c - c32) - terms.sum(axis=1, dtype=np.float64) / sy
+    bad = ~(np.isfinite(forward) & np.isfinite(reverse))
+    if bad.any():
+        rows = np.flatnonzero(bad)
+        again = [
+            as_float32(raw[rows], bfloat16, np.empty((len(rows), raw.shape[1]), np.float32))
+            for raw in (raw_x, raw_y)
+        ]
+        forward[rows], reverse[rows] = _kld_rows64(*again)
+    return PairRows(forward, reverse, 1.0 / sx, top_ref, top_ckpt, same)
+
+
+def _same_top(x: np.ndarray, y: np.ndarray, mx: np.ndarray, my: np.ndarray) -> np.ndarray:
+    """`metrics.same_top_tied` on logits: a row's log-probs are its logits less a constant (same ties)."""
+    same = x.argmax(axis=1) == y.argmax(axis=1)
+    rows = np.flatnonzero(~same)
+    if rows.size:
+        same[rows] = np.any((x[rows] == mx[rows]) & (y[rows] == my[rows]), axis=1)
+    return same
+
+
+def _kld_rows64(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and reverse KLD of rows of logits by the float64 definition (terms where p is 0 count 0)."""
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        lp = _log_softmax64(x)
+        lq = _log_softmax64(y)
+        out = []
+        for a, b in ((lp, lq), (lq, lp)):
+            p = np.exp(a)
+            terms = p * (a - b)
+            terms[~(p > 0)] = 0.0
+            out.append(terms.sum(axis=1))
+    return out[0], out[1]
+
+
+def _log_softmax64(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = np.max(x, axis=1, keepdims=True)
+    m[~np.isfinite(m)] = 0.0
+    shifted = x - m
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+def top_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """The `k` largest entries' ids of each row of float32 logits, largest first, in torch's order among
+    equal values (the order `top_k_hits` has always compared: the same for float32 and float64 rows). A
+    few rows at a time, torch's top-k runs on the calling thread alone."""
+    return torch.from_numpy(x).topk(k, dim=-1).indices.numpy()
