@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evalsuite import __version__
 from evalsuite.backends import check_load_plan
 from evalsuite.backends.memory import streamed_if_needed
 from evalsuite.backends.options import BackendOptions
@@ -27,6 +26,7 @@ from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.registry import get_task, spec_source
+from evalsuite.results import read_results
 from evalsuite.run_folder import RunFolder
 from evalsuite.side import Side, open_side
 from evalsuite.spec import Threshold, flat_metric_tables, load_spec
@@ -41,8 +41,7 @@ from evalsuite.task import (
     TaskSkipped,
     inputs_digest,
 )
-
-SCHEMA = "evalsuite.results/1"
+from evalsuite.version import __version__
 
 
 @dataclass
@@ -424,16 +423,9 @@ def recorded_observation(planned: PlannedObservation) -> Observation:
 
 
 def load_results(path: Path) -> dict[str, Any]:
-    """A results.json document (an accepted baseline, or a run to re-render), checked for its schema."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError("results file does not exist", path) from None
-    except ValueError as exc:
-        raise InputError(f"invalid JSON: {exc}", path) from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("tasks"), dict):
-        raise InputError(f"not an evalsuite results file (schema {SCHEMA})", path)
-    return doc
+    """A results.json document (an accepted baseline, or a run to re-render), checked for its schema and
+    major version (`evalsuite.results.read_results`)."""
+    return read_results(path)
 
 
 def saved_folder(folder: RunFolder, planned: PlannedObservation) -> Path:
