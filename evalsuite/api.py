@@ -309,7 +309,7 @@ def run_request(
         junit: also write JUnit XML here.
         model_card: also write model-card.md into the run folder.
     """
-    from evalsuite.report import write_reports
+    from evalsuite.run_report import write_reports
     from evalsuite.runner import run as run_plan
 
     result = run_plan(request, progress=_progress(progress, cancel), on_load=on_load)
@@ -390,8 +390,8 @@ def compare(
     Returns:
         The typed comparison and every candidate's typed results.
     """
-    from evalsuite.compare import CompareRequest
-    from evalsuite.compare import compare as compare_all
+    from evalsuite.compare_candidates import CompareRequest
+    from evalsuite.compare_candidates import compare as compare_all
     from evalsuite.task import RunContext
 
     options = backend_options(dtype, device, trust_remote_code, stream, max_memory)
@@ -511,8 +511,8 @@ def report(run_dir: Path, format: ReportFormat = "md") -> Path:
     """
     import json
 
-    from evalsuite.report import render_markdown
     from evalsuite.results import read_results
+    from evalsuite.run_report import render_markdown
 
     run_dir = Path(run_dir)
     results = read_results(run_dir / "results.json")

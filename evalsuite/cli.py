@@ -113,7 +113,7 @@ def execute(
 def show_run(outcome: RunOutcome) -> int:
     """Print a run's summary table and where its report is; return its exit code (2, no verdict, as an
     error whose one line says why)."""
-    from evalsuite.report import print_summary
+    from evalsuite.run_report import print_summary
 
     print_summary(outcome.document, Console())
     print(f"report: {outcome.paths['report']}")
