@@ -192,3 +192,20 @@ def test_no_module_is_over_600_lines():
     assert long == {}, f"modules over 600 lines (split where the split says something): {long}"
     short_again = [m for m in STILL_LONG if len(package_modules()[m].read_text().splitlines()) <= 600]
     assert short_again == [], f"no longer over 600 lines: strike them from STILL_LONG: {short_again}"
+
+
+def test_a_module_its_package_imports_names_its_siblings_by_their_own_modules():
+    """`from evalsuite.fixtures import exl3` inside a module that `fixtures/__init__.py` itself imports runs
+    that half-built `__init__` to find a sibling: name the sibling's module (`from evalsuite.fixtures.exl3
+    import …`) instead."""
+    modules = package_modules()
+    found = []
+    for name, path in modules.items():
+        package = name.rpartition(".")[0]
+        init = modules.get(package)
+        if not package or init is None or name not in imports_of(package, init, set(modules)):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module == package:
+                found.append(f"{name}: from {package} import {', '.join(a.name for a in node.names)}")
+    assert found == []
