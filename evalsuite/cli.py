@@ -20,15 +20,16 @@ import typer
 from rich.console import Console
 from typer.exceptions import TyperException
 
-from evalsuite.api import (
+# read_thresholds, the demo's names, PROGRESS_LINES and ProgressLines are named here too, where callers have
+# always found them.
+from evalsuite.api import (  # noqa: F401
     DEFAULT_FIXTURES,
     TRACEBACK_NAME,
     default_run_folder,
     read_thresholds,
     resolve_source,
 )
-
-# PROGRESS_LINES and ProgressLines are named here too, where callers have always found them.
+from evalsuite.cli_demo import DEMO_CKPT, DEMO_OUT, DEMO_TASKS, DEMO_THRESHOLDS, VISION_DEMO_OUT  # noqa: F401
 from evalsuite.cli_output import (  # noqa: F401
     PROGRESS_LINES,
     ProgressLines,
@@ -51,18 +52,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Validate a quantized checkpoint against its reference and write a diff report.",
 )
-DEMO_CKPT, DEMO_REF = "smollm2-135m-w4a8", "smollm2-135m-bf16"
-# `smoke` is left out: the round-to-nearest W4A8 copy of a 135 M model loses an answer, which `smoke` rightly
-# fails; `evalsuite run --tasks smoke` shows it. `vision` does not apply to a text-only model. `lmeval` runs
-# the shipped evalsuite-mini, offline, and puts the paired accuracy on the model card beside the PPL.
-# lmeval is left out of the default: on 2 cores it doubles the demo's time (evalsuite-mini on both sides).
-DEMO_TASKS = "ppl,tensors,intref"
-# The demo writes under an ignored folder of the working directory, so that running it in a clone leaves
-# `git status` clean; the committed example under reports/ is regenerated only on purpose (`--out`, README).
-DEMO_OUT = Path("demo-reports")
-# The demo pair is judged by this committed file, which says why it is looser than the shipped defaults.
-DEMO_THRESHOLDS = "demo-thresholds"
-VISION_DEMO_OUT = DEMO_OUT / "tiny-minicpmv47-vision"
 # The folder a command writes its run into, once known: an internal error's traceback goes there, beside the
 # reports it did not write (else to a file in the temporary folder).
 output_folder: contextvars.ContextVar[Path | None] = contextvars.ContextVar("output_folder", default=None)
@@ -383,61 +372,14 @@ def demo_command(
     offline (no vision-language model ships in a package index wheel), so the pair has random weights: its
     vision-tower parity passes (the W4A8 copy keeps the tower byte for byte) and both answers fail.
     """
+    from evalsuite.cli_demo import demo_request, vision_demo_request
+
     if vision:
-        return _vision_demo(fixtures, quiet)
+        output_folder.set(VISION_DEMO_OUT)
+        return execute(vision_demo_request(fixtures), quiet=quiet)
     output_folder.set(out)
-    from evalsuite.fixtures import build_fixtures
-    from evalsuite.runner import RecordRequest, RunRequest
-    from evalsuite.runner import record as record_reference
-    from evalsuite.spec import default_spec_path
-    from evalsuite.task import RunContext
-
-    built = build_fixtures(fixtures, [DEMO_REF, DEMO_CKPT], progress=lambda msg: console.print(msg))
-    if record is not None:
-        # The recording holds every task a nightly run of a text model can replay, not only the demo's.
-        request = RecordRequest(
-            ckpt=str(built[DEMO_REF]),
-            tasks=["ppl", "smoke", "lmeval"],
-            out=record,
-            context=RunContext(corpus_name=corpus),
-        )
-        console.print(f"recording: {record_reference(request)}")
-    names = task_names(tasks)
-    thresholds_file = default_spec_path(DEMO_THRESHOLDS)
-    thresholds = {t: v for t, v in read_thresholds(thresholds_file).items() if t in names}
-    request = RunRequest(
-        ckpt=str(built[DEMO_CKPT]),
-        ref=str(built[DEMO_REF]),
-        tasks=names,
-        out=out,
-        context=RunContext(corpus_name=corpus),
-        thresholds=thresholds,
-        thresholds_file=thresholds_file,
-        # The demo's reports are what it is for; its observations (about 0.6 GB of logits) are not kept.
-        keep_observations=False,
-    )
+    request = demo_request(fixtures, out, corpus, task_names(tasks), record)
     return execute(request, quiet=quiet, model_card=True)
-
-
-def _vision_demo(fixtures: Path, quiet: bool) -> int:
-    from evalsuite.fixtures import TINY_BF16, TINY_W4A8, build_fixtures
-    from evalsuite.runner import RunRequest
-
-    output_folder.set(VISION_DEMO_OUT)
-    built = build_fixtures(fixtures, [TINY_BF16, TINY_W4A8], progress=lambda msg: console.print(msg))
-    console.print(
-        "note: no vision-language model can be had offline, so this is the tiny random-weight MiniCPM-V 4.7: "
-        "vision-tower parity passes, the answer checks fail (a random model names no shapes)",
-        highlight=False,
-    )
-    request = RunRequest(
-        ckpt=str(built[TINY_W4A8]),
-        ref=str(built[TINY_BF16]),
-        tasks=["vision"],
-        out=VISION_DEMO_OUT,
-        keep_observations=False,
-    )
-    return execute(request, quiet=quiet)
 
 
 @app.command("manifest")
