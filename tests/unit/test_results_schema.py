@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 import evalsuite
@@ -32,8 +33,7 @@ COMMITTED_COMPARISONS = sorted(
 )
 
 
-def schema_validator(kind: str):
-    jsonschema = pytest.importorskip("jsonschema")
+def schema_validator(kind: str) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(json_schema(kind))
 
 
@@ -113,3 +113,12 @@ def test_a_file_that_does_not_match_the_schema_is_refused_in_one_line(tmp_path):
     with pytest.raises(InputError) as refused:
         load_results(path)
     assert "\n" not in str(refused.value) and "verdict" in str(refused.value)
+
+
+def test_evalsuite_report_refuses_a_results_file_of_schema_version_9_in_one_line(tmp_path):
+    from conftest import assert_refused, cli_in_process
+
+    path = with_version(tmp_path, "9.0")
+    code, lines, _ = cli_in_process("report", tmp_path, "--format", "md")
+    assert_refused(code, lines, str(path), "schema_version 9.0 is not supported")
+    assert not (tmp_path / "report.md").exists()
