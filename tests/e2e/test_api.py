@@ -8,6 +8,7 @@ import json
 import threading
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 import evalsuite
@@ -53,6 +54,7 @@ def test_run_returns_the_typed_results_it_wrote(api_run):
     assert {"results", "report", "model_card"} <= set(outcome.paths)
     assert all(path.is_file() for path in outcome.paths.values())
     doc = written(outcome.paths["results"])
+    jsonschema.validate(doc, evalsuite.json_schema("results"))
     assert outcome.results == evalsuite.load_results(outcome.paths["results"])
     assert outcome.document == doc
     assert doc["schema_version"] == evalsuite.SCHEMA_VERSION == outcome.results.schema_version
@@ -88,7 +90,9 @@ def test_compare_returns_the_typed_comparison_it_wrote(tiny_pair, tmp_path):
     )
     assert isinstance(outcome.comparison, evalsuite.Comparison)
     assert outcome.comparison == evalsuite.load_comparison(out / "compare.json")
-    assert written(out / "compare.json")["schema_version"] == evalsuite.SCHEMA_VERSION
+    doc = written(out / "compare.json")
+    jsonschema.validate(doc, evalsuite.json_schema("compare"))
+    assert doc["schema_version"] == evalsuite.SCHEMA_VERSION
     name = tiny_pair[TINY_W4A8].name
     assert [row.name for row in outcome.comparison.candidates] == [name]
     assert outcome.candidates[name] == evalsuite.load_results(out / name / "results.json")

@@ -55,10 +55,11 @@ def test_every_committed_recording_validates(path):
     assert load_recording_manifest(path).observations
 
 
-@pytest.mark.parametrize("path", COMMITTED_COMPARISONS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_committed_compare_json_validates(path):
-    schema_validator("compare").validate(json.loads(path.read_text(encoding="utf-8")))
-    assert load_comparison(path).candidates
+def test_every_committed_compare_json_validates():
+    # None is committed today; tests/e2e/test_api.py validates the compare.json a comparison writes.
+    for path in COMMITTED_COMPARISONS:
+        schema_validator("compare").validate(json.loads(path.read_text(encoding="utf-8")))
+        assert load_comparison(path).candidates
 
 
 def test_the_published_schema_is_what_the_models_generate():
