@@ -1,20 +1,16 @@
 """A checkpoint folder read as files: config.json, the safetensors index from headers alone, the format.
 
 Nothing here loads a model. Every tensor's name, dtype, shape and byte range comes from the safetensors
-headers, which are parsed and checked here rather than trusted: a checkpoint is input from whoever published
-it, and a header that lies about its offsets would otherwise surface as a crash (or a silently wrong tensor)
-halfway through a run. Tensors are read one at a time, so memory is bounded by the largest tensor.
+headers, parsed and checked rather than trusted (`evalsuite.safetensors_files`). Tensors are read one at a
+time, so memory is bounded by the largest tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import math
 import os
 import re
-import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -23,48 +19,37 @@ from typing import TYPE_CHECKING, Any, Literal
 from safetensors import safe_open
 
 from evalsuite.errors import DependencyError, InputError
+from evalsuite.safetensors_files import (
+    DTYPE_SIZES,
+    FLOAT_DTYPES,
+    INDEX_FILE,
+    TensorInfo,
+    canonical_json,
+    check_index_matches_headers,
+    check_inside,
+    hash_parts,
+    read_header,
+    read_index,
+    read_json,
+)
 
 if TYPE_CHECKING:
     import torch
 
     from evalsuite.digest import DigestCache
 
+# Names of `evalsuite.safetensors_files` that callers have always imported from here.
+__all__ = ["DTYPE_SIZES", "FLOAT_DTYPES", "INDEX_FILE", "Checkpoint", "CheckpointFormat", "TensorInfo"]
+
 CheckpointFormat = Literal["bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf"]
 
 CONFIG_FILE = "config.json"
-INDEX_FILE = "model.safetensors.index.json"
 EXL3_CONFIG_FILE = "quantization_config.json"
 
-# The cap the safetensors library itself applies; a larger length is a corrupt or hostile file, and reading
-# it would allocate whatever the file claims.
-MAX_HEADER_BYTES = 100_000_000
 # A GGUF file is not parsed here, so its fingerprint hashes its size and this much of its start (the
 # metadata and tensor table come first in the format).
 GGUF_FINGERPRINT_BYTES = 1 << 20
 
-# Bytes per element of every dtype that safetensors can hand to torch; anything else is rejected rather than
-# guessed, because the byte ranges are checked against numel × this size.
-DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E4M3FNUZ": 1,
-    "F8_E5M2": 1,
-    "F8_E5M2FNUZ": 1,
-    "U16": 2,
-    "I16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "U32": 4,
-    "I32": 4,
-    "F32": 4,
-    "U64": 8,
-    "I64": 8,
-    "F64": 8,
-    "C64": 8,
-}
-FLOAT_DTYPES = frozenset(d for d in DTYPE_SIZES if d.startswith(("F", "BF")))
 _FORMAT_OF_FLOAT_DTYPE: dict[str, CheckpointFormat] = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 _QUANT_METHODS: dict[str, CheckpointFormat] = {"compressed-tensors": "compressed-tensors", "exl3": "exl3"}
 
@@ -90,28 +75,6 @@ _NOT_CONTENT = re.compile(
 )
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives: its shard file and the absolute byte range of its data in that file."""
-
-    name: str
-    shard: Path
-    dtype: str
-    shape: tuple[int, ...]
-    data_begin: int
-    data_end: int
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the stored data in bytes."""
-        return self.data_end - self.data_begin
-
-    @property
-    def numel(self) -> int:
-        """Number of elements (1 for a scalar)."""
-        return math.prod(self.shape)
 
 
 @dataclass(frozen=True, eq=False)
@@ -193,7 +156,7 @@ class Checkpoint:
         digests = cache.sha256_many(files)
         hasher = hashlib.sha256()
         for path in files:
-            _hash_parts(hasher, path.relative_to(self.path).as_posix().encode(), digests[path].encode())
+            hash_parts(hasher, path.relative_to(self.path).as_posix().encode(), digests[path].encode())
         return hasher.hexdigest()
 
     @property
@@ -318,7 +281,7 @@ def _open_folder(folder: Path, extra_roots: tuple[Path, ...]) -> Checkpoint:
 
     config_path = folder / CONFIG_FILE
     if config_path.is_file():
-        config = _read_json(config_path)
+        config = read_json(config_path)
         if not isinstance(config, dict):
             raise InputError("config.json is not a JSON object", config_path)
     elif ggufs:
@@ -331,28 +294,28 @@ def _open_folder(folder: Path, extra_roots: tuple[Path, ...]) -> Checkpoint:
 
     weight_map: dict[str, str] | None = None
     if has_index:
-        weight_map, shards = _read_index(index_path, folder, roots)
+        weight_map, shards = read_index(index_path, folder, roots)
     else:
         for shard in loose:
-            _check_inside(shard, roots)
+            check_inside(shard, roots)
         shards = loose
     if not shards and not ggufs:
         raise InputError("no weights: no model.safetensors.index.json, *.safetensors or *.gguf file", folder)
 
     fingerprint = hashlib.sha256()
-    _hash_parts(fingerprint, b"config.json", _canonical_json(config))
+    hash_parts(fingerprint, b"config.json", canonical_json(config))
     tensors: dict[str, TensorInfo] = {}
     total_bytes = 0
     for shard in shards:
-        raw_header, infos, size = _read_header(shard)
-        _hash_parts(fingerprint, shard.relative_to(folder).as_posix().encode(), raw_header)
+        raw_header, infos, size = read_header(shard)
+        hash_parts(fingerprint, shard.relative_to(folder).as_posix().encode(), raw_header)
         total_bytes += size
         for info in infos:
             if (first := tensors.get(info.name)) is not None:
                 raise InputError(f"tensor {info.name!r} is also stored in {first.shard.name}", shard)
             tensors[info.name] = info
     if weight_map is not None:
-        _check_index_matches_headers(index_path, folder, weight_map, tensors)
+        check_index_matches_headers(index_path, folder, weight_map, tensors)
 
     gguf_file = None
     if ggufs:
@@ -360,11 +323,11 @@ def _open_folder(folder: Path, extra_roots: tuple[Path, ...]) -> Checkpoint:
             names = ", ".join(p.name for p in ggufs)
             raise InputError(f"several .gguf files ({names}): pass a folder with one", folder)
         gguf_file = ggufs[0]
-        _check_inside(gguf_file, roots)
+        check_inside(gguf_file, roots)
         total_bytes = gguf_file.stat().st_size
         with gguf_file.open("rb") as f:
             head = f.read(GGUF_FINGERPRINT_BYTES)
-        _hash_parts(fingerprint, gguf_file.name.encode(), str(total_bytes).encode(), head)
+        hash_parts(fingerprint, gguf_file.name.encode(), str(total_bytes).encode(), head)
 
     return Checkpoint(
         path=folder,
@@ -376,136 +339,6 @@ def _open_folder(folder: Path, extra_roots: tuple[Path, ...]) -> Checkpoint:
         fingerprint=fingerprint.hexdigest(),
         total_bytes=total_bytes,
     )
-
-
-def _read_index(index_path: Path, folder: Path, roots: tuple[Path, ...]) -> tuple[dict[str, str], list[Path]]:
-    """The index's weight_map (tensor name → shard path relative to the folder) and its shard files."""
-    index = _read_json(index_path, strict=True)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise InputError("no weight_map object (or an empty one)", index_path)
-    normalized: dict[str, str] = {}
-    shards: dict[str, Path] = {}
-    for name, rel in weight_map.items():
-        pure = PurePosixPath(rel) if isinstance(rel, str) and rel else None
-        if pure is None or pure.is_absolute() or ".." in pure.parts or "\\" in rel:
-            raise InputError(
-                f"weight_map entry for {name!r} leaves the checkpoint folder: {rel!r}", index_path
-            )
-        key = pure.as_posix()  # "./a" and "a" are the same shard
-        if key not in shards:
-            shard = folder / pure
-            if not _resolves_inside(shard, roots):
-                raise InputError(
-                    f"weight_map entry for {name!r} resolves outside the checkpoint folder: {rel!r}",
-                    index_path,
-                )
-            if not shard.is_file():
-                raise InputError(f"shard listed in {INDEX_FILE} does not exist", shard)
-            shards[key] = shard
-        normalized[name] = key
-    return normalized, [shards[key] for key in sorted(shards)]
-
-
-def _check_index_matches_headers(
-    index_path: Path, folder: Path, weight_map: dict[str, str], tensors: dict[str, TensorInfo]
-) -> None:
-    for name, rel in weight_map.items():
-        if name not in tensors:
-            raise InputError(f"tensor {name!r} is mapped to {rel} but no shard header has it", index_path)
-    # Once per shard, not per tensor: pathlib's parsing costs 0.1 s over the 12,000 tensors of a pair.
-    shard_names = {info.shard: "" for info in tensors.values()}
-    for shard in shard_names:
-        shard_names[shard] = shard.relative_to(folder).as_posix()
-    for name, info in tensors.items():
-        stored_in = shard_names[info.shard]
-        if name not in weight_map:
-            raise InputError(f"tensor {name!r} of {stored_in} is not in the weight_map", index_path)
-        if weight_map[name] != stored_in:
-            raise InputError(
-                f"tensor {name!r} is mapped to {weight_map[name]} but stored in {stored_in}", index_path
-            )
-
-
-def _read_header(shard: Path) -> tuple[bytes, list[TensorInfo], int]:
-    """Parse and check one shard's header; returns the raw header (length prefix included), its tensors in
-    file order, and the file size."""
-    with shard.open("rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise InputError(f"truncated shard: {size} bytes, too short for the 8-byte header length", shard)
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > MAX_HEADER_BYTES:
-            raise InputError(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte cap", shard)
-        if 8 + header_len > size:
-            raise InputError(
-                f"header claims {header_len} bytes but the file has only {size - 8} after its length", shard
-            )
-        raw = f.read(header_len)
-    data_start = 8 + header_len
-    data_size = size - data_start
-    header = _parse_json(raw, shard, "header", strict=True)
-    if not isinstance(header, dict):
-        raise InputError("header is not a JSON object", shard)
-
-    metadata = header.pop("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise InputError("header __metadata__ is not an object of strings", shard)
-
-    entries = [_header_entry(shard, name, entry) for name, entry in header.items()]
-    entries.sort(key=lambda e: (e[3], e[4]))
-    needed = max((e[4] for e in entries), default=0)
-    if needed > data_size:
-        raise InputError(
-            f"truncated shard: the header needs {needed} bytes of tensor data but the file has {data_size}",
-            shard,
-        )
-    # Same layout rule as the safetensors reader: the ranges tile the data section exactly, so a file that
-    # passes here is one safe_open accepts, and no byte can belong to two tensors.
-    expected, previous = 0, None
-    for name, _, _, begin, end in entries:
-        if begin < expected:
-            raise InputError(f"tensors {previous!r} and {name!r} overlap in data_offsets", shard)
-        if begin > expected:
-            raise InputError(f"data bytes {expected}..{begin} belong to no tensor (before {name!r})", shard)
-        expected, previous = end, name
-    if expected != data_size:
-        raise InputError(f"{data_size - expected} bytes after the last tensor's data", shard)
-
-    infos = [
-        TensorInfo(name, shard, dtype, shape, data_start + begin, data_start + end)
-        for name, dtype, shape, begin, end in entries
-    ]
-    return prefix + raw, infos, size
-
-
-def _header_entry(shard: Path, name: str, entry: Any) -> tuple[str, str, tuple[int, ...], int, int]:
-    """One checked header entry: (name, dtype, shape, begin, end), offsets relative to the data section."""
-    if not isinstance(entry, dict):
-        raise InputError(f"header entry {name!r} is not an object", shard)
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
-        raise InputError(f"tensor {name!r} has unknown dtype {dtype!r}", shard)
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise InputError(f"tensor {name!r} has shape {shape!r}, not a list of non-negative integers", shard)
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
-        raise InputError(
-            f"tensor {name!r} has data_offsets {offsets!r}, not two non-negative integers", shard
-        )
-    begin, end = offsets
-    if end < begin:
-        raise InputError(f"tensor {name!r} has data_offsets {offsets!r} that end before they begin", shard)
-    expected = math.prod(shape) * DTYPE_SIZES[dtype]
-    if end - begin != expected:
-        raise InputError(
-            f"tensor {name!r} spans {end - begin} bytes but {dtype} {tuple(shape)} needs {expected}", shard
-        )
-    return name, dtype, tuple(shape), begin, end
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _detect_format(
@@ -547,7 +380,7 @@ def _is_exl3_storage(path: Path) -> bool:
     """Whether this is exllamav3's quantization_config.json (quantization_config plus tensor_storage)."""
     if not path.is_file():
         return False
-    content = _read_json(path)
+    content = read_json(path)
     if not isinstance(content, dict):
         return False
     storage = content.get("tensor_storage")
@@ -555,65 +388,3 @@ def _is_exl3_storage(path: Path) -> bool:
     return content.get("quant_method") == "exl3" or any(
         isinstance(m, dict) and m.get("quant_format") == "exl3" for m in modules
     )
-
-
-def _check_inside(path: Path, roots: tuple[Path, ...]) -> None:
-    if not _resolves_inside(path, roots):
-        raise InputError("is a symlink that resolves outside the checkpoint folder", path)
-
-
-def _resolves_inside(path: Path, roots: tuple[Path, ...]) -> bool:
-    resolved = path.resolve()
-    return any(resolved.is_relative_to(root) for root in roots)
-
-
-class _DuplicateKeyError(ValueError):
-    pass
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json.loads keeps the last of two equal keys; in a header or weight_map that would silently pick one
-    # of two claims about the same tensor.
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _DuplicateKeyError(key)
-        result[key] = value
-    return result
-
-
-def _read_json(path: Path, *, strict: bool = False) -> Any:
-    """Parse a JSON file; `strict` also rejects an object with two equal keys."""
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise InputError(f"cannot be read: {exc.strerror}", path) from None
-    return _parse_json(raw, path, "file", strict=strict)
-
-
-def _parse_json(raw: bytes, path: Path, what: str, *, strict: bool) -> Any:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{what} is not UTF-8 (byte {exc.start})", path) from None
-    try:
-        return json.loads(text, object_pairs_hook=_unique_keys if strict else None)
-    except json.JSONDecodeError as exc:
-        raise InputError(
-            f"invalid JSON in {what} at line {exc.lineno}, column {exc.colno}: {exc.msg}", path
-        ) from None
-    except _DuplicateKeyError as exc:
-        raise InputError(
-            f"invalid JSON in {what}: key {exc.args[0]!r} appears twice in one object", path
-        ) from None
-
-
-def _canonical_json(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-
-
-def _hash_parts(hasher: Any, *parts: bytes) -> None:
-    # Length-prefixed, so that no two different sequences of parts hash the same bytes.
-    for part in parts:
-        hasher.update(len(part).to_bytes(8, "little"))
-        hasher.update(part)

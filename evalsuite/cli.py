@@ -8,16 +8,11 @@ reason is one line on stderr, and for 3 and 4 the traceback is in a file.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-import dataclasses
 import os
 import sys
 import tempfile
-import time
-import tomllib
 import traceback
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -25,12 +20,31 @@ import typer
 from rich.console import Console
 from typer.exceptions import TyperException
 
-from evalsuite.backends.options import BackendOptions
+# read_thresholds, the demo's names, PROGRESS_LINES and ProgressLines are named here too, where callers have
+# always found them.
+from evalsuite.api import (  # noqa: F401
+    DEFAULT_FIXTURES,
+    TRACEBACK_NAME,
+    default_run_folder,
+    read_thresholds,
+    resolve_source,
+)
+from evalsuite.cli_demo import DEMO_CKPT, DEMO_OUT, DEMO_TASKS, DEMO_THRESHOLDS, VISION_DEMO_OUT  # noqa: F401
+from evalsuite.cli_output import (  # noqa: F401
+    PROGRESS_LINES,
+    ProgressLines,
+    announce_load,
+    console,
+    progress_display,
+    summarise_noise,
+    third_party_quiet,
+)
 from evalsuite.errors import EvalsuiteError, InputError, ResourceError, is_out_of_memory, out_of_memory_line
 from evalsuite.run_folder import write_atomic
 
 if TYPE_CHECKING:
-    from evalsuite.task import Progress
+    from evalsuite.api import RunOutcome
+    from evalsuite.runner import RunRequest
 
 app = typer.Typer(
     add_completion=False,
@@ -38,63 +52,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Validate a quantized checkpoint against its reference and write a diff report.",
 )
-# Soft wrap: a piped line is never folded at 80 columns (paths and metric names stay whole for grep).
-console = Console(stderr=True, soft_wrap=True)
-
-DEFAULT_FIXTURES = Path(
-    os.environ.get("EVALSUITE_FIXTURES", Path.home() / ".cache" / "evalsuite" / "fixtures")
-)
-DEMO_CKPT, DEMO_REF = "smollm2-135m-w4a8", "smollm2-135m-bf16"
-# `smoke` is left out: the round-to-nearest W4A8 copy of a 135 M model loses an answer, which `smoke` rightly
-# fails; `evalsuite run --tasks smoke` shows it. `vision` does not apply to a text-only model. `lmeval` runs
-# the shipped evalsuite-mini, offline, and puts the paired accuracy on the model card beside the PPL.
-# lmeval is left out of the default: on 2 cores it doubles the demo's time (evalsuite-mini on both sides).
-DEMO_TASKS = "ppl,tensors,intref"
-# The demo writes under an ignored folder of the working directory, so that running it in a clone leaves
-# `git status` clean; the committed example under reports/ is regenerated only on purpose (`--out`, README).
-DEMO_OUT = Path("demo-reports")
-# The demo pair is judged by this committed file, which says why it is looser than the shipped defaults.
-DEMO_THRESHOLDS = "demo-thresholds"
-VISION_DEMO_OUT = DEMO_OUT / "tiny-minicpmv47-vision"
-TRACEBACK_NAME = "traceback.txt"
 # The folder a command writes its run into, once known: an internal error's traceback goes there, beside the
 # reports it did not write (else to a file in the temporary folder).
 output_folder: contextvars.ContextVar[Path | None] = contextvars.ContextVar("output_folder", default=None)
-
-
-def resolve_source(source: str, fixtures: Path = DEFAULT_FIXTURES) -> str:
-    """A folder as given; a fixture name (`smollm2-135m-w4a8`) from the fixtures folder; else a hub id.
-
-    A name is a fixture when `fixtures/NAME` holds a fixture manifest, so no builder is imported to resolve
-    it; a known fixture name without a finished build there is an error that says how to build it.
-    """
-    if Path(source).exists():
-        return source
-    from evalsuite.fixtures.names import BENCH_FIXTURE_NAMES, FIXTURE_NAMES, MANIFEST_NAME
-
-    folder = fixtures / source
-    if Path(source).name == source and (folder / MANIFEST_NAME).is_file():
-        return str(folder)
-    if source in FIXTURE_NAMES or source in BENCH_FIXTURE_NAMES:
-        raise InputError(
-            f"fixture {source!r} is not built; run `evalsuite fixtures --out {fixtures}`", folder
-        )
-    return source
-
-
-def read_thresholds(path: Path | None) -> dict:
-    """`--thresholds FILE`: TOML tables `[TASK]` of `metric = { min = …, max = … }`."""
-    if path is None:
-        return {}
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError("thresholds file does not exist", path) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise InputError(f"invalid TOML: {exc}", path) from None
-    if not all(isinstance(v, dict) for v in data.values()):
-        raise InputError("expected one table per task, e.g. [ppl] ppl_ratio = { max = 1.05 }", path)
-    return data
 
 
 def task_names(tasks: str) -> list[str]:
@@ -125,178 +85,35 @@ SpecOption = Annotated[
 ]
 
 
-# Most lines one pass prints to a log (stderr not a terminal): every step up to this many steps (a 40-layer
-# pass prints 40), one per 1/64 of the steps beyond (10,000 documents print 64, not 10,000).
-PROGRESS_LINES = 64
-# The steps the time left is estimated from: the last few, so that steps resumed from a run folder (done at
-# once) or a slow first step (a layer read cold from disk) stop weighing on the estimate after a few.
-RECENT_STEPS = 8
-
-
-def _clock(seconds: float) -> str:
-    """A duration as the progress bars write it, H:MM:SS."""
-    whole = round(seconds)
-    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
-
-
-class ProgressLines:
-    """Progress written as whole lines, for a log (CI, `2> run.log`): a pass's steps (one per decoder layer
-    of a streamed pass), each with the time elapsed and the time left, at most `PROGRESS_LINES` lines a pass.
-    A terminal gets live bars instead (`progress_display`)."""
-
-    def __init__(self, console: Console, clock: Callable[[], float] = time.monotonic) -> None:
-        self.console = console
-        self.clock = clock
-
-    def __call__(self, description: str, total: int) -> Callable[[], None]:
-        """The `Progress` protocol: a pass of `total` steps begins; the callable returned marks one done."""
-        started = self.clock()
-        times = [started]
-        every = max(1, -(-total // PROGRESS_LINES))
-
-        def advance() -> None:
-            times.append(self.clock())
-            done = len(times) - 1
-            if done % every and done != total:
-                return
-            elapsed = times[-1] - started
-            if done >= total:
-                tail = f"done in {_clock(elapsed)}"
-            else:
-                recent = times[-(RECENT_STEPS + 1) :]
-                per_step = (recent[-1] - recent[0]) / (len(recent) - 1)
-                tail = f"{_clock(elapsed)} elapsed, about {_clock(per_step * (total - done))} left"
-            share = f" ({100 * done // total}%)" if total else ""
-            self.console.print(
-                f"{description}: {done}/{total}{share}, {tail}", highlight=False, markup=False, soft_wrap=True
-            )
-
-        return advance
-
-
-@contextlib.contextmanager
-def progress_display(quiet: bool) -> Iterator[Progress]:
-    """The progress of a command's passes on stderr: nothing with `--quiet`; on a terminal, a live bar per
-    pass with its time elapsed and left; otherwise (a log) `ProgressLines`, since rich draws a bar that is not
-    on a terminal only once, finished, and a long pass would show nothing for an hour."""
-    if quiet:
-        from evalsuite.task import no_progress
-
-        yield no_progress
-        return
-    if not console.is_terminal:
-        yield ProgressLines(console)
-        return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from rich.progress import Progress as Bars
-
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("left"),
-        TimeRemainingColumn(),
-    )
-    with Bars(*columns, console=console) as bars:
-
-        def factory(description: str, total: int) -> Callable[[], None]:
-            task_id = bars.add_task(description, total=total)
-            return lambda: bars.advance(task_id)
-
-        yield factory
-
-
-def _announce_load(side, options) -> None:
-    streamed = ""
-    if options.stream:
-        why = side.stream_reason if side.stream_reason not in (None, "--stream") else ""
-        streamed = ", streamed one decoder layer at a time" + (f": {why}" if why else "")
-    console.print(
-        f"loading {side.role}: {side.checkpoint.path} ({side.checkpoint.format}, backend {options.backend}"
-        f"{streamed})"
-    )
-
-
-@contextlib.contextmanager
-def third_party_quiet() -> Iterator[list[str]]:
-    """Transformers' log lines collected instead of printed (the list yielded): its warnings (kernels
-    falling back to reference implementations) are about speed on this machine, not about the result, and
-    would bury evalsuite's own lines; compressed-tensors' logger is off (see `main`). EVALSUITE_VERBOSE=1
-    shows them all as they come."""
-    import logging
-
-    collected: list[str] = []
-    if os.environ.get("EVALSUITE_VERBOSE"):
-        yield collected
-        return
-    from transformers.utils import logging as hf_logging
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            collected.append(record.getMessage().splitlines()[0] if record.getMessage() else "")
-
-    handler = Collect(level=logging.WARNING)
-    root = hf_logging.get_logger()
-    hf_logging.disable_default_handler()
-    root.addHandler(handler)
-    try:
-        yield collected
-    finally:
-        root.removeHandler(handler)
-        hf_logging.enable_default_handler()
-
-
-def _summarise_noise(collected: list[str]) -> None:
-    if collected:
-        distinct = list(dict.fromkeys(collected))
-        console.print(
-            f"note: {len(collected)} log lines from Transformers / compressed-tensors were held back "
-            f"({len(distinct)} distinct, e.g. {distinct[0][:100]!r}); EVALSUITE_VERBOSE=1 shows them",
-            highlight=False,
-        )
-
-
-def execute(request, quiet: bool = False, junit: Path | None = None, model_card: bool = False) -> int:
+def execute(
+    request: RunRequest, quiet: bool = False, junit: Path | None = None, model_card: bool = False
+) -> int:
     """Run a request with progress bars, write the reports, print the table; return the exit code."""
-    from evalsuite.report import print_summary, write_reports
-    from evalsuite.runner import run
+    from evalsuite.api import run_request
 
     with third_party_quiet() as noise, progress_display(quiet) as progress:
-        result = run(request, progress=progress, on_load=_announce_load)
-    _summarise_noise(noise)
-    # Everything rendered before anything is written: a rendering error leaves no report half-made.
-    extra: dict[Path, str] = {}
-    if junit is not None:
-        from evalsuite.junit import render_junit
+        outcome = run_request(
+            request, progress=progress, on_load=announce_load, junit=junit, model_card=model_card
+        )
+    summarise_noise(noise)
+    return show_run(outcome)
 
-        extra[junit] = render_junit(result.results)
-    if model_card:
-        from evalsuite.model_card import render_model_card
 
-        extra[result.folder.root / "model-card.md"] = render_model_card(result.results)
-    write_reports(result.results, result.folder)
-    for path, text in extra.items():
-        write_atomic(path, text)
-    # A traceback left by an earlier crash in this folder no longer describes it.
-    (result.folder.root / TRACEBACK_NAME).unlink(missing_ok=True)
-    print_summary(result.results, Console())
-    print(f"report: {result.folder.report_md}")
-    if result.exit_code == 2:
+def show_run(outcome: RunOutcome) -> int:
+    """Print a run's summary table and where its report is; return its exit code (2, no verdict, as an
+    error whose one line says why)."""
+    from evalsuite.run_report import print_summary
+
+    print_summary(outcome.document, Console())
+    print(f"report: {outcome.paths['report']}")
+    if outcome.exit_code == 2:
         # Nothing failed a check, but nothing could be compared either (every task skipped, or one failed to
         # run): say why in the one line the exit code promises.
-        tasks = result.results["tasks"]
         why = "; ".join(
-            f"{name} {entry['status']}: {entry.get('reason', '')}" for name, entry in tasks.items()
+            f"{name} {entry.status}: {entry.reason or ''}" for name, entry in outcome.results.tasks.items()
         )
         raise EvalsuiteError(f"no verdict: {why}")
-    return result.exit_code
+    return outcome.exit_code
 
 
 Dtype = Annotated[str, typer.Option(help="Compute dtype: bfloat16, float16 or float32.")]
@@ -311,21 +128,6 @@ MaxMemory = Annotated[
         "model needs more runs streamed."
     ),
 ]
-
-
-def backend_options(
-    dtype: str, device: str, trust_remote_code: bool, stream: bool, max_memory: str | None
-) -> BackendOptions:
-    """The execution options both sides start from."""
-    from evalsuite.backends.memory import parse_memory_size
-
-    return BackendOptions(
-        dtype=dtype,
-        device=device,
-        trust_remote_code=trust_remote_code,
-        stream=stream,
-        max_memory=None if max_memory is None else parse_memory_size(max_memory),
-    )
 
 
 @app.command("run")
@@ -369,31 +171,38 @@ def run_command(
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
     """Compare a candidate checkpoint with its reference and write reports/NAME/{results.json,report.md}."""
-    from evalsuite.runner import RunRequest
-    from evalsuite.task import RunContext
+    from evalsuite import api
 
-    ckpt_source, ref_source = resolve_source(ckpt, fixtures), resolve_source(ref, fixtures)
-    out = out or Path("reports") / Path(ckpt_source.rstrip("/")).name
+    out = out or default_run_folder(resolve_source(ckpt, fixtures))
     output_folder.set(out)
-    options = backend_options(dtype, device, trust_remote_code, stream, max_memory)
-    request = RunRequest(
-        ckpt=ckpt_source,
-        ref=ref_source,
-        ckpt_options=dataclasses.replace(options, backend=backend),
-        tasks=task_names(tasks),
-        out=out,
-        context=RunContext(
-            corpus_name=corpus, text_file=text_file, allow_download=allow_download, corpus_path=corpus_path
-        ),
-        ref_options=options,
-        thresholds=read_thresholds(thresholds),
-        thresholds_file=thresholds,
-        specs=parse_specs(spec),
-        baseline=baseline,
-        resume=resume,
-        keep_observations=keep_observations,
-    )
-    return execute(request, quiet=quiet, junit=junit)
+    with third_party_quiet() as noise, progress_display(quiet) as progress:
+        outcome = api.run(
+            ckpt,
+            ref,
+            tasks=task_names(tasks),
+            out=out,
+            text_file=text_file,
+            corpus=corpus,
+            allow_download=allow_download,
+            corpus_path=corpus_path,
+            thresholds=thresholds,
+            specs=parse_specs(spec),
+            baseline=baseline,
+            junit=junit,
+            backend=backend,
+            dtype=dtype,
+            device=device,
+            stream=stream,
+            max_memory=max_memory,
+            trust_remote_code=trust_remote_code,
+            resume=resume,
+            keep_observations=keep_observations,
+            fixtures=fixtures,
+            progress=progress,
+            on_load=announce_load,
+        )
+    summarise_noise(noise)
+    return show_run(outcome)
 
 
 @app.command("compare")
@@ -431,38 +240,39 @@ def compare_command(
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
     """Compare many candidates with one reference: each candidate's run, and DIR/compare.{md,json}."""
-    from evalsuite.compare import CompareRequest, compare
-    from evalsuite.task import RunContext
+    from evalsuite import api
 
-    options = backend_options(dtype, device, trust_remote_code, stream, max_memory)
-    request = CompareRequest(
-        ref=resolve_source(ref, fixtures),
-        ckpts=[resolve_source(c, fixtures) for c in ckpt],
-        tasks=task_names(tasks),
-        out=out,
-        context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
-        ckpt_options=dataclasses.replace(options, backend=backend),
-        ref_options=options,
-        thresholds=read_thresholds(thresholds),
-        thresholds_file=thresholds,
-        specs=parse_specs(spec),
-        noise_floor=noise_floor,
-        executor=executor,
-        ray_address=ray_address,
-    )
     with third_party_quiet() as noise, progress_display(quiet) as progress:
-        result = compare(
-            request,
+        outcome = api.compare(
+            ckpt,
+            ref,
+            out,
+            tasks=task_names(tasks),
+            text_file=text_file,
+            corpus=corpus,
+            allow_download=allow_download,
+            thresholds=thresholds,
+            specs=parse_specs(spec),
+            backend=backend,
+            dtype=dtype,
+            device=device,
+            stream=stream,
+            max_memory=max_memory,
+            trust_remote_code=trust_remote_code,
+            noise_floor=noise_floor,
+            executor=executor,
+            ray_address=ray_address,
+            fixtures=fixtures,
             progress=progress,
-            on_load=_announce_load,
+            on_load=announce_load,
             on_candidate=lambda name: console.print(f"candidate: {name}"),
         )
-    _summarise_noise(noise)
-    for row in result.comparison["candidates"]:
-        front = " (front)" if row["pareto"] else ""
-        print(f"{row['name']}\t{row['verdict']}\tbpw {row['bits_per_weight']}\tkld {row['kld_mean']}{front}")
-    print(f"comparison: {result.out / 'compare.md'}")
-    return result.exit_code
+    summarise_noise(noise)
+    for row in outcome.comparison.candidates:
+        front = " (front)" if row.pareto else ""
+        print(f"{row.name}\t{row.verdict}\tbpw {row.bits_per_weight}\tkld {row.kld_mean}{front}")
+    print(f"comparison: {outcome.out / 'compare.md'}")
+    return outcome.exit_code
 
 
 @app.command("record")
@@ -484,23 +294,28 @@ def record_command(
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
     """Observe one checkpoint and save a compact recording that `run --ref` accepts instead of the model."""
-    from evalsuite.runner import RecordRequest, record
-    from evalsuite.task import RunContext
+    from evalsuite import api
 
-    request = RecordRequest(
-        ckpt=resolve_source(ckpt, fixtures),
-        tasks=task_names(tasks),
-        out=out,
-        context=RunContext(
-            corpus_name=corpus, text_file=text_file, allow_download=allow_download, corpus_path=corpus_path
-        ),
-        options=backend_options(dtype, device, trust_remote_code, stream, max_memory),
-        specs=parse_specs(spec),
-    )
     with progress_display(quiet) as progress:
-        path = record(request, progress=progress, on_load=_announce_load)
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    console.print(f"recording: {path} ({size:,} bytes)")
+        outcome = api.record(
+            ckpt,
+            out,
+            tasks=task_names(tasks),
+            text_file=text_file,
+            corpus=corpus,
+            allow_download=allow_download,
+            corpus_path=corpus_path,
+            specs=parse_specs(spec),
+            dtype=dtype,
+            device=device,
+            stream=stream,
+            max_memory=max_memory,
+            trust_remote_code=trust_remote_code,
+            fixtures=fixtures,
+            progress=progress,
+            on_load=announce_load,
+        )
+    console.print(f"recording: {outcome.path} ({outcome.size_bytes:,} bytes)")
     return 0
 
 
@@ -510,24 +325,9 @@ def report_command(
     format: Annotated[str, typer.Option(help="model-card, md or json.")] = "md",
 ) -> int:
     """Re-render a run from its results.json alone: report.md, model-card.md or results.json."""
-    import json
+    from evalsuite import api
 
-    from evalsuite.report import render_markdown
-    from evalsuite.runner import load_results
-
-    results = load_results(run_dir / "results.json")
-    if format == "model-card":
-        from evalsuite.model_card import render_model_card
-
-        target, text = run_dir / "model-card.md", render_model_card(results)
-    elif format == "md":
-        target, text = run_dir / "report.md", render_markdown(results)
-    elif format == "json":
-        target, text = run_dir / "results.json", json.dumps(results, indent=2) + "\n"
-    else:
-        raise InputError(f"unknown format {format!r}; use model-card, md or json")
-    write_atomic(target, text)
-    print(target)
+    print(api.report(run_dir, format))  # type: ignore[arg-type]  # api.report refuses an unknown format
     return 0
 
 
@@ -572,61 +372,14 @@ def demo_command(
     offline (no vision-language model ships in a package index wheel), so the pair has random weights: its
     vision-tower parity passes (the W4A8 copy keeps the tower byte for byte) and both answers fail.
     """
+    from evalsuite.cli_demo import demo_request, vision_demo_request
+
     if vision:
-        return _vision_demo(fixtures, quiet)
+        output_folder.set(VISION_DEMO_OUT)
+        return execute(vision_demo_request(fixtures), quiet=quiet)
     output_folder.set(out)
-    from evalsuite.fixtures import build_fixtures
-    from evalsuite.runner import RecordRequest, RunRequest
-    from evalsuite.runner import record as record_reference
-    from evalsuite.spec import default_spec_path
-    from evalsuite.task import RunContext
-
-    built = build_fixtures(fixtures, [DEMO_REF, DEMO_CKPT], progress=lambda msg: console.print(msg))
-    if record is not None:
-        # The recording holds every task a nightly run of a text model can replay, not only the demo's.
-        request = RecordRequest(
-            ckpt=str(built[DEMO_REF]),
-            tasks=["ppl", "smoke", "lmeval"],
-            out=record,
-            context=RunContext(corpus_name=corpus),
-        )
-        console.print(f"recording: {record_reference(request)}")
-    names = task_names(tasks)
-    thresholds_file = default_spec_path(DEMO_THRESHOLDS)
-    thresholds = {t: v for t, v in read_thresholds(thresholds_file).items() if t in names}
-    request = RunRequest(
-        ckpt=str(built[DEMO_CKPT]),
-        ref=str(built[DEMO_REF]),
-        tasks=names,
-        out=out,
-        context=RunContext(corpus_name=corpus),
-        thresholds=thresholds,
-        thresholds_file=thresholds_file,
-        # The demo's reports are what it is for; its observations (about 0.6 GB of logits) are not kept.
-        keep_observations=False,
-    )
+    request = demo_request(fixtures, out, corpus, task_names(tasks), record)
     return execute(request, quiet=quiet, model_card=True)
-
-
-def _vision_demo(fixtures: Path, quiet: bool) -> int:
-    from evalsuite.fixtures import TINY_BF16, TINY_W4A8, build_fixtures
-    from evalsuite.runner import RunRequest
-
-    output_folder.set(VISION_DEMO_OUT)
-    built = build_fixtures(fixtures, [TINY_BF16, TINY_W4A8], progress=lambda msg: console.print(msg))
-    console.print(
-        "note: no vision-language model can be had offline, so this is the tiny random-weight MiniCPM-V 4.7: "
-        "vision-tower parity passes, the answer checks fail (a random model names no shapes)",
-        highlight=False,
-    )
-    request = RunRequest(
-        ckpt=str(built[TINY_W4A8]),
-        ref=str(built[TINY_BF16]),
-        tasks=["vision"],
-        out=VISION_DEMO_OUT,
-        keep_observations=False,
-    )
-    return execute(request, quiet=quiet)
 
 
 @app.command("manifest")

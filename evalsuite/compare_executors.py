@@ -16,8 +16,8 @@ from evalsuite.digest import DigestCache
 from evalsuite.errors import EvalsuiteError, InputError
 from evalsuite.observe import OnLoad
 from evalsuite.plan import RunRequest
-from evalsuite.report import write_reports
 from evalsuite.run_folder import RunFolder
+from evalsuite.run_report import write_reports
 from evalsuite.runner import RunResult, run
 from evalsuite.side import open_side
 from evalsuite.task import Progress

@@ -20,13 +20,14 @@ from evalsuite import claims, metrics, plots
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.model_card import render_alternatives
 from evalsuite.observation import Observation
-from evalsuite.report import format_number
+from evalsuite.results import COMPARE_SCHEMA as SCHEMA
+from evalsuite.results import SCHEMA_VERSION
 from evalsuite.run_folder import RunFolder, write_atomic
+from evalsuite.run_report import format_number
 from evalsuite.tasks.kld_detail import read_tokens
 from evalsuite.tasks.lmeval import OBSERVER_NAME as LMEVAL_OBSERVER
 from evalsuite.tasks.lmeval import compare_task
 
-SCHEMA = "evalsuite.compare/1"
 PPL_COLUMNS = (
     "ppl_ratio",
     "kld_mean",
@@ -177,6 +178,7 @@ def build_comparison(
     ppl = next((d["tasks"]["ppl"]["metrics"] for d in docs.values() if "ppl" in d["tasks"]), {})
     return {
         "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
         "ref": ref,
         "kld_floor": ppl.get("kld_floor"),
         # The floor's draws (noise seeds) and the spread of their means: how much the floor itself moves.

@@ -29,6 +29,10 @@ class DependencyError(EvalsuiteError):
     """A missing package, device or network resource that this run needs."""
 
 
+class Cancelled(EvalsuiteError):
+    """A run stopped because its caller asked (the API's `cancel` event); what it saved resumes it."""
+
+
 class ResourceError(EvalsuiteError):
     """The machine ran out of a resource the run needs (device or host memory): a bigger machine, another
     device or `--stream` helps; a bug report does not. Exit code 4."""

@@ -13,7 +13,7 @@ import re
 import xml.etree.ElementTree as ET
 from typing import Any
 
-from evalsuite.report import checked_name, format_number
+from evalsuite.run_report import checked_name, format_number
 
 # XML 1.0 cannot carry most control characters, even escaped; a reason quoting a tool's output might.
 _NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")

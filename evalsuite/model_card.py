@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from evalsuite.report import (
+from evalsuite.run_report import (
     checked_name,
     failed_prompts,
     format_number,

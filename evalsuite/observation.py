@@ -7,7 +7,6 @@ digest of everything it depends on (see `evalsuite.plan.observation_key`).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from evalsuite.errors import InputError
-from evalsuite.run_folder import write_atomic
+from evalsuite.run_folder import atomic_target, write_atomic
 
 OBSERVATION_FILE = "observation.json"
 ARRAYS_FILE = "arrays.safetensors"
@@ -38,13 +37,9 @@ class Observation:
         """Write into `folder`; observation.json goes last, so its presence means the rest is complete."""
         from safetensors.numpy import save_file
 
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f"{ARRAYS_FILE}.tmp"
-        save_file({k: np.ascontiguousarray(v) for k, v in self.arrays.items()}, str(tmp))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o666 & ~umask)  # safetensors writes 0600; a recording is meant to be shared
-        tmp.replace(folder / ARRAYS_FILE)
+        # atomic_target gives the file the umask's mode (safetensors writes 0600; a recording is shared).
+        with atomic_target(folder / ARRAYS_FILE) as tmp:
+            save_file({k: np.ascontiguousarray(v) for k, v in self.arrays.items()}, str(tmp))
         files = {}
         for name, path in self.files.items():
             if not path.resolve().is_relative_to(folder.resolve()):

@@ -15,11 +15,11 @@ import dataclasses
 import fnmatch
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evalsuite import __version__
 from evalsuite.backends import check_load_plan
 from evalsuite.backends.memory import streamed_if_needed
 from evalsuite.backends.options import BackendOptions
@@ -27,6 +27,7 @@ from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.registry import get_task, spec_source
+from evalsuite.results import read_results
 from evalsuite.run_folder import RunFolder
 from evalsuite.side import Side, open_side
 from evalsuite.spec import Threshold, flat_metric_tables, load_spec
@@ -41,8 +42,7 @@ from evalsuite.task import (
     TaskSkipped,
     inputs_digest,
 )
-
-SCHEMA = "evalsuite.results/1"
+from evalsuite.version import __version__
 
 
 @dataclass
@@ -319,11 +319,32 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
     )
 
 
-# Load plans found good in this process, by what the check reads and the options: `compare` plans its first
-# candidate twice (with the reference, then in its own run), and a check builds the whole model on the meta
-# device (a second or two for a 135 M model). Only a pass is kept: a refused plan is checked again.
-_LOADABLE: dict[tuple[str, BackendOptions], None] = {}
-_LOADABLE_KEEP = 64
+class PassedLoadPlans:
+    """Load plans found good, by what the check reads and the options: `compare` plans its first candidate
+    twice (with the reference, then in its own run), and a check builds the whole model on the meta device
+    (a second or two for a 135 M model). Only a pass is kept: a refused plan is checked again. Sharing is
+    the point (runs in one process, in one thread or several, skip a check another passed), so the table
+    is bounded and every read and write of it is under its lock."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self.keep = keep
+        self._passed: dict[tuple[str, BackendOptions], None] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: tuple[str, BackendOptions]) -> bool:
+        with self._lock:
+            return key in self._passed
+
+    def add(self, key: tuple[str, BackendOptions]) -> None:
+        """Remember a passed check, forgetting the oldest beyond `keep`."""
+        with self._lock:
+            while len(self._passed) >= self.keep:
+                del self._passed[next(iter(self._passed))]
+            self._passed[key] = None
+
+
+# The process's table, which `check_load_plan_once` uses unless given another.
+PASSED_LOAD_PLANS = PassedLoadPlans()
 # Backends whose check reads the configs and the safetensors headers, never tensor data: for them, two
 # checkpoints with the same structure (a pack and its recalibrated twin, the same scheme with other scales)
 # have the same plan. EXL3's check reads trellis markers, and the streamed one the layers' tensors.
@@ -344,16 +365,17 @@ def load_plan_key(side: Side, options: BackendOptions, digests: DigestCache) -> 
     return f"structure:{checkpoint.fingerprint}:{hashlib.sha256(files.encode()).hexdigest()}"
 
 
-def check_load_plan_once(side: Side, options: BackendOptions, digests: DigestCache) -> None:
+def check_load_plan_once(
+    side: Side, options: BackendOptions, digests: DigestCache, passed: PassedLoadPlans | None = None
+) -> None:
     """`check_load_plan` for a side's checkpoint, skipped where a checkpoint with what the check reads
-    passed it under the same options earlier in this process."""
+    passed it under the same options before (in `passed`, by default the process's `PASSED_LOAD_PLANS`)."""
+    passed = PASSED_LOAD_PLANS if passed is None else passed
     key = (load_plan_key(side, options, digests), options)
-    if key in _LOADABLE:
+    if key in passed:
         return
     check_load_plan(side.checkpoint, options)
-    while len(_LOADABLE) >= _LOADABLE_KEEP:
-        del _LOADABLE[next(iter(_LOADABLE))]
-    _LOADABLE[key] = None
+    passed.add(key)
 
 
 def spec_provenance(task: Task, request: RunRequest) -> dict[str, str]:
@@ -424,16 +446,9 @@ def recorded_observation(planned: PlannedObservation) -> Observation:
 
 
 def load_results(path: Path) -> dict[str, Any]:
-    """A results.json document (an accepted baseline, or a run to re-render), checked for its schema."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError("results file does not exist", path) from None
-    except ValueError as exc:
-        raise InputError(f"invalid JSON: {exc}", path) from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("tasks"), dict):
-        raise InputError(f"not an evalsuite results file (schema {SCHEMA})", path)
-    return doc
+    """A results.json document (an accepted baseline, or a run to re-render), checked for its schema and
+    major version (`evalsuite.results.read_results`)."""
+    return read_results(path)
 
 
 def saved_folder(folder: RunFolder, planned: PlannedObservation) -> Path:

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evalsuite import __version__
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
+from evalsuite.results import RECORDING_SCHEMA as SCHEMA
 from evalsuite.run_folder import write_atomic
+from evalsuite.version import __version__
 
-SCHEMA = "evalsuite.recording/2"
 MANIFEST = "manifest.json"
 _OBSERVER_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 

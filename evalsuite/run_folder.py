@@ -8,34 +8,51 @@ Layout of `reports/NAME/`:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Replace `path` with `data` so that a reader sees either the old file or the whole new one."""
+@contextlib.contextmanager
+def atomic_target(path: Path, suffix: str = ".tmp") -> Iterator[Path]:
+    """A fresh temporary file beside `path` for a writer that takes a file name (safetensors' `save_file`,
+    numpy's `save`: give it `suffix=".npy"`); once the block completes it replaces `path` in one rename, so
+    a reader, or a resumed run, sees either the old file or the whole new one; if the block fails it is
+    removed. The name is unique, so two writers of one path never write into each other's file.
+
+    Args:
+        path: the file to replace.
+        suffix: the temporary file's suffix (a writer that appends its own suffix needs that one).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
     try:
-        # mkstemp creates 0600; a report is an ordinary file, so honour the umask like open() would.
+        yield Path(tmp)
+        # mkstemp creates 0600; a report or an observation is an ordinary file (recordings are shared), so
+        # honour the umask like open() would.
         umask = os.umask(0)
         os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Replace `path` with `data` so that a reader sees either the old file or the whole new one."""
+    with atomic_target(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:

@@ -27,7 +27,6 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from evalsuite import __version__
 from evalsuite.backends import check_load_plan
 from evalsuite.backends.options import BackendOptions
 from evalsuite.digest import DigestCache
@@ -35,7 +34,6 @@ from evalsuite.errors import EvalsuiteError, InputError
 from evalsuite.machine import describe_machine, execution_differences, measured_drift, replay_caveat
 from evalsuite.observe import OnLoad, observe_all
 from evalsuite.plan import (
-    SCHEMA,
     PlannedObservation,
     RunPlan,
     RunRequest,
@@ -54,6 +52,8 @@ from evalsuite.plan import (
     stream_if_needed,
 )
 from evalsuite.recording import RecordedObservation, write_recording
+from evalsuite.results import RESULTS_SCHEMA as SCHEMA
+from evalsuite.results import SCHEMA_VERSION
 from evalsuite.run_folder import RunFolder
 from evalsuite.side import open_side
 from evalsuite.task import (
@@ -69,6 +69,7 @@ from evalsuite.task import (
     no_progress,
     takes_progress,
 )
+from evalsuite.version import __version__
 
 # Planning and observing live in evalsuite.plan and evalsuite.observe; their names stay importable from here.
 __all__ = [
@@ -205,6 +206,7 @@ def run(
         verdict = "fail" if "fail" in statuses else "pass"
     doc = {
         "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
         "ckpt": plan.ckpt.describe(),
         "ref": plan.ref.describe(),
         "environment": environment(request.ckpt_options),

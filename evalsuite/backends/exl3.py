@@ -37,9 +37,9 @@ from evalsuite.backends.hf import (
     DTYPES,
     Generation,
     HFBackend,
-    _first_line,
-    _version,
+    first_line,
     meta_model,
+    package_version,
     transformers_config,
 )
 from evalsuite.backends.options import BackendOptions
@@ -364,7 +364,7 @@ def decoded_execution(summary: dict[str, Any], model: nn.Module, checkpoint: Che
         "execution": (
             f"EXL3 decoded on the CPU by evalsuite ({summary['exl3_linears']} Linear layers, "
             f"{'/'.join(summary['codebooks'])}, K {bits}) into Transformers "
-            f"{_version('transformers')} ({type(model).__name__}); exllamav3 not run{left}"
+            f"{package_version('transformers')} ({type(model).__name__}); exllamav3 not run{left}"
         ),
         "format": checkpoint.format,
         **summary,
@@ -384,7 +384,7 @@ class Exllamav3Backend:
         try:
             from exllamav3 import Config, Model
         except Exception as exc:  # the import compiles a CUDA extension: any failure means "cannot run"
-            raise DependencyError(f"exllamav3 cannot be imported: {_first_line(exc)}") from None
+            raise DependencyError(f"exllamav3 cannot be imported: {first_line(exc)}") from None
         self.checkpoint = checkpoint
         self.options = options
         self.device = torch.device("cuda:0" if options.device in ("cuda", "auto") else options.device)
@@ -441,7 +441,7 @@ class Exllamav3Backend:
         return {
             "backend": "exl3",
             "path": "exllamav3",
-            "execution": f"exllamav3 {_version('exllamav3')} on {self.device}",
+            "execution": f"exllamav3 {package_version('exllamav3')} on {self.device}",
             "format": self.checkpoint.format,
         }
 

@@ -53,7 +53,13 @@ def _device_map(device: str) -> str | None:
     return None if device == "cpu" else device
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): what a one-line error
+    quotes of a library's multi-line complaint.
+
+    Args:
+        exc: the exception.
+    """
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
@@ -86,7 +92,7 @@ def meta_model(config: Any, dtype: torch.dtype, checkpoint: Checkpoint, buffers:
             return cls.from_config(config, dtype=dtype, trust_remote_code=False)
     except Exception as exc:
         raise InputError(
-            f"Transformers cannot build the model from its config: {_first_line(exc)}", checkpoint.path
+            f"Transformers cannot build the model from its config: {first_line(exc)}", checkpoint.path
         ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -116,9 +122,7 @@ def transformers_config(checkpoint: Checkpoint, options: BackendOptions) -> tupl
     try:
         config = AutoConfig.from_pretrained(str(checkpoint.path), **kwargs)
     except Exception as exc:
-        raise InputError(
-            f"Transformers cannot read the config: {_first_line(exc)}", checkpoint.path
-        ) from None
+        raise InputError(f"Transformers cannot read the config: {first_line(exc)}", checkpoint.path) from None
     if options.convention_map.get(ADD_ACTIVATION_QUANTIZATION):
         config.quantization_config = with_activation_quantization(
             getattr(config, "quantization_config", None), checkpoint
@@ -158,7 +162,7 @@ def refuse_partial_load(checkpoint: Checkpoint, info: dict[str, Any]) -> None:
         name, stored, expected = mismatched[0]
         problems.append(f"{len(mismatched)} shape mismatches ({name}: {tuple(stored)} vs {tuple(expected)})")
     if info.get("error_msgs"):
-        problems.append(f"load errors ({_first_line(Exception(info['error_msgs'][0]))})")
+        problems.append(f"load errors ({first_line(Exception(info['error_msgs'][0]))})")
     if problems:
         raise InputError(
             "Transformers would load this checkpoint with randomly initialised weights: "
@@ -244,11 +248,11 @@ def from_pretrained_with_report(
     except (DependencyError, InputError):
         raise
     except ImportError as exc:
-        raise DependencyError(f"loading {checkpoint.path} needs a package: {_first_line(exc)}") from None
+        raise DependencyError(f"loading {checkpoint.path} needs a package: {first_line(exc)}") from None
     except Exception as exc:
         if is_out_of_memory(exc):  # not the checkpoint's fault: the machine's (exit 4, not 2)
             raise ResourceError(f"{checkpoint.path}: loading it ran {out_of_memory_line(exc)}") from exc
-        raise InputError(f"Transformers cannot load the model: {_first_line(exc)}", checkpoint.path) from None
+        raise InputError(f"Transformers cannot load the model: {first_line(exc)}", checkpoint.path) from None
     return model, info
 
 
@@ -264,7 +268,7 @@ def check_hf_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
 
 def hf_execution(model_class: str, options: BackendOptions) -> str:
     """Transformers' execution in words, with the activation quantization added where a convention adds it."""
-    words = f"Transformers {_version('transformers')} ({model_class})"
+    words = f"Transformers {package_version('transformers')} ({model_class})"
     if options.convention_map.get(ADD_ACTIVATION_QUANTIZATION):
         words += (
             "; compressed-tensors' dynamic per-token INT8 activations added to the weight-only groups, "
@@ -273,7 +277,12 @@ def hf_execution(model_class: str, options: BackendOptions) -> str:
     return words
 
 
-def _version(package: str) -> str:
+def package_version(package: str) -> str:
+    """The installed version of a distribution, as a backend's `describe()` names its execution.
+
+    Args:
+        package: the distribution's name (`transformers`, `exllamav3`).
+    """
     from importlib.metadata import version
 
     return version(package)

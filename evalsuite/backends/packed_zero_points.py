@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,25 +57,58 @@ def _repaired(state_dict: dict[str, Any], scheme: Any) -> dict[str, Any]:
     return {**state_dict, "weight_zero_point": torch.empty(packed, dtype=torch.int32, device="meta")}
 
 
+class _CountedPatch:
+    """The wrapper installed on the compressor class while at least one load needs it: the first load in
+    installs it, the last one out restores the original, both under one lock. Loads in several threads
+    (two comparisons in one process) share the one wrapper instead of wrapping each other's and restoring
+    in the wrong order, which would leave the class patched for good."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.original: Any = None
+
+    def enter(self, owner: type) -> bool:
+        """Install the wrapper if none is; False where the class has no `compress` classmethod to wrap."""
+        with self.lock:
+            if self.users == 0:
+                original = owner.__dict__.get("compress")
+                if not isinstance(original, classmethod):
+                    return False
+
+                def compress(cls: type, state_dict: dict[str, Any], scheme: Any) -> dict[str, Any]:
+                    return _repaired(original.__func__(cls, state_dict, scheme), scheme)
+
+                self.original = original
+                owner.compress = classmethod(compress)  # type: ignore[attr-defined]
+            self.users += 1
+            return True
+
+    def leave(self, owner: type) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                owner.compress = self.original  # type: ignore[attr-defined]
+                self.original = None
+
+
+_PATCH = _CountedPatch()
+
+
 @contextlib.contextmanager
 def zero_points_packed_on_meta() -> Iterator[None]:
     """While the block runs, compressed-tensors' meta compression of a `pack-quantized` module gives an
-    asymmetric zero point the packed shape its files store (module docstring)."""
+    asymmetric zero point the packed shape its files store (module docstring). Safe to enter from several
+    threads at once: the class is patched while any of them is inside, and restored after the last."""
     try:
         from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     except ImportError:
         yield
         return
-    original = PackedQuantizationCompressor.__dict__.get("compress")
-    if not isinstance(original, classmethod):
+    if not _PATCH.enter(PackedQuantizationCompressor):
         yield
         return
-
-    def compress(cls: type, state_dict: dict[str, Any], scheme: Any) -> dict[str, Any]:
-        return _repaired(original.__func__(cls, state_dict, scheme), scheme)
-
-    PackedQuantizationCompressor.compress = classmethod(compress)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        PackedQuantizationCompressor.compress = original  # type: ignore[method-assign]
+        _PATCH.leave(PackedQuantizationCompressor)

@@ -16,7 +16,6 @@ layer fed the reference's input, compared with the reference's output.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +26,7 @@ from evalsuite import metrics
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, observe_alone
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
+from evalsuite.run_folder import atomic_target
 from evalsuite.task import Inputs, Progress
 from evalsuite.tasks.window_logits import WindowObserver, window_tensor
 
@@ -47,9 +47,8 @@ def write_boundary(folder: Path, boundary: int, states: list[torch.Tensor]) -> P
     from safetensors.torch import save_file
 
     path = boundary_file(folder, boundary)
-    tmp = path.with_suffix(".tmp")
-    save_file({STATES: torch.cat([s.detach().cpu() for s in states]).contiguous()}, str(tmp))
-    os.replace(tmp, path)
+    with atomic_target(path) as tmp:
+        save_file({STATES: torch.cat([s.detach().cpu() for s in states]).contiguous()}, str(tmp))
     return path
 
 

@@ -31,6 +31,7 @@ import torch
 from evalsuite.backends.c_heap import map_large_allocations
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
+from evalsuite.run_folder import atomic_target
 from evalsuite.task import Inputs, Need, Progress
 from evalsuite.tasks.kld_detail import TOP_K_AGREEMENT, TokenDetail, kld_at_reference
 from evalsuite.tasks.window_logits import (
@@ -289,9 +290,8 @@ def _save_part(folder: Path, window: int, arrays: dict[str, np.ndarray]) -> None
     """One window's arrays, under their final name only once complete (a resumed run trusts what it finds)."""
     from safetensors.numpy import save_file
 
-    tmp = _part(folder, window).with_suffix(".tmp")
-    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp))
-    tmp.replace(_part(folder, window))
+    with atomic_target(_part(folder, window)) as tmp:
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp))
 
 
 def _load_part(folder: Path, window: int) -> dict[str, np.ndarray]:

@@ -70,7 +70,7 @@ def test_an_exception_not_evalsuites_own_exits_3_with_one_line_and_the_traceback
 
 
 def test_a_report_that_fails_to_render_leaves_no_results_json_behind(tiny_pair, tmp_path, monkeypatch):
-    from evalsuite import report
+    from evalsuite import run_report as report
 
     def unrenderable(results):
         raise ValueError("a metric the table cannot show")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from evalsuite.errors import InputError
-from evalsuite.report import write_reports
+from evalsuite.run_report import write_reports
 from evalsuite.runner import RunRequest, run
 from evalsuite.task import RunContext
 from evalsuite.tasks.noise_floor import NoiseFloorOptions

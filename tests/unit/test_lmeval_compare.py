@@ -14,7 +14,7 @@ from evalsuite.backends import HFModelAccess, exposes_model
 from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import DependencyError, InputError
-from evalsuite.report import render_markdown
+from evalsuite.run_report import render_markdown
 from evalsuite.runner import build_tasks
 from evalsuite.side import Side
 from evalsuite.spec import flat_metric_tables, load_spec

@@ -18,7 +18,7 @@ from tests.conftest import copy_checkpoint, edit_tensors, wrong_scale_copy
 def checked(monkeypatch):
     """The checkpoint folders `check_load_plan` was asked about, in order (a folder named `broken*` is
     refused)."""
-    monkeypatch.setattr(plan, "_LOADABLE", {})
+    monkeypatch.setattr(plan, "PASSED_LOAD_PLANS", plan.PassedLoadPlans())
     asked: list[str] = []
 
     def check(checkpoint, options):
@@ -66,3 +66,23 @@ def test_a_check_that_reads_tensor_data_is_keyed_by_the_bytes(tiny_pair, tmp_pat
     for folder in (good, good, rescaled):
         plan.check_load_plan_once(open_side("ckpt", str(folder), streamed), streamed, DigestCache())
     assert checked == ["good", "rescaled"]
+
+
+def test_the_table_of_passed_plans_is_bounded_and_safe_to_share_between_threads():
+    import threading
+
+    passed = plan.PassedLoadPlans(keep=8)
+    options = BackendOptions()
+
+    def add(start: int) -> None:
+        for i in range(start, start + 500):
+            passed.add((f"structure:{i}", options))
+
+    threads = [threading.Thread(target=add, args=(n * 1000,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(passed._passed) == 8
+    passed.add(("structure:last", options))
+    assert ("structure:last", options) in passed

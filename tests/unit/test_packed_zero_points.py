@@ -53,3 +53,32 @@ def test_outside_the_load_and_for_symmetric_schemes_nothing_changes():
         symmetric = PackedQuantizationCompressor.compress(state(2, "meta"), scheme(True, "group"))
     assert "weight_zero_point" not in symmetric
     assert PackedQuantizationCompressor.__dict__["compress"] is original
+
+
+def test_two_loads_in_two_threads_interleaved_leave_the_class_as_it_was():
+    """Thread A enters, B enters, A leaves while B is still loading, then B leaves: B's load still sees the
+    repair after A left, and the class ends with its own method (wrappers restored in the wrong order would
+    leave one installed for good)."""
+    import threading
+
+    original = PackedQuantizationCompressor.__dict__["compress"]
+    both_in, a_out = threading.Barrier(2), threading.Event()
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def load(name: str) -> None:
+        with zero_points_packed_on_meta():
+            both_in.wait()
+            if name == "b":
+                a_out.wait()
+            skeleton = PackedQuantizationCompressor.compress(state(2, "meta"), scheme(False, "group"))
+            shapes[name] = tuple(skeleton["weight_zero_point"].shape)
+        if name == "a":
+            a_out.set()
+
+    threads = [threading.Thread(target=load, args=(name,)) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert shapes == {"a": (13, 2), "b": (13, 2)}
+    assert PackedQuantizationCompressor.__dict__["compress"] is original

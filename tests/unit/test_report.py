@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 
 from evalsuite.model_card import render_model_card
-from evalsuite.report import print_summary, render_markdown, summary_rows
+from evalsuite.run_report import print_summary, render_markdown, summary_rows
 from tests.documents import ppl_task, results_document
 
 

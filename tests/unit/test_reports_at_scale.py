@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from evalsuite.observation import Observation
-from evalsuite.report import render_markdown
+from evalsuite.run_report import render_markdown
 from evalsuite.spec import default_spec_path, load_spec
 from evalsuite.task import RunContext, TaskResult
 from evalsuite.tasks.moe import COVERAGE_SCHEMA, MODES, MixtureOfExperts, MoeSpec, read_coverage

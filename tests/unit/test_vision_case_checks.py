@@ -11,7 +11,7 @@ from PIL import Image
 from evalsuite.errors import InputError
 from evalsuite.model_card import render_model_card
 from evalsuite.observation import Observation
-from evalsuite.report import render_markdown
+from evalsuite.run_report import render_markdown
 from evalsuite.spec import default_spec_path, load_spec
 from evalsuite.task import RunContext, TaskResult
 from evalsuite.tasks.vision import Vision, VisionSpec

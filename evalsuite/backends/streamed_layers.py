@@ -1,0 +1,317 @@
+"""Streamed execution's loaders: one decoder layer at a time materialised from the files, per backend
+(`hf` through Transformers' own loading function, `intref` through its integer skeleton, `exl3` decoded),
+and freed again. How a streamed pass uses them, and why it is bit-identical to a loaded run:
+`evalsuite.backends.streamed`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from evalsuite.backends.c_heap import tensors_mapped_while_loading
+from evalsuite.backends.hf import (
+    DTYPES,
+    first_line,
+    from_pretrained_with_report,
+    quiet_transformers,
+    refuse_partial_load,
+    transformers_config,
+)
+from evalsuite.backends.options import BackendOptions
+from evalsuite.backends.skeleton import refuse_mismatch, set_generation_config, tie_weights
+from evalsuite.backends.stream_units import (
+    REST,
+    VISION,
+    Unit,
+    refuse_missing_in_layers,
+    text_modules,
+    unit_of,
+    vision_modules,
+)
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.errors import InputError
+
+
+def decoder_layers(model: nn.Module, checkpoint: Checkpoint) -> tuple[nn.ModuleList, str]:
+    """The model's decoder layers and their module name: the list of `num_hidden_layers` modules under the
+    model's decoder (`get_decoder()`, the language model of an image-text-to-text model)."""
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    count = getattr(text_config, "num_hidden_layers", None)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    names = {id(module): name for name, module in model.named_modules()}
+    if isinstance(count, int) and count > 0:
+        for module in decoder.modules():
+            if isinstance(module, nn.ModuleList) and len(module) == count and id(module) in names:
+                return module, names[id(module)]
+    raise InputError(
+        f"the decoder layers of {type(model).__name__} cannot be found (no list of num_hidden_layers={count} "
+        f"modules under its decoder, {type(decoder).__name__}): streamed execution cannot run this model",
+        checkpoint.path,
+    )
+
+
+class TransformersLayers:
+    """Backend `hf`, streamed: the skeleton `from_pretrained` builds on the meta device (quantizer applied,
+    no tensor data read), its units materialised by Transformers' own loading code (module docstring)."""
+
+    def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        if checkpoint.format == "gguf":
+            raise InputError(
+                "streamed execution reads safetensors shards; a GGUF checkpoint can only be loaded whole",
+                checkpoint.path,
+            )
+        self.checkpoint = checkpoint
+        self.device = torch.device(options.device)
+        config, kwargs = transformers_config(checkpoint, options)
+        self.model, report = from_pretrained_with_report(
+            checkpoint, options, config, kwargs, device_map="meta"
+        )
+        self.quantizer = getattr(self.model, "hf_quantizer", None)
+        self.compressor = getattr(self.quantizer, "compressor", None)
+        if self.compressor is not None:
+            # compressed-tensors decompresses the whole model at its first forward; here each unit is
+            # decompressed when it is materialised, by the same per-module function.
+            self.compressor.remove_decompression_hook(self.model)
+        self.layers, self.prefix = decoder_layers(self.model, checkpoint)
+        self.text = text_modules(self.model)
+        dtype = DTYPES[options.dtype]
+        mapping = get_model_conversion_mapping(self.model, None, self.quantizer)
+        self.load_config = LoadStateDictConfig(
+            device_map={"": options.device},
+            dtype=dtype,
+            dtype_plan=self.model._get_dtype_plan(dtype),
+            hf_quantizer=self.quantizer,
+            weight_mapping=mapping,
+        )
+        self.units = self._plan_units(mapping)
+        refuse_partial_load(checkpoint, report)
+        self._pristine: nn.Module | None = None
+
+    def _plan_units(self, mapping: list[Any]) -> dict[Unit, list[str]]:
+        """The files' tensor names by unit, placed by the names Transformers' own renaming gives them; a layer
+        whose tensors are missing from the files (or in excess) is refused, naming the layer."""
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        expected = self.model.state_dict()
+        prefix_name = self.model.base_model_prefix
+        units: dict[Unit, list[str]] = {}
+        provided: set[str] = set()
+        unexpected: list[str] = []
+        for name in self.checkpoint.tensors:
+            target, _ = rename_source_key(name, renamings, converters, prefix_name, expected)
+            units.setdefault(unit_of(target, self.prefix, self.text), []).append(name)
+            provided.add(target)
+            if target not in expected:
+                unexpected.append(target)
+        missing = [target for target in expected if target not in provided]
+        refuse_missing_in_layers(self.checkpoint, self.prefix, missing, unexpected)
+        return units
+
+    def _load(self, names: list[str]) -> None:
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+
+        # A layer's per-expert tensors are read, fused and freed: mapped while loading, they go back at once.
+        with (
+            self.checkpoint.open_tensors(names) as handles,
+            quiet_transformers(),
+            tensors_mapped_while_loading(),
+        ):
+            info, _ = convert_and_load_state_dict_in_model(self.model, handles, self.load_config)
+        errors = list(info.conversion_errors.values()) + list(info.error_msgs)
+        if info.mismatched_keys or errors:
+            what = next(iter(info.mismatched_keys), None) or first_line(Exception(str(errors[0])))
+            raise InputError(f"Transformers cannot load these tensors: {what}", self.checkpoint.path)
+
+    def _initialise_buffers(self, modules: list[nn.Module]) -> None:
+        """Non-persistent buffers (rotary frequencies, position ids) computed by the model's own
+        `_init_weights`, as `from_pretrained` does after loading; loaded weights are flagged, left alone."""
+        for module in modules:
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None and name in module._non_persistent_buffers_set:
+                    module._buffers[name] = torch.empty_like(buffer, device=self.device)
+                    module._is_hf_initialized = False
+        self.model.initialize_weights()
+
+    def _decompress(self, modules: list[nn.Module]) -> None:
+        if self.compressor is None:
+            return
+        from compressed_tensors.compressors import decompress_module
+        from compressed_tensors.quantization.utils import is_module_quantized
+
+        with quiet_transformers():
+            for module in modules:
+                if is_module_quantized(module):
+                    decompress_module(module, self.compressor.force_compression_format)
+
+    def load_rest(self) -> None:
+        """The text path outside the decoder layers, tied weights tied."""
+        self._load(self.units.get(REST, []))
+        apart = {id(m) for m in [*self.layers.modules(), *vision_modules(self.model, self.text)]}
+        outside = [m for m in self.model.modules() if id(m) not in apart]
+        self._initialise_buffers(outside)
+        self.model.tie_weights()
+        self._decompress(outside)
+
+    def load_vision(self) -> None:
+        """What the text path never runs (`stream_units.VISION`), for the rest of the run."""
+        self._load(self.units.get(VISION, []))
+        modules = vision_modules(self.model, self.text)
+        self._initialise_buffers(modules)
+        self._decompress(modules)
+
+    def load_layer(self, index: int) -> None:
+        """Decoder layer `index`, as a loaded model holds it."""
+        # The meta layer as built: compressed-tensors decompression rewrites a layer's parameters, so the
+        # next pass over this layer loads into a fresh copy of the skeleton's.
+        self._pristine = copy.deepcopy(self.layers[index]) if self.compressor is not None else None
+        self._load(self.units.get(index, []))
+        modules = list(self.layers[index].modules())
+        self._initialise_buffers(modules)
+        self._decompress(modules)
+
+    def free_layer(self, index: int) -> None:
+        # The layer's tensors go now, whatever holds the module (compressed-tensors binds each quantized
+        # module's forward to the module: a reference cycle only the garbage collector would break).
+        _release_tensors(self.layers[index], keep_computed=False)
+        if self._pristine is not None:
+            self.layers[index] = self._pristine
+            self._pristine = None
+
+
+class IntegerLayers:
+    """Backend `intref`, streamed: the integer skeleton, its tensors loaded by name one unit at a time."""
+
+    def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
+        from evalsuite.backends.intref import IntegerSkeleton
+
+        self.checkpoint = checkpoint
+        self.device = torch.device(options.device)
+        self.skeleton = IntegerSkeleton(checkpoint, options)
+        self.model = self.skeleton.model
+        self.layers, self.prefix = decoder_layers(self.model, checkpoint)
+        missing, unexpected = self.skeleton.expected_tensors()
+        refuse_missing_in_layers(checkpoint, self.prefix, missing, unexpected)
+        refuse_mismatch(checkpoint, missing, unexpected)
+        self.text = text_modules(self.model)
+        self.units: dict[Unit, list[str]] = {}
+        for name in checkpoint.tensors:
+            if not (
+                name.endswith(".weight_shape") and name.removesuffix(".weight_shape") in self.skeleton.plan
+            ):
+                self.units.setdefault(unit_of(name, self.prefix, self.text), []).append(name)
+
+    def _load(self, names: list[str]) -> None:
+        self.skeleton.load_named(self.model, self.skeleton.plan, self.skeleton.dtype, names)
+
+    def load_rest(self) -> None:
+        self._load(self.units.get(REST, []))
+        tie_weights(self.model)
+        set_generation_config(self.model, self.checkpoint)
+        _move_outside_layers(self.model, self.layers, self.device)
+
+    def load_vision(self) -> None:
+        self._load(self.units.get(VISION, []))
+        _move_outside_layers(self.model, self.layers, self.device)
+
+    def load_layer(self, index: int) -> None:
+        self._load(self.units.get(index, []))
+        if self.device.type != "cpu":
+            self.layers[index].to(self.device)
+
+    def free_layer(self, index: int) -> None:
+        # The same modules stay (their integer-path counters with them); the tensors read from the files go
+        # back to meta, computed buffers (rotary frequencies) stay.
+        _release_tensors(self.layers[index], keep_computed=True)
+
+
+class DecodedExl3Layers:
+    """Backend `exl3`, streamed: the pack's Transformers model on the meta device (`DecodedSkeleton`), each
+    unit's EXL3 Linears decoded and its other tensors loaded by name when it is materialised; the tensors
+    the model class ignores on load (an MTP head) are left in the files, as in a whole load."""
+
+    def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
+        from evalsuite.backends.exl3 import DecodedSkeleton
+
+        self.checkpoint = checkpoint
+        self.device = torch.device(options.device)
+        self.skeleton = DecodedSkeleton(checkpoint, options)
+        self.model = self.skeleton.model
+        self.layers, self.prefix = decoder_layers(self.model, checkpoint)
+        refuse_missing_in_layers(checkpoint, self.prefix, self.skeleton.missing(), self.skeleton.unexpected)
+        self.skeleton.refuse_problems()
+        ignored = set(self.skeleton.ignored)
+        self.text = text_modules(self.model)
+        self.units: dict[Unit, set[str]] = {}
+        for name in checkpoint.tensors:
+            if name not in ignored:
+                self.units.setdefault(unit_of(name, self.prefix, self.text), set()).add(name)
+
+    def load_rest(self) -> None:
+        self.skeleton.load_tensors(self.units.get(REST, set()))
+        tie_weights(self.model)
+        set_generation_config(self.model, self.checkpoint)
+        _move_outside_layers(self.model, self.layers, self.device)
+
+    def load_vision(self) -> None:
+        self.skeleton.load_tensors(self.units.get(VISION, set()))
+        _move_outside_layers(self.model, self.layers, self.device)
+
+    def load_layer(self, index: int) -> None:
+        self.skeleton.load_tensors(self.units.get(index, set()))
+        if self.device.type != "cpu":
+            self.layers[index].to(self.device)
+
+    def free_layer(self, index: int) -> None:
+        # Decoded weights go back to meta; computed buffers (rotary frequencies) stay.
+        _release_tensors(self.layers[index], keep_computed=True)
+
+
+def _release_tensors(layer: nn.Module, keep_computed: bool) -> None:
+    """Every parameter and buffer of `layer` replaced by a meta tensor of its shape (memory freed now);
+    non-persistent buffers (computed, not read from the files) stay when `keep_computed`."""
+    for module in layer.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and not (keep_computed and name in module._non_persistent_buffers_set):
+                module._buffers[name] = buffer.to("meta")
+
+
+def _move_outside_layers(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:
+    """The tensors read so far outside the decoder layers, onto `device` (a no-op on the CPU)."""
+    if device.type == "cpu":
+        return
+    inside = {id(m) for m in layers.modules()}
+    for module in model.modules():
+        if id(module) not in inside:
+            _move_own_tensors(module, device)
+
+
+def _move_own_tensors(module: nn.Module, device: torch.device) -> None:
+    for name, param in module._parameters.items():
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to(device), requires_grad=False)
+    for name, buffer in module._buffers.items():
+        if buffer is not None and not buffer.is_meta:
+            module._buffers[name] = buffer.to(device)
+
+
+def layer_loader(
+    checkpoint: Checkpoint, options: BackendOptions
+) -> TransformersLayers | IntegerLayers | DecodedExl3Layers:
+    """The loader of the side's backend: `hf`, `intref` or `exl3` (always its decoded path when streamed)."""
+    if options.backend == "intref":
+        return IntegerLayers(checkpoint, options)
+    if options.backend == "exl3":
+        return DecodedExl3Layers(checkpoint, options)
+    return TransformersLayers(checkpoint, options)

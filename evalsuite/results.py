@@ -1,0 +1,280 @@
+"""What evalsuite writes for other programs, as typed models: results.json, compare.json and a recording's
+manifest.json, with the JSON Schema generated from them and a reader that refuses what it cannot read.
+
+The models are the contract (DESIGN.md, "Contract: results.json"); `schema_version` is MAJOR.MINOR. A minor
+version only adds optional fields, so every model accepts fields it does not know (a reader of 1.1 reads a
+1.3 file); a major version removes, renames or changes the meaning of a field, and a reader refuses a major
+it does not know rather than misread it (docs/stability.md). A file written before `schema_version` existed
+is 1.0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from evalsuite.errors import InputError
+
+RESULTS_SCHEMA = "evalsuite.results/1"
+COMPARE_SCHEMA = "evalsuite.compare/1"
+RECORDING_SCHEMA = "evalsuite.recording/2"
+# 1.1 added `schema_version` itself; 1.0 is every file written before it.
+SCHEMA_VERSION = "1.1"
+SUPPORTED_MAJOR = 1
+
+Verdict = Literal["pass", "fail", "error"]
+Status = Literal["pass", "fail", "error", "skipped"]
+MetricValue = float | int | bool | str | None
+
+
+class Document(BaseModel):
+    """A part of a document evalsuite writes: unknown fields are kept (a later minor version adds some)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class CheckRecord(Document):
+    """One check of a metric against its threshold: a non-finite value or threshold is null."""
+
+    name: str
+    value: float | bool | None
+    op: Literal[">=", "<=", "=="]
+    threshold: float | bool | None
+    passed: bool
+    on: Literal["upper95", "lower95"] | None = None
+
+
+class TaskRecord(Document):
+    """One task's entry: its outcome, metrics (null with a reason where not finite), checks and files."""
+
+    status: Status
+    reason: str | None = Field(None, description="Why the task is `error` or `skipped`.")
+    metrics: dict[str, MetricValue] = {}
+    null_reasons: dict[str, str] = {}
+    checks: list[CheckRecord] = []
+    not_measured: list[str] = []
+    descriptions: dict[str, str] = {}
+    spec: dict[str, Any] = {}
+    artifacts: dict[str, str] = Field({}, description="Files the task wrote, relative to the run folder.")
+    details: list[dict[str, Any]] = []
+
+
+class SideRecord(Document):
+    """One side as the run saw it: a checkpoint folder or a recording of one."""
+
+    path: str
+    format: str
+    fingerprint: str
+    content_sha256: str | None = None
+    recorded_from: dict[str, Any] | None = None
+    environment: dict[str, Any] | None = None
+
+
+class EnvironmentRecord(Document):
+    """Package versions and the execution settings of the run."""
+
+    python: str
+    platform: str
+    packages: dict[str, str | None]
+    device: str
+    device_name: str
+    dtype: str
+    torch_threads: int | None = None
+    machine: dict[str, Any] | None = None
+
+
+class Results(Document):
+    """results.json: one candidate against its reference."""
+
+    schema_: Literal["evalsuite.results/1"] = Field(RESULTS_SCHEMA, alias="schema")
+    schema_version: str = Field("1.0", pattern=r"^\d+\.\d+$")
+    ckpt: SideRecord
+    ref: SideRecord
+    environment: EnvironmentRecord
+    verdict: Verdict
+    tasks: dict[str, TaskRecord]
+    model_loads: list[dict[str, Any]] = []
+    baseline: str | None = None
+    replay: dict[str, Any] | None = None
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class CandidateRow(Document):
+    """One candidate's row of compare.json."""
+
+    name: str
+    path: str | None
+    format: str | None
+    verdict: Verdict
+    bits_per_weight: float | None
+    bits_per_weight_from: str
+    bytes: int | None
+    ppl_ratio: float | None = None
+    ppl_ratio_stderr: float | None = None
+    kld_mean: float | None = None
+    kld_mean_stderr: float | None = None
+    kld_median: float | None = None
+    kld_p99: float | None = None
+    same_top_p: float | None = None
+    top5_agreement: float | None = None
+    delta_p_mean: float | None = None
+    rms_delta_p: float | None = None
+    kld_floor_ratio: float | None = None
+    noise_floor: str | None = Field(None, description="How the candidate stands against the noise floor.")
+    pareto: bool = False
+    downstream: dict[str, MetricValue] = {}
+
+
+class Comparison(Document):
+    """compare.json: many candidates against one reference."""
+
+    schema_: Literal["evalsuite.compare/1"] = Field(COMPARE_SCHEMA, alias="schema")
+    schema_version: str = Field("1.0", pattern=r"^\d+\.\d+$")
+    ref: str
+    kld_floor: float | None = None
+    kld_floor_draws: int | None = None
+    kld_floor_draw_spread: float | None = None
+    candidates: list[CandidateRow]
+    pairs: list[dict[str, Any]] = []
+    artifacts: dict[str, str] = {}
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class RecordedObservationRecord(Document):
+    """One recorded observation: what shaped it (identity, inputs), who needs it, where it was made."""
+
+    identity: dict[str, Any]
+    inputs: dict[str, Any]
+    tasks: list[str]
+    backend: str
+
+
+class RecordingManifest(Document):
+    """A recording's manifest.json (`reference_outputs/NAME/manifest.json`)."""
+
+    schema_: Literal["evalsuite.recording/2"] = Field(RECORDING_SCHEMA, alias="schema")
+    evalsuite: str
+    checkpoint: dict[str, Any]
+    tokenizer_sha256: str | None
+    environment: dict[str, Any]
+    observations: dict[str, RecordedObservationRecord]
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+SCHEMAS: dict[str, type[Document]] = {
+    "results": Results,
+    "compare": Comparison,
+    "recording": RecordingManifest,
+}
+
+
+def json_schema(kind: str = "results") -> dict[str, Any]:
+    """The JSON Schema of one document, generated from its model.
+
+    Args:
+        kind: `results` (results.json), `compare` (compare.json) or `recording` (a recording's manifest).
+    """
+    schema = SCHEMAS[kind].model_json_schema(by_alias=True)
+    schema["$id"] = f"https://evalsuite.invalid/schema/{kind}-{SCHEMA_VERSION}.json"
+    return schema
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError("results file does not exist", path) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InputError(f"invalid JSON: {str(exc).splitlines()[0]}", path) from None
+
+
+def check_version(doc: Any, path: Path | str, schema: str) -> None:
+    """Refuse, in one line naming the file, a document that is not `schema` or is of a major version this
+    evalsuite does not read.
+
+    Args:
+        doc: the parsed JSON document.
+        path: the file it was read from (named in the error).
+        schema: the `schema` field it must carry (e.g. `evalsuite.results/1`).
+    """
+    if not isinstance(doc, dict) or doc.get("schema") != schema:
+        raise InputError(f"not an evalsuite file of schema {schema}", path)
+    version = doc.get("schema_version", "1.0")
+    major = str(version).split(".")[0]
+    if not major.isdigit() or int(major) != SUPPORTED_MAJOR:
+        raise InputError(
+            f"schema_version {version} is not supported (this evalsuite reads {SUPPORTED_MAJOR}.x); "
+            "use the evalsuite version that wrote it",
+            path,
+        )
+
+
+def _validated(model: type[Document], doc: dict[str, Any], path: Path | str) -> Any:
+    try:
+        return model.model_validate(doc)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "document"
+        raise InputError(f"{where}: {first['msg']} ({exc.error_count()} error(s))", path) from None
+
+
+def read_results(path: Path | str) -> dict[str, Any]:
+    """A results.json document as plain JSON, its schema and version checked (the form the report renderers
+    take).
+
+    Args:
+        path: the results.json file.
+    """
+    doc = _read(Path(path))
+    check_version(doc, path, RESULTS_SCHEMA)
+    if not isinstance(doc.get("tasks"), dict):
+        raise InputError(f"not an evalsuite results file (schema {RESULTS_SCHEMA})", path)
+    return doc
+
+
+def load_results(path: Path | str) -> Results:
+    """A results.json file as the typed `Results`; a file of an unknown major version is refused.
+
+    Args:
+        path: the results.json file (a run folder's, or any copy of one).
+
+    Raises:
+        InputError: the file is missing, not JSON, not a results file, of an unknown major version, or does
+            not match the schema; the message is one line naming the file.
+    """
+    return _validated(Results, read_results(path), path)
+
+
+def load_comparison(path: Path | str) -> Comparison:
+    """A compare.json file as the typed `Comparison`; a file of an unknown major version is refused.
+
+    Args:
+        path: the compare.json file.
+
+    Raises:
+        InputError: as `load_results`.
+    """
+    doc = _read(Path(path))
+    check_version(doc, path, COMPARE_SCHEMA)
+    return _validated(Comparison, doc, path)
+
+
+def load_recording_manifest(path: Path | str) -> RecordingManifest:
+    """A recording's manifest.json as the typed `RecordingManifest`.
+
+    Args:
+        path: the manifest.json file of a recording folder.
+
+    Raises:
+        InputError: as `load_results`.
+    """
+    doc = _read(Path(path))
+    if not isinstance(doc, dict) or doc.get("schema") != RECORDING_SCHEMA:
+        raise InputError(f"not an evalsuite recording manifest (schema {RECORDING_SCHEMA})", path)
+    return _validated(RecordingManifest, doc, path)
