@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, Protocol
@@ -188,17 +189,30 @@ def as_float32(values: np.ndarray, dtype: str, out: np.ndarray | None = None) ->
 
 @contextlib.contextmanager
 def one_torch_thread() -> Iterator[None]:
-    """Torch limited to one intra-op thread inside the block, restored after it.
+    """Torch limited to one intra-op thread inside the block, restored when the last block open leaves.
 
     For work cut into small blocks (decoding a Linear block by block, one Linear per worker thread): a second
     OpenMP thread adds a barrier to every operation, which costs milliseconds whenever the other core is busy,
     far more than it saves, and would fight the worker threads for the cores. One thread also makes a decode's
-    float results the same on every machine size."""
+    float results the same on every machine size. The thread count is process-wide, so blocks open in two
+    threads at once are counted: the first in saves the caller's count, the last out restores it (a plain
+    save and restore in each would leave the process at one thread when the two interleave)."""
     import torch
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    with _ONE_THREAD_LOCK:
+        if _ONE_THREAD["open"] == 0:
+            _ONE_THREAD["before"] = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _ONE_THREAD["open"] += 1
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        with _ONE_THREAD_LOCK:
+            _ONE_THREAD["open"] -= 1
+            if _ONE_THREAD["open"] == 0:
+                torch.set_num_threads(_ONE_THREAD["before"])
+
+
+# How many `one_torch_thread` blocks are open in the process, and the thread count the first one found.
+_ONE_THREAD_LOCK = threading.Lock()
+_ONE_THREAD = {"open": 0, "before": 0}

@@ -157,7 +157,7 @@ class MixtureOfExperts:
                 layers = range(depth) if isinstance(depth, int) else range(0)
                 self.coverage = read_coverage(path, layers, expert_count(config))
                 self.coverage_path = path
-        return prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt)
+        return prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt, self.context.shared)
 
     def needs(self) -> list[Need]:
         return [
