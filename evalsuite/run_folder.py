@@ -38,13 +38,23 @@ def atomic_target(path: Path, suffix: str = ".tmp") -> Iterator[Path]:
         yield Path(tmp)
         # mkstemp creates 0600; a report or an observation is an ordinary file (recordings are shared), so
         # honour the umask like open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it: os.umask can only read it by changing it, and a file
+    another thread creates in between would get the temporary mask."""
+    try:
+        for line in Path("/proc/self/status").read_text(encoding="ascii").splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022  # no /proc (not Linux): the common default
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

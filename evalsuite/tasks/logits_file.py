@@ -2,15 +2,17 @@
 window runs and read back a few rows at a time.
 
 The raw logits are stored, not log-probs: lossless at half the bytes of float32 for a bf16 model, and the
-comparison normalises them in float64. One file per window makes an interrupted observation resumable at the
-window it stopped at: a window's file appears (renamed from a temporary name) only once it is complete.
+comparison normalises them itself. One file per window makes an interrupted observation resumable at the
+window it stopped at: a window's file appears (renamed from a temporary name) only once it is written, and a
+resumed observation takes it only if it holds every byte its header promises. No fsync: the rename already
+keeps a half-written window from being taken, and a file a power cut truncated fails the length check; an
+fsync per window made every run wait for the disk (a 248 k vocabulary writes 1 GB of logits per side).
 Plain reads and writes rather than a memory map: mapped pages count as resident memory, and on a 248 k
 vocabulary one side's logits are 1 GB.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from evalsuite.errors import InputError
+from evalsuite.run_folder import atomic_target
 
 # Logits are stored as the model produced them: bf16 logits as their raw 16 bits (numpy has no bfloat16).
 STORED_DTYPES = {torch.bfloat16: "<u2", torch.float16: "<f2", torch.float32: "<f4"}
@@ -40,7 +43,7 @@ class LogitsWriter:
 
     def done(self, window: int) -> bool:
         """Whether the window's file was completed (by this or an interrupted earlier observation)."""
-        return window_file(self.folder, window).is_file()
+        return is_complete(window_file(self.folder, window))
 
     def write(self, window: int, rows: torch.Tensor) -> None:
         """Queue the rows (a CPU tensor, kept alive until written) for the window's file."""
@@ -50,16 +53,11 @@ class LogitsWriter:
         self._pending = self._writer.submit(self._write, window, rows.contiguous())
 
     def _write(self, window: int, rows: torch.Tensor) -> None:
-        final = window_file(self.folder, window)
-        tmp = final.with_suffix(".npy.tmp")
         raw = rows.view(torch.uint16) if rows.dtype == torch.bfloat16 else rows
         header = {"descr": STORED_DTYPES[rows.dtype], "fortran_order": False, "shape": tuple(rows.shape)}
-        with tmp.open("wb") as fh:
+        with atomic_target(window_file(self.folder, window)) as tmp, tmp.open("wb") as fh:
             np.lib.format.write_array_header_1_0(fh, header)
             fh.write(memoryview(raw.numpy()))  # a view, not a copy
-            fh.flush()
-            os.fsync(fh.fileno())
-        tmp.replace(final)
 
     def flush(self) -> None:
         """Wait for the write in flight; re-raises its error."""
@@ -79,9 +77,8 @@ def write_window_chunks(folder: Path, window: int, n_rows: int, chunks: Iterator
     memory at a time: for a long window whose logits would not fit at once. Like `LogitsWriter`'s, the file
     appears under its final name only once complete, and reads back with `read_rows`."""
     final = window_file(folder, window)
-    tmp = final.with_suffix(".npy.tmp")
     written = 0
-    with tmp.open("wb") as fh:
+    with atomic_target(final) as tmp, tmp.open("wb") as fh:
         for rows in chunks:
             if rows.dtype not in STORED_DTYPES:
                 raise InputError(f"cannot store logits of dtype {rows.dtype}", folder)
@@ -93,12 +90,10 @@ def write_window_chunks(folder: Path, window: int, n_rows: int, chunks: Iterator
             raw = rows.view(torch.uint16) if rows.dtype == torch.bfloat16 else rows
             fh.write(memoryview(raw.numpy()))
             written += len(rows)
-        fh.flush()
-        os.fsync(fh.fileno())
-    if written != n_rows:
-        tmp.unlink()
-        raise InputError(f"the model returned {written} logit rows for window {window}, expected {n_rows}")
-    tmp.replace(final)
+        if written != n_rows:  # raised inside the block: the temporary file goes, nothing is renamed
+            raise InputError(
+                f"the model returned {written} logit rows for window {window}, expected {n_rows}"
+            )
     return final
 
 
@@ -121,6 +116,16 @@ def read_header(path: Path) -> Header:
     if fortran or len(shape) != 2 or descr not in dtypes:
         raise InputError("not a row-major 2-D logits array", path)
     return shape, dtypes[descr], offset
+
+
+def is_complete(path: Path) -> bool:
+    """Whether a window's logits file holds every byte its header promises (a file cut short by a crash
+    after its rename, say, does not)."""
+    try:
+        (rows, cols), dtype, offset = read_header(path)
+        return path.stat().st_size == offset + rows * cols * torch.empty((), dtype=dtype).element_size()
+    except (OSError, InputError):
+        return False
 
 
 def read_rows(paths: list[Path], n_rows: int, headers: list[Header] | None = None) -> Iterator[torch.Tensor]:
