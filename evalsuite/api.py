@@ -225,6 +225,7 @@ def run(
     resume: bool = True,
     keep_observations: bool = True,
     fixtures: Path = DEFAULT_FIXTURES,
+    plots: bool = True,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
     on_load: OnLoad | None = None,
@@ -255,6 +256,7 @@ def run(
         resume: reuse observations saved by an earlier run.
         keep_observations: keep this run's observations in OUT/observations.
         fixtures: where fixture names are looked up.
+        plots: draw each task's PNG plots (False: the verdict and the tables alone, for CI).
         progress: called as `progress(description, total)` when a pass begins; the callable it returns is
             called once per step done.
         cancel: an event that, once set, stops the run at its next step with `Cancelled`.
@@ -275,7 +277,11 @@ def run(
         tasks=_task_list(tasks),
         out=Path(out) if out is not None else default_run_folder(ckpt_source),
         context=RunContext(
-            corpus_name=corpus, text_file=text_file, allow_download=allow_download, corpus_path=corpus_path
+            corpus_name=corpus,
+            text_file=text_file,
+            allow_download=allow_download,
+            corpus_path=corpus_path,
+            plots=plots,
         ),
         ref_options=options,
         thresholds=read_thresholds(thresholds),
@@ -354,6 +360,7 @@ def compare(
     executor: str = "local",
     ray_address: str | None = None,
     fixtures: Path = DEFAULT_FIXTURES,
+    plots: bool = True,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
     on_load: OnLoad | None = None,
@@ -382,6 +389,7 @@ def compare(
         executor: `local` (one candidate after another) or `ray`.
         ray_address: the Ray cluster's address [default: RAY_ADDRESS, else a local cluster].
         fixtures: where fixture names are looked up.
+        plots: draw the plots (each run's and the comparison's); False for the tables alone.
         progress: as in `run`.
         cancel: as in `run`.
         on_load: as in `run`.
@@ -400,7 +408,9 @@ def compare(
         ckpts=[resolve_source(c, fixtures) for c in ckpts],
         tasks=_task_list(tasks),
         out=Path(out),
-        context=RunContext(corpus_name=corpus, text_file=text_file, allow_download=allow_download),
+        context=RunContext(
+            corpus_name=corpus, text_file=text_file, allow_download=allow_download, plots=plots
+        ),
         ckpt_options=dataclasses.replace(options, backend=backend),
         ref_options=options,
         thresholds=read_thresholds(thresholds),

@@ -168,6 +168,9 @@ def run_command(
         typer.Option(help="Keep this run's observations in OUT/observations (for resuming, re-comparing)."),
     ] = True,
     fixtures: Annotated[Path, typer.Option(help="Where fixture names are looked up.")] = DEFAULT_FIXTURES,
+    plots: Annotated[
+        bool, typer.Option("--plots/--no-plots", help="Draw the PNG plots (--no-plots: tables only).")
+    ] = True,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
     """Compare a candidate checkpoint with its reference and write reports/NAME/{results.json,report.md}."""
@@ -198,6 +201,7 @@ def run_command(
             resume=resume,
             keep_observations=keep_observations,
             fixtures=fixtures,
+            plots=plots,
             progress=progress,
             on_load=announce_load,
         )
@@ -237,6 +241,9 @@ def compare_command(
         str | None, typer.Option(help="Ray cluster address [default: RAY_ADDRESS, else a local cluster].")
     ] = None,
     fixtures: Annotated[Path, typer.Option(help="Where fixture names are looked up.")] = DEFAULT_FIXTURES,
+    plots: Annotated[
+        bool, typer.Option("--plots/--no-plots", help="Draw the PNG plots (--no-plots: tables only).")
+    ] = True,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
     """Compare many candidates with one reference: each candidate's run, and DIR/compare.{md,json}."""
@@ -263,6 +270,7 @@ def compare_command(
             executor=executor,
             ray_address=ray_address,
             fixtures=fixtures,
+            plots=plots,
             progress=progress,
             on_load=announce_load,
             on_candidate=lambda name: console.print(f"candidate: {name}"),

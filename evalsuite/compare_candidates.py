@@ -149,5 +149,5 @@ def compare(
     candidates = run_candidates(
         requests, reference, request.executor, request.ray_address, digests, progress, on_load, on_candidate
     )
-    comparison = write_comparison(out, request.ref, names, candidates)
+    comparison = write_comparison(out, request.ref, names, candidates, request.context.plots)
     return CompareResult(comparison, candidates, out)

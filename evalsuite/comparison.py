@@ -227,20 +227,28 @@ def render_compare_md(doc: dict[str, Any]) -> str:
         for r in downstream:
             shown = ", ".join(f"{k} {format_number(v)}" for k, v in r["downstream"].items())
             lines.append(f"- {r['name']}: {shown}")
-    lines += ["", "![KLD vs bits per weight](kld_vs_bpw.png)", "", "![PPL ratio](ppl_ratio_vs_bpw.png)", ""]
-    return "\n".join(lines)
+    shown = {"kld_vs_bpw": "KLD vs bits per weight", "ppl_ratio_vs_bpw": "PPL ratio"}
+    for key, title in shown.items():
+        if key in doc["artifacts"]:
+            lines += ["", f"![{title}]({doc['artifacts'][key]})"]
+    return "\n".join([*lines, ""])
 
 
 def write_comparison(
-    out: Path, ref: str, names: list[str], docs: dict[str, dict[str, Any]]
+    out: Path, ref: str, names: list[str], docs: dict[str, dict[str, Any]], draw_plots: bool = True
 ) -> dict[str, Any]:
-    """compare.json, compare.md and the two plots, atomically; returns compare.json's document."""
+    """compare.json, compare.md and (unless `draw_plots` is false) the two plots, atomically; returns
+    compare.json's document."""
     doc = build_comparison(out, ref, names, docs)
     points = [r for r in doc["candidates"] if r["bits_per_weight"] is not None]
+    if not draw_plots:
+        doc["artifacts"] = {}
     for key, column, floor, label in (
         ("kld_vs_bpw", "kld_mean", doc["kld_floor"], "mean KLD (nats)"),
         ("ppl_ratio_vs_bpw", "ppl_ratio", None, "PPL ratio"),
     ):
+        if key not in doc["artifacts"]:
+            continue
         usable = [r for r in points if r[column] is not None]
         plots.metric_vs_bpw(
             [r["name"] for r in usable],

@@ -297,6 +297,14 @@ class SharedWork:
     def __len__(self) -> int:
         return len(self._values)
 
+    def __getstate__(self) -> dict[str, int]:
+        # Another process (a Ray task, a forked worker) gets an empty store: results and locks are this
+        # process's own.
+        return {"keep": self.keep}
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self.__init__(state["keep"])  # type: ignore[misc]
+
 
 @dataclass
 class RunContext:
@@ -310,6 +318,7 @@ class RunContext:
     digests: DigestCache | None = None
     corpus_path: Path | None = None  # a local copy of WikiText-2's test split (`--corpus-path`)
     shared: SharedWork = field(default_factory=SharedWork, repr=False, compare=False)
+    plots: bool = True  # draw each task's PNG plots (`--no-plots`: a CI job that wants the verdict alone)
 
     @cached_property
     def corpus(self) -> Corpus:

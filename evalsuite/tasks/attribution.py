@@ -317,12 +317,10 @@ class Attribution:
             "tokens_sha256": swaps.meta["tokens_sha256"],
         }
         checks, _ = self.spec.threshold_checks(values)
-        plots.unit_bars(
-            names, [m.value for m in means], artifacts / "attribution_units.png", whole_mean.value
-        )
-        return TaskResult.from_checks(
-            values,
-            checks,
-            details=rows,
-            artifacts={"kld_by_unit": f"{artifacts.name}/attribution_units.png"},
-        )
+        made = {}
+        if self.context.plots:
+            plots.unit_bars(
+                names, [m.value for m in means], artifacts / "attribution_units.png", whole_mean.value
+            )
+            made["kld_by_unit"] = f"{artifacts.name}/attribution_units.png"
+        return TaskResult.from_checks(values, checks, details=rows, artifacts=made)

@@ -205,14 +205,13 @@ class IntegerReference:
             draws = [observed[floor.label(i, "hf_floor")] for i in range(floor.draws)]
             values.update(_floor_metrics(hf, draws, kld_ih, same_ih, windows, chunk, floor.margin))
         checks, _ = self.spec.threshold_checks(values)
-        plots.kld_histogram(
-            kld_ih, artifacts / "intref_kld_int_vs_hf.png", "full-vocabulary", title="KL(int ‖ hf)"
-        )
-        return TaskResult.from_checks(
-            values,
-            checks,
-            artifacts={"kld_int_vs_hf_histogram": f"{artifacts.name}/intref_kld_int_vs_hf.png"},
-        )
+        made = {}
+        if self.context.plots:
+            plots.kld_histogram(
+                kld_ih, artifacts / "intref_kld_int_vs_hf.png", "full-vocabulary", title="KL(int ‖ hf)"
+            )
+            made["kld_int_vs_hf_histogram"] = f"{artifacts.name}/intref_kld_int_vs_hf.png"
+        return TaskResult.from_checks(values, checks, artifacts=made)
 
 
 def _floor_metrics(

@@ -180,12 +180,10 @@ class Layers:
             "tokens_sha256": ckpt.meta["tokens_sha256"],
         }
         checks, _ = self.spec.threshold_checks(values)
-        plots.layer_errors(
-            own_err, [d.relative_frobenius_error for d in drift], artifacts / "layers_rel_err.png", kinds
-        )
-        return TaskResult.from_checks(
-            values,
-            checks,
-            details=rows,
-            artifacts={"rel_err_by_layer": f"{artifacts.name}/layers_rel_err.png"},
-        )
+        made = {}
+        if self.context.plots:
+            plots.layer_errors(
+                own_err, [d.relative_frobenius_error for d in drift], artifacts / "layers_rel_err.png", kinds
+            )
+            made["rel_err_by_layer"] = f"{artifacts.name}/layers_rel_err.png"
+        return TaskResult.from_checks(values, checks, details=rows, artifacts=made)

@@ -306,9 +306,12 @@ class MixtureOfExperts:
                 null_reasons[name] = f"the candidate ships no calibration coverage ({options.coverage_file})"
         measurable = frozenset(self.metric_names) - (set(null_reasons) | {"worst_shared_expert_rel_err"})
         checks, not_measured = self.spec.threshold_checks(values, measurable)
-        plots.expert_heatmap(
-            np.where(used, rel_err, np.nan), moe_layers, artifacts / "moe_expert_rel_err.png", hurt_floor
-        )
+        made = {"experts": f"{artifacts.name}/moe_experts.csv"}
+        if self.context.plots:
+            plots.expert_heatmap(
+                np.where(used, rel_err, np.nan), moe_layers, artifacts / "moe_expert_rel_err.png", hurt_floor
+            )
+            made["expert_rel_err"] = f"{artifacts.name}/moe_expert_rel_err.png"
         write_csv(artifacts / "moe_experts.csv", table.every_row(below))
         return TaskResult.from_checks(
             values,
@@ -316,8 +319,5 @@ class MixtureOfExperts:
             details=rows,
             null_reasons=null_reasons,
             not_measured=not_measured,
-            artifacts={
-                "expert_rel_err": f"{artifacts.name}/moe_expert_rel_err.png",
-                "experts": f"{artifacts.name}/moe_experts.csv",
-            },
+            artifacts=made,
         )

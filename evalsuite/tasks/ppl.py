@@ -225,7 +225,7 @@ class Perplexity:
                 ref, draws, kld, windows, chunk_rows, floor_spec.margin, shared
             )
             values.update(floor)
-        artifacts_made = self.plot(ref, nll_ckpt, kld, estimator, artifacts)
+        artifacts_made = self.plot(ref, nll_ckpt, kld, estimator, artifacts) if self.context.plots else {}
         long = self.spec.long_context
         if long.head_chunk_rows:
             values["head_chunk_rows"] = long.head_chunk_rows
@@ -239,10 +239,11 @@ class Perplexity:
                     long.position_buckets, positions, kld, same, nll_ref, nll_ckpt, windows=windows
                 )
             )
-            plots.kld_by_position(
-                positions, kld, long.position_buckets, artifacts / "ppl_kld_by_position.png", estimator
-            )
-            artifacts_made["kld_by_position"] = f"{artifacts.name}/ppl_kld_by_position.png"
+            if self.context.plots:
+                plots.kld_by_position(
+                    positions, kld, long.position_buckets, artifacts / "ppl_kld_by_position.png", estimator
+                )
+                artifacts_made["kld_by_position"] = f"{artifacts.name}/ppl_kld_by_position.png"
         artifacts_made["tokens"] = write_tokens(artifacts, tokens)
         checks, _ = self.spec.threshold_checks(values)
         few = claims.too_few_reason(n_windows)

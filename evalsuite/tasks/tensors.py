@@ -289,18 +289,17 @@ class Tensors:
         }
         write_atomic(folder / "tensors.json", _one_row_per_line(doc, "tensors") + "\n")
         write_csv(folder / "tensors.csv", doc["tensors"])
-        measured = [r for r in found.tensors if r.rel_err is not None]
-        plots.relative_error_by_layer(
-            [r.layer for r in measured],
-            [r.projection for r in measured],
-            [r.rel_err for r in measured],
-            folder / "tensors_rel_err.png",
-        )
-        return {
-            "tensors": f"{folder.name}/tensors.json",
-            "tensors_table": f"{folder.name}/tensors.csv",
-            "rel_err_map": f"{folder.name}/tensors_rel_err.png",
-        }
+        made = {"tensors": f"{folder.name}/tensors.json", "tensors_table": f"{folder.name}/tensors.csv"}
+        if self.context.plots:
+            measured = [r for r in found.tensors if r.rel_err is not None]
+            plots.relative_error_by_layer(
+                [r.layer for r in measured],
+                [r.projection for r in measured],
+                [r.rel_err for r in measured],
+                folder / "tensors_rel_err.png",
+            )
+            made["rel_err_map"] = f"{folder.name}/tensors_rel_err.png"
+        return made
 
 
 # Stands for the list of rows while the rest of tensors.json is written: no JSON text of a key or value

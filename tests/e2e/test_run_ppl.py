@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from evalsuite.corpus import python_docs_text
-from tests.conftest import run_cli
+from evalsuite.fixtures import TINY_BF16, TINY_W4A8
+from tests.conftest import TINY_TASKS, rerun, run_cli
 
 CONTRACT = (
     "n_windows",
@@ -159,3 +160,14 @@ def test_piped_output_has_no_third_party_noise_and_no_wrapped_lines(tiny_run):
     for line in tiny_run.loads:
         assert line.endswith("backend hf)") or line.endswith("backend intref)"), line
     assert any(line.startswith("ppl ") and "ppl_ratio <= 1.03" in line for line in out.splitlines()), out
+
+
+def test_no_plots_gives_the_same_verdict_and_metrics_without_a_picture(tiny_pair, tiny_run, tmp_path):
+    args = ("run", "--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16], "--tasks", TINY_TASKS)
+    again = rerun(tiny_run, tmp_path / "run", *args, "--corpus", "python-docs", "--no-plots")
+    assert again.cli.returncode == tiny_run.cli.returncode, again.cli.stderr
+    for task in ("ppl", "tensors", "intref"):
+        assert again.metrics(task) == tiny_run.metrics(task), task
+        assert not [a for a in again.task(task).get("artifacts", {}).values() if a.endswith(".png")], task
+    assert ".png" in (tiny_run.out / "report.md").read_text(encoding="utf-8")
+    assert ".png" not in (tmp_path / "run" / "report.md").read_text(encoding="utf-8")
