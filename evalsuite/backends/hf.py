@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import io
 from collections.abc import Iterator
@@ -345,7 +346,12 @@ class HFBackend:
             if output_embeddings is not None
             else int(self.config.get_text_config().vocab_size)
         )
-        self.tokenizer = checkpoint.load_tokenizer(trust_remote_code=options.trust_remote_code)
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer, loaded when a task first asks (window logits never do: the windows
+        come tokenized)."""
+        return self.checkpoint.load_tokenizer(trust_remote_code=self.options.trust_remote_code)
 
     def describe(self) -> dict[str, Any]:
         """Transformers' own execution of the checkpoint's format."""

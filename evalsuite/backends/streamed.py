@@ -45,6 +45,7 @@ Generation does not apply: decoding one token at a time would read every layer f
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import io
 from collections.abc import Callable, Iterator
@@ -167,7 +168,6 @@ class StreamedBackend:
             if output_embeddings is not None
             else int(text_config.vocab_size)
         )
-        self.tokenizer = checkpoint.load_tokenizer(trust_remote_code=options.trust_remote_code)
         # Decoder layers read from the files so far: a run shows that its observations shared their passes.
         self.layer_loads = 0
 
@@ -183,6 +183,12 @@ class StreamedBackend:
         if isinstance(types, list) and len(types) == self.n_layers:
             return [str(t) for t in types]
         return [type(layer).__name__ for layer in self.layers]
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer, loaded when a task first asks (window logits never do: the windows
+        come tokenized)."""
+        return self.checkpoint.load_tokenizer(trust_remote_code=self.options.trust_remote_code)
 
     def describe(self) -> dict[str, Any]:
         """How this side ran: its backend's execution, streamed layer by layer."""
