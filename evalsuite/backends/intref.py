@@ -164,6 +164,7 @@ class IntegerSkeleton:
             group_size=quantized.group_size,
             zero_point=quantized.zero_point,
             storage="packed" if quantized.storage == "packed" else "int8",
+            g_idx=quantized.g_idx,
         )
         # A weight-only scheme's activations are quantized by the integer path, not by the scheme.
         layer.weight_only = quantized.weight_only
