@@ -378,6 +378,13 @@ def llmc_smollm2() -> dict[str, Path]:
     return _llmc_fixtures([SMOLLM2_BF16, "smollm2-135m-llmc"])
 
 
+@pytest.fixture(scope="session")
+def llmc_actorder() -> dict[str, Path]:
+    """The tiny Llama (BF16) and GPTQ W4A8 packs of it solved in activation order by llm-compressor 0.14
+    (`actorder: "static"`) and 0.13 (`"group"`, with g_idx and the writer's dequantization), read-only."""
+    return _llmc_fixtures(["tiny-llama-bf16", "tiny-llama-llmc-actorder"])
+
+
 LLMC_FIXTURES = {
     "tiny": ("llmc_tiny", "tiny-llama-bf16", "tiny-llama-llmc"),
     "smollm2": ("llmc_smollm2", SMOLLM2_BF16, "smollm2-135m-llmc"),
