@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from evalsuite.digest import DigestCache
 
-CheckpointFormat = Literal["bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf"]
+CheckpointFormat = Literal["bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf", "gptq", "awq"]
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -66,7 +66,12 @@ DTYPE_SIZES: dict[str, int] = {
 }
 FLOAT_DTYPES = frozenset(d for d in DTYPE_SIZES if d.startswith(("F", "BF")))
 _FORMAT_OF_FLOAT_DTYPE: dict[str, CheckpointFormat] = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-_QUANT_METHODS: dict[str, CheckpointFormat] = {"compressed-tensors": "compressed-tensors", "exl3": "exl3"}
+_QUANT_METHODS: dict[str, CheckpointFormat] = {
+    "compressed-tensors": "compressed-tensors",
+    "exl3": "exl3",
+    "gptq": "gptq",
+    "awq": "awq",
+}
 
 # Files that hold what a tokenizer does; two checkpoints whose files are byte-identical tokenize alike.
 TOKENIZER_FILES = (

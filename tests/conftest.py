@@ -385,6 +385,13 @@ def llmc_actorder() -> dict[str, Path]:
     return _llmc_fixtures(["tiny-llama-bf16", "tiny-llama-llmc-actorder"])
 
 
+@pytest.fixture(scope="session")
+def autoround_tiny() -> dict[str, Path]:
+    """The tiny Llama (BF16) and auto-round's GPTQ and AWQ packs of it, each with the writer's own
+    dequantization beside it (read-only)."""
+    return _llmc_fixtures(["tiny-llama-bf16", "tiny-llama-autoround"])
+
+
 LLMC_FIXTURES = {
     "tiny": ("llmc_tiny", "tiny-llama-bf16", "tiny-llama-llmc"),
     "smollm2": ("llmc_smollm2", SMOLLM2_BF16, "smollm2-135m-llmc"),
