@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from evalsuite.digest import DigestCache
 
-CheckpointFormat = Literal["bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf", "gptq", "awq"]
+CheckpointFormat = Literal["bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf", "gptq", "awq", "fp8"]
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -71,6 +71,7 @@ _QUANT_METHODS: dict[str, CheckpointFormat] = {
     "exl3": "exl3",
     "gptq": "gptq",
     "awq": "awq",
+    "fp8": "fp8",
 }
 
 # Files that hold what a tokenizer does; two checkpoints whose files are byte-identical tokenize alike.

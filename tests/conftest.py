@@ -392,6 +392,12 @@ def autoround_tiny() -> dict[str, Path]:
     return _llmc_fixtures(["tiny-llama-bf16", "tiny-llama-autoround"])
 
 
+@pytest.fixture(scope="session")
+def fp8_block_tiny() -> dict[str, Path]:
+    """The tiny Llama (BF16) and its block-wise FP8 pack, written by Transformers' FP8 quantizer."""
+    return build_fixtures(FIXTURES, ["tiny-llama-bf16", "tiny-llama-fp8-block"])
+
+
 LLMC_FIXTURES = {
     "tiny": ("llmc_tiny", "tiny-llama-bf16", "tiny-llama-llmc"),
     "smollm2": ("llmc_smollm2", SMOLLM2_BF16, "smollm2-135m-llmc"),
