@@ -6,7 +6,6 @@ bit for bit, and measured against the source; then the config's claims against w
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -15,25 +14,18 @@ from evalsuite.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader, as_float32, row_blocks
 from evalsuite.formats.ct_decode import first_difference
 from evalsuite.formats.fp8_block import Fp8BlockFormat, decode, library_decode
+from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
 from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
 
 
-class Fp8BlockVerifier:
+class Fp8BlockVerifier(OneByOneVerifier):
     """How a block-wise FP8 candidate is verified (see `FormatVerifier`)."""
 
-    def __init__(self, format: Fp8BlockFormat) -> None:
-        self.format = format
-        self.module_matches: dict[Any, Any] = {}  # check_config asks nothing of measure_many again
+    format: Fp8BlockFormat
 
     def before_fork(self) -> None:
         """Import Transformers' FP8 integration once, before workers fork."""
         import transformers.integrations.finegrained_fp8  # noqa: F401
-
-    def measure_many(
-        self, modules: Sequence[tuple[TensorInfo, dict[str, TensorInfo], TensorRow]], reader: ShardReader
-    ) -> list[list[Problem]]:
-        """`measure` of each module."""
-        return [self.measure(source, tensors, reader, row) for source, tensors, row in modules]
 
     def measure(
         self, source: TensorInfo, tensors: dict[str, TensorInfo], reader: ShardReader, row: TensorRow

@@ -8,7 +8,6 @@ own dequantization (auto-round's), written beside its packs."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -16,10 +15,11 @@ import numpy as np
 from evalsuite.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader, as_float32
 from evalsuite.formats.gptq import GptqFormat, decode, stored_shape, unpack_words
+from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
 from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
 
 
-class GptqVerifier:
+class GptqVerifier(OneByOneVerifier):
     """How a GPTQ or AWQ candidate is verified (see `FormatVerifier`)."""
 
     # auto-round saves the tensors it leaves unquantized (embedding, head, norms) in float32 from a BF16
@@ -29,18 +29,7 @@ class GptqVerifier:
         "source widened to float32",
     }
 
-    def __init__(self, format: GptqFormat) -> None:
-        self.format = format
-        self.module_matches: dict[Any, Any] = {}  # check_config asks nothing of measure_many again
-
-    def before_fork(self) -> None:
-        """Nothing: the decode is numpy."""
-
-    def measure_many(
-        self, modules: Sequence[tuple[TensorInfo, dict[str, TensorInfo], TensorRow]], reader: ShardReader
-    ) -> list[list[Problem]]:
-        """`measure` of each module."""
-        return [self.measure(source, tensors, reader, row) for source, tensors, row in modules]
+    format: GptqFormat
 
     def measure(
         self, source: TensorInfo, tensors: dict[str, TensorInfo], reader: ShardReader, row: TensorRow
