@@ -58,4 +58,5 @@ def test_a_wrong_block_factor_fails_naming_the_tensor(fp8_block_tiny, tmp_path):
 def test_ppl_runs_the_pack_as_transformers_dequantizes_it(fp8_block_tiny, tmp_path):
     code, tasks = run_task(fp8_block_tiny[PACK], fp8_block_tiny[SOURCE], tmp_path / "run", "ppl")
     assert code in (0, 1) and tasks["ppl"]["status"] in ("pass", "fail"), tasks
-    assert tasks["ppl"]["metrics"]["ckpt_execution"].startswith("Transformers")
+    execution = tasks["ppl"]["metrics"]["ckpt_execution"]
+    assert execution.startswith("Transformers") and "FP8 weights dequantized to bfloat16 at load" in execution
