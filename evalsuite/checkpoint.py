@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 # Names of `evalsuite.safetensors_files` that callers have always imported from here.
 __all__ = ["DTYPE_SIZES", "FLOAT_DTYPES", "INDEX_FILE", "Checkpoint", "CheckpointFormat", "TensorInfo"]
 
-CheckpointFormat = Literal["bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf"]
+CheckpointFormat = Literal["bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf", "gptq", "awq", "fp8"]
 
 CONFIG_FILE = "config.json"
 EXL3_CONFIG_FILE = "quantization_config.json"
@@ -51,7 +51,13 @@ EXL3_CONFIG_FILE = "quantization_config.json"
 GGUF_FINGERPRINT_BYTES = 1 << 20
 
 _FORMAT_OF_FLOAT_DTYPE: dict[str, CheckpointFormat] = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-_QUANT_METHODS: dict[str, CheckpointFormat] = {"compressed-tensors": "compressed-tensors", "exl3": "exl3"}
+_QUANT_METHODS: dict[str, CheckpointFormat] = {
+    "compressed-tensors": "compressed-tensors",
+    "exl3": "exl3",
+    "gptq": "gptq",
+    "awq": "awq",
+    "fp8": "fp8",
+}
 
 # Files that hold what a tokenizer does; two checkpoints whose files are byte-identical tokenize alike.
 TOKENIZER_FILES = (

@@ -378,6 +378,26 @@ def llmc_smollm2() -> dict[str, Path]:
     return _llmc_fixtures([SMOLLM2_BF16, "smollm2-135m-llmc"])
 
 
+@pytest.fixture(scope="session")
+def llmc_actorder() -> dict[str, Path]:
+    """The tiny Llama (BF16) and GPTQ W4A8 packs of it solved in activation order by llm-compressor 0.14
+    (`actorder: "static"`) and 0.13 (`"group"`, with g_idx and the writer's dequantization), read-only."""
+    return _llmc_fixtures(["tiny-llama-bf16", "tiny-llama-llmc-actorder"])
+
+
+@pytest.fixture(scope="session")
+def autoround_tiny() -> dict[str, Path]:
+    """The tiny Llama (BF16) and auto-round's GPTQ and AWQ packs of it, each with the writer's own
+    dequantization beside it (read-only)."""
+    return _llmc_fixtures(["tiny-llama-bf16", "tiny-llama-autoround"])
+
+
+@pytest.fixture(scope="session")
+def fp8_block_tiny() -> dict[str, Path]:
+    """The tiny Llama (BF16) and its block-wise FP8 pack, written by Transformers' FP8 quantizer."""
+    return build_fixtures(FIXTURES, ["tiny-llama-bf16", "tiny-llama-fp8-block"])
+
+
 LLMC_FIXTURES = {
     "tiny": ("llmc_tiny", "tiny-llama-bf16", "tiny-llama-llmc"),
     "smollm2": ("llmc_smollm2", SMOLLM2_BF16, "smollm2-135m-llmc"),

@@ -14,7 +14,10 @@ The arithmetic, written once here and emulated independently in float64 by the e
   against that at load. `y = (fp32(acc) * s_x) * s_w` in FP32 (two roundings to FP32, in this order).
 - per group g of G columns: `acc_g = q_g @ w_g.T − (Σ q_g) z_g`, exact integers (the zero point handled in
   integers, never as a float offset), each scaled as above by its group's scale, `y = Σ_g (fp32(acc_g) * s_x)
-  * s_w,g` summed in FP32 in group order; per channel with a zero point, the same with one group.
+  * s_w,g` summed in FP32 in group order; per channel with a zero point, the same with one group. A weight
+  quantized in activation order with its groups' columns scattered (GPTQ's `actorder: "group"`) stores
+  `weight_g_idx`, the group of each input column: group g is then the columns whose g_idx is g, gathered
+  (in column order) before the same per-group accumulation. Integer sums do not depend on the order.
 - plus the bias in FP32 if there is one, then cast to the model's compute dtype.
 
 Routed experts (`IntExperts`) run each expert's gate, up and down projections this way, in a fixed expert
@@ -164,6 +167,7 @@ class IntLinear(nn.Module):
         group_size: int | None = None,
         zero_point: bool = False,
         storage: Literal["packed", "int8"] | None = None,
+        g_idx: bool = False,
     ) -> None:
         super().__init__()
         if bits not in (4, 8):
@@ -196,6 +200,12 @@ class IntLinear(nn.Module):
             else:
                 zp_shape, zp_dtype = (out_features, groups), torch.int8
             self.register_buffer("weight_zero_point", torch.empty(zp_shape, dtype=zp_dtype, **meta))
+        self.has_g_idx = g_idx
+        if g_idx:
+            if group_size is None:
+                raise ValueError("a group index needs groups: per-channel scales do not depend on the column")
+            self.register_buffer("weight_g_idx", torch.empty(in_features, dtype=torch.int32, **meta))
+        self._column_order: torch.Tensor | None = None
         self.bias = nn.Parameter(torch.empty(out_features, **meta), requires_grad=False) if bias else None
         self.calls = 0
 
@@ -221,6 +231,30 @@ class IntLinear(nn.Module):
             return unpack_words(zp.t().contiguous(), self.bits, self.out_features).t()
         return zp
 
+    def column_order(self) -> torch.Tensor | None:
+        """The input columns gathered group by group (columns of group 0, then 1, …), for a stored
+        `weight_g_idx`; None without one. Raises ValueError for a g_idx whose groups are not those of
+        `group_size` columns each (the last may be short), as GPTQ writes them."""
+        if not self.has_g_idx:
+            return None
+        stored = self._buffers["weight_g_idx"]
+        # Cached per device: `.to(device)` moves the buffer, not this derived index.
+        if self._column_order is None or self._column_order.device != stored.device:
+            g_idx = stored.long()
+            assert self.group_size is not None
+            groups = -(-self.in_features // self.group_size)
+            natural = torch.arange(self.in_features, device=g_idx.device) // self.group_size
+            if (
+                g_idx.min() < 0
+                or g_idx.max() >= groups
+                or not torch.equal(
+                    torch.bincount(g_idx, minlength=groups), torch.bincount(natural, minlength=groups)
+                )
+            ):
+                raise ValueError(f"weight_g_idx does not assign {self.group_size} columns to each group")
+            self._column_order = torch.argsort(g_idx, stable=True)
+        return self._column_order
+
     def accumulate(self, q: torch.Tensor, x_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(accumulator: INT32 (M, out), or per group INT64 (groups, M, out), exact; FP32 output (M, out))
         of activations already quantized to int8."""
@@ -229,7 +263,11 @@ class IntLinear(nn.Module):
             acc, y = int_linear_fp32(q, x_scale, self.int8_weight(), self.weight_scale)
         else:
             group_size = self.group_size or self.in_features
-            acc = int_group_accumulators(q, self.int8_weight(), group_size, self.zero_points())
+            w = self.int8_weight()
+            order = self.column_order()
+            if order is not None:
+                q, w = q[:, order], w[:, order]
+            acc = int_group_accumulators(q, w, group_size, self.zero_points())
             scales = self.weight_scale.float()
             y = torch.zeros((q.shape[0], self.out_features), dtype=torch.float32, device=q.device)
             for g in range(acc.shape[0]):  # fixed order: the FP32 sum is deterministic
@@ -253,6 +291,8 @@ class IntLinear(nn.Module):
         parts = [f"W{self.bits}", "channel" if self.group_size is None else f"group {self.group_size}"]
         if self.has_zero_point:
             parts.append("asymmetric")
+        if self.has_g_idx:
+            parts.append("g_idx")
         return " ".join(parts)
 
     def extra_repr(self) -> str:

@@ -355,11 +355,11 @@ class HFBackend:
 
     def describe(self) -> dict[str, Any]:
         """Transformers' own execution of the checkpoint's format."""
-        return {
-            "backend": "hf",
-            "execution": hf_execution(type(self.model).__name__, self.options),
-            "format": self.checkpoint.format,
-        }
+        execution = hf_execution(type(self.model).__name__, self.options)
+        if self.checkpoint.format == "fp8" and not getattr(self.model, "is_quantized", True):
+            # Without a GPU Transformers runs no FP8: it dequantized the pack at load, which the report says.
+            execution += f"; FP8 weights dequantized to {self.options.dtype} at load by Transformers"
+        return {"backend": "hf", "execution": execution, "format": self.checkpoint.format}
 
     def load_model(self, kwargs: dict[str, Any]) -> Any:
         """`from_pretrained` on the options' device; refuses a load that leaves weights random."""

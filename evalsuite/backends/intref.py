@@ -164,6 +164,7 @@ class IntegerSkeleton:
             group_size=quantized.group_size,
             zero_point=quantized.zero_point,
             storage="packed" if quantized.storage == "packed" else "int8",
+            g_idx=quantized.g_idx,
         )
         # A weight-only scheme's activations are quantized by the integer path, not by the scheme.
         layer.weight_only = quantized.weight_only
@@ -225,6 +226,11 @@ class IntegerSkeleton:
                 owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
             else:
                 owner._buffers[leaf] = value
+            if isinstance(owner, IntLinear) and leaf == "weight_g_idx":
+                try:  # a bad group index is the file's fault, found here rather than at the first forward
+                    owner.column_order()
+                except ValueError as exc:
+                    raise InputError(f"tensor {name}: {exc}", self.checkpoint.path) from None
         refuse_mismatch(self.checkpoint, [], unexpected)
 
 

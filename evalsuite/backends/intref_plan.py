@@ -3,7 +3,10 @@ before any model is built (see `evalsuite.backends.intref` for the execution its
 
 The checkpoint must be compressed-tensors with every config group's weights integers: INT4 or INT8, per
 output channel or per group of input columns, symmetric or asymmetric (integer zero points), stored packed
-(`pack-quantized`) or as int8 (`int-quantized`, INT4 values too), not in activation order; activations
+(`pack-quantized`) or as int8 (`int-quantized`, INT4 values too); solved in any order. GPTQ's
+`actorder: "static"` (alias `"weight"`) changes the order the columns were solved in, not the layout, so it
+needs nothing; `actorder: "group"` scatters a group's columns and stores `weight_g_idx`, which the integer
+path then uses to gather each group (per group only: a per-channel scale spans every column). Activations
 dynamic symmetric per-token INT8, or none (a weight-only W4A16 / W8A16 scheme, whose activations the integer
 path then quantizes per token itself, and says so). The files and the config must agree on every quantized
 module, as compressed-tensors resolves it. FP8 and FP4 weights have no integer path.
@@ -25,7 +28,18 @@ from evalsuite.formats.compressed_tensors import SchemeLookup
 from evalsuite.spec import StrictModel
 
 # Tensors of a quantized module in a compressed-tensors file; anything else under such a module is refused.
-_INT_SUFFIXES = ("weight_packed", "weight_shape", "weight_scale", "weight", "weight_zero_point")
+_INT_SUFFIXES = (
+    "weight_packed",
+    "weight_shape",
+    "weight_scale",
+    "weight",
+    "weight_zero_point",
+    "weight_g_idx",
+)
+# `actorder` values that leave the stored layout as it is without activation order.
+SOLVE_ORDER_ONLY = (None, "static", "weight")
+# `actorder` values whose weights store the group of every input column (`weight_g_idx`).
+SCATTERED_GROUPS = ("group", "dynamic")
 
 
 class ActivationConvention(StrictModel):
@@ -63,7 +77,8 @@ DYNAMIC_INT8_PER_TOKEN = {
 class QuantizedModule:
     """A module the file stores quantized: its name, weight bits and logical shape, and how it is stored:
     packed int32 words or int8, the group size (None: per channel), whether it has zero points, and whether
-    its scheme leaves activations unquantized (the integer path then quantizes them itself)."""
+    its scheme leaves activations unquantized (the integer path then quantizes them itself), and whether it
+    stores `weight_g_idx` (its groups' columns scattered by activation order)."""
 
     name: str
     bits: int
@@ -73,6 +88,7 @@ class QuantizedModule:
     group_size: int | None = None
     zero_point: bool = False
     weight_only: bool = False
+    g_idx: bool = False
 
 
 def integer_modules(checkpoint: Checkpoint) -> dict[str, QuantizedModule]:
@@ -112,7 +128,7 @@ def integer_modules(checkpoint: Checkpoint) -> dict[str, QuantizedModule]:
         if extra:
             raise InputError(
                 f"{module} has {', '.join(extra)}: only weights with dynamic activations (no static "
-                "activation scales, not in activation order) execute on the integer path",
+                "activation scales) execute on the integer path",
                 checkpoint.path,
             )
         # The files and the config must agree on every quantized module, as compressed-tensors resolves it.
@@ -155,6 +171,28 @@ def integer_modules(checkpoint: Checkpoint) -> dict[str, QuantizedModule]:
                 "one scale per output channel" if group_size is None else f"one scale per {group_size} inputs"
             )
             raise InputError(f"{module}: weight_scale of shape {scale.shape} is not {what}", checkpoint.path)
+        g_idx = tensors.get(f"{module}.weight_g_idx")
+        # Read from the config as written: compressed-tensors >= 0.19 no longer knows "group" (SchemeLookup).
+        actorder = (
+            ((qc.get("config_groups") or {}).get(coverage.group) or {}).get("weights", {}).get("actorder")
+        )
+        scattered = actorder in SCATTERED_GROUPS
+        if g_idx is not None and group_size is None:
+            raise InputError(
+                f"{module}: weight_g_idx stored for per-channel scales, which have no groups to index",
+                checkpoint.path,
+            )
+        if (g_idx is not None) != scattered:
+            raise InputError(
+                f"{module}: weight_g_idx {'stored' if g_idx is not None else 'missing'} for actorder "
+                f"{actorder!r}",
+                checkpoint.path,
+            )
+        if g_idx is not None and (g_idx.dtype != "I32" or g_idx.shape != (in_features,)):
+            raise InputError(
+                f"{module}: weight_g_idx is {g_idx.dtype} {g_idx.shape}, not one int32 group per column",
+                checkpoint.path,
+            )
         zero_point = f"{module}.weight_zero_point" in tensors
         if zero_point == bool(weights.symmetric):
             raise InputError(
@@ -175,6 +213,7 @@ def integer_modules(checkpoint: Checkpoint) -> dict[str, QuantizedModule]:
             group_size=group_size,
             zero_point=zero_point,
             weight_only=coverage.scheme.input_activations is None,
+            g_idx=g_idx is not None,
         )
     return modules
 
@@ -201,7 +240,10 @@ def _check_quantization_config(qc: dict[str, Any], path: Path) -> None:
             weights.get("type") == "int"
             and weights.get("strategy") in ("channel", "group")
             and not weights.get("dynamic")
-            and not weights.get("actorder")
+            and (
+                weights.get("actorder") in SOLVE_ORDER_ONLY
+                or (weights.get("actorder") in SCATTERED_GROUPS and weights.get("strategy") == "group")
+            )
             and weights.get("num_bits") in (4, 8)
             and fmt in (None, "pack-quantized", "int-quantized")
         )
@@ -209,8 +251,8 @@ def _check_quantization_config(qc: dict[str, Any], path: Path) -> None:
             raise InputError(
                 f"{where}: weights {weights.get('num_bits')}-bit {weights.get('type')} "
                 f"{weights.get('strategy')} actorder={weights.get('actorder')} as {fmt}; the integer path "
-                "executes INT4 / INT8 weights per channel or per group (pack-quantized or int-quantized), "
-                "not FP8 or FP4 and not in activation order",
+                "executes INT4 / INT8 weights per channel or per group (pack-quantized or int-quantized, "
+                "groups scattered by activation order only with groups), not FP8 or FP4",
                 path,
             )
         if inputs is None:

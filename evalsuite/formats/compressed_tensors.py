@@ -87,6 +87,32 @@ class Coverage:
     ignored: bool
 
 
+# compressed-tensors 0.19 removed `actorder: "group"` (alias "dynamic") and refuses a config that carries it,
+# though packs written before it (llm-compressor <= 0.13, `weight_g_idx` stored) are published and still run
+# elsewhere. Which group each column belongs to is in the files' `weight_g_idx`, not in this value, so such a
+# config is read as the library would read the same pack without activation order.
+REMOVED_ACTORDER = ("group", "dynamic")
+
+
+def readable_config(quantization_config: dict[str, Any]) -> dict[str, Any]:
+    """The config with any removed `actorder` value left out (see REMOVED_ACTORDER); a copy when changed."""
+    groups = quantization_config.get("config_groups")
+    if not isinstance(groups, dict) or not any(
+        isinstance(g, dict)
+        and isinstance(g.get("weights"), dict)
+        and g["weights"].get("actorder") in REMOVED_ACTORDER
+        for g in groups.values()
+    ):
+        return quantization_config
+    readable = {**quantization_config, "config_groups": {}}
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if isinstance(weights, dict) and weights.get("actorder") in REMOVED_ACTORDER:
+            group = {**group, "weights": {k: v for k, v in weights.items() if k != "actorder"}}
+        readable["config_groups"][name] = group
+    return readable
+
+
 class SchemeLookup:
     """A `quantization_config` read by compressed-tensors itself, resolved per module as it resolves it at
     load time: a module is quantized by the first of its matching targets in `match_targets` order (exact
@@ -98,7 +124,7 @@ class SchemeLookup:
         from pydantic import ValidationError
 
         try:
-            self.config = QuantizationConfig.model_validate(quantization_config)
+            self.config = QuantizationConfig.model_validate(readable_config(quantization_config))
         except ValidationError as exc:
             err = exc.errors()[0]
             loc = ".".join(str(p) for p in err["loc"])
@@ -400,7 +426,7 @@ def library_decode(
     `zero_point` the zero points (pack-quantized packs them along the rows, 32 / b rows per word),
     `global_scale` NVFP4's float32: the tensor's one, as stored, or one per row, shape (rows, 1, 1), for the
     rows of several tensors in one call (the decompressor divides each group scale by it elementwise, so each
-    row by its own tensor's). The decompressor does not apply `weight_g_idx`.
+    row by its own tensor's). The decompressor does not apply `weight_g_idx` (`library_decode_scattered`).
     """
     import torch
 
@@ -423,3 +449,42 @@ def library_decode(
     decoded = compressor.decompress(state, scheme)["weight"].reshape(rows, -1)[:, :cols]
     dtype = {torch.bfloat16: "BF16", torch.float16: "F16"}.get(decoded.dtype, "F32")
     return _float32_of_bits(_bits_view(decoded.to(torch.float32) if dtype == "F32" else decoded), dtype, out)
+
+
+def library_decode_scattered(
+    stored: StoredQuantization,
+    weight: np.ndarray,
+    scale: np.ndarray,
+    scale_dtype: str,
+    cols: int,
+    g_idx: np.ndarray,
+    zero_point: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray | None:
+    """`library_decode` of a weight whose groups' columns activation order scattered (`weight_g_idx`, the
+    group of every column): compressed-tensors 0.19 dropped g_idx from its decode, so the columns are
+    gathered group by group (packed words unpacked and repacked by the library's own `unpack_from_int32` /
+    `pack_to_int32`), decoded by the library as a plain grouped weight, and put back in place. None when
+    g_idx does not give every group its `group_size` columns, which no plain grouped weight can express."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    natural = np.arange(cols) // stored.group_size
+    groups = int(natural[-1]) + 1
+    if (
+        g_idx.min() < 0
+        or g_idx.max() >= groups
+        or not np.array_equal(np.bincount(g_idx, minlength=groups), np.bincount(natural, minlength=groups))
+    ):
+        return None
+    order = np.argsort(g_idx, kind="stable")
+    rows = weight.shape[0]
+    if stored.format == "pack-quantized":
+        values = unpack_from_int32(torch.from_numpy(weight), stored.num_bits, torch.Size((rows, cols)))
+        gathered = pack_to_int32(values[:, torch.from_numpy(order)].contiguous(), stored.num_bits).numpy()
+    else:
+        gathered = np.ascontiguousarray(weight[:, order])
+    decoded = library_decode(stored, gathered, scale, scale_dtype, cols, zero_point)
+    result = out if out is not None else np.empty((rows, cols), dtype=np.float32)
+    result[:, order] = decoded
+    return result

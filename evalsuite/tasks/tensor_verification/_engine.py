@@ -20,9 +20,15 @@ from evalsuite.formats import QuantizedFormat, ShardReader, one_torch_thread, ro
 from evalsuite.formats.compressed_tensors import INTEGER_FORMATS, CompressedTensors
 from evalsuite.formats.exl3 import Exl3
 from evalsuite.formats.exl3_decode import padded
+from evalsuite.formats.fp8_block import METHOD as FP8_BLOCK_METHOD
+from evalsuite.formats.fp8_block import Fp8BlockFormat
+from evalsuite.formats.gptq import METHODS as GPTQ_METHODS
+from evalsuite.formats.gptq import GptqFormat
 from evalsuite.task import Progress, no_progress
 from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTensorsVerifier, LibraryCheck
 from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
+from evalsuite.tasks.tensor_verification._fp8_block import Fp8BlockVerifier
+from evalsuite.tasks.tensor_verification._gptq import GptqVerifier
 from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection, skeleton_modules
 from evalsuite.tasks.tensor_verification._outliers import (
     channel_detail,
@@ -82,6 +88,10 @@ def format_verifier(candidate: Checkpoint, library_check: LibraryCheck = "sample
         )
     if candidate.format == "exl3":
         return Exl3Verifier(Exl3(candidate))
+    if candidate.format in GPTQ_METHODS:
+        return GptqVerifier(GptqFormat(candidate))
+    if candidate.format == FP8_BLOCK_METHOD:
+        return Fp8BlockVerifier(Fp8BlockFormat(candidate))
     return None
 
 

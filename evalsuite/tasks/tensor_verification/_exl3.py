@@ -8,7 +8,6 @@ is no second CPU decoder to compare it with, so `decode_exact` stays unmeasured 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -25,6 +24,7 @@ from evalsuite.formats.exl3 import (
     storage_problems,
     stored_bits,
 )
+from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
 from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
 
 # What the decode reads of a Linear (the markers only by their presence).
@@ -41,7 +41,7 @@ TILE_OUTLIER_RATIO = 8.0
 TILE_SIGNAL_FRACTION = 0.25
 
 
-class Exl3Verifier:
+class Exl3Verifier(OneByOneVerifier):
     """How an EXL3 candidate is verified (see `FormatVerifier`)."""
 
     # exllamav3 stores a Linear it does not quantize (routers, gates, Gated DeltaNet's in_proj_a/b) as FP16
@@ -52,18 +52,7 @@ class Exl3Verifier:
         "source cast to FP16",
     }
 
-    def __init__(self, format: Exl3) -> None:
-        self.format = format
-        self.module_matches: dict[Any, Any] = {}  # nothing of `measure_many` is asked again in check_config
-
-    def before_fork(self) -> None:
-        """Nothing: what the EXL3 decode imports on first use (torch) the run has imported already."""
-
-    def measure_many(
-        self, modules: Sequence[tuple[TensorInfo, dict[str, TensorInfo], TensorRow]], reader: ShardReader
-    ) -> list[list[Problem]]:
-        """`measure` of each module."""
-        return [self.measure(source, tensors, reader, row) for source, tensors, row in modules]
+    format: Exl3
 
     def measure(
         self, source: TensorInfo, tensors: dict[str, TensorInfo], reader: ShardReader, row: TensorRow

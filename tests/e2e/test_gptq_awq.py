@@ -1,0 +1,92 @@
+"""GPTQ and AWQ packs written by auto-round's exporters (in a virtual environment of its own): detected from
+config.json, decoded bit for bit as the writer's own code dequantizes them, `tensors` passes them and fails,
+naming the tensor and channel, copies with one word of packed codes or one scale damaged. Every test here
+needs auto-round's environment: the slow tier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.fixtures.autoround_packs import AUTOROUND_PACKS
+from evalsuite.fixtures.llmcompressor_packs import DEQUANTIZED_SUFFIX
+from evalsuite.formats.gptq import GptqFormat, decode
+from tests.conftest import copy_checkpoint, edit_tensors
+from tests.e2e.test_tensors import failed_checks, named, run_tensors
+
+pytestmark = pytest.mark.slow
+
+SOURCE, PACKS = "tiny-llama-bf16", "tiny-llama-autoround"
+MODULE = "model.layers.1.mlp.down_proj"
+
+
+def pack(built: dict[str, Path], name: str) -> Path:
+    return built[PACKS] / name
+
+
+@pytest.mark.parametrize("name", list(AUTOROUND_PACKS))
+def test_every_weight_decodes_as_its_writer_dequantizes_it(autoround_tiny, name):
+    folder = pack(autoround_tiny, name)
+    checkpoint = Checkpoint.open(folder)
+    assert checkpoint.format == name.split("-")[0]
+    fmt = GptqFormat(checkpoint)
+    stored = load_file(str(folder / "model.safetensors"))
+    writer = load_file(str(folder.with_name(name + DEQUANTIZED_SUFFIX) / "model.safetensors"))
+    modules = [n.removesuffix(".qweight") for n in stored if n.endswith(".qweight")]
+    assert len(modules) == 14
+    for module in modules:
+        ours = decode(
+            fmt,
+            stored[f"{module}.qweight"],
+            stored[f"{module}.qzeros"],
+            stored[f"{module}.scales"],
+            stored.get(f"{module}.g_idx"),
+        )
+        assert np.array_equal(ours, writer[f"{module}.weight"]), module
+
+
+@pytest.mark.parametrize("name", list(AUTOROUND_PACKS))
+def test_tensors_passes_the_writers_pack(autoround_tiny, name, tmp_path):
+    code, entry, err = run_tensors(pack(autoround_tiny, name), autoround_tiny[SOURCE], tmp_path)
+    assert code == 0, (err, entry.get("details"))
+    m = entry["metrics"]
+    assert (m["config_mismatches"], m["missing"], m["unexpected"], m["assets_changed"]) == (0, 0, 0, 0)
+    assert m["quantized_other"] == 14 and m["avg_bits_per_weight"] == 4.0
+    # auto-round stores the embedding, head and norms float32: value-equal to the BF16 source, not bytes.
+    assert m["protected_total"] == m["protected_identical"] == 7
+    assert 0 < m["worst_rel_err"] < 0.3 and m["outlier_channels"] == 0
+    assert m.get("decode_exact") is None  # no decoder of the format imports here: the test above checks it
+
+
+@pytest.mark.parametrize("name", list(AUTOROUND_PACKS))
+def test_a_damaged_word_of_codes_fails_naming_tensor_and_channel(autoround_tiny, name, tmp_path):
+    def flip(tensors):
+        # Every code of one word moved by 8 levels (the top bit of each nibble): a word of GPTQ's qweight is
+        # 8 inputs of one output channel; of AWQ's, one input of 8 output channels.
+        word = tensors[f"{MODULE}.qweight"]
+        word[5, 3] ^= torch.tensor(0x88888888 - (1 << 32), dtype=torch.int32)
+
+    candidate = copy_checkpoint(pack(autoround_tiny, name), tmp_path / "ckpt")
+    edit_tensors(candidate, flip)
+    code, entry, _ = run_tensors(candidate, autoround_tiny[SOURCE], tmp_path / "run")
+    assert code == 1, entry["metrics"]
+    assert failed_checks(entry), entry["details"]
+    assert entry["metrics"]["worst_channel_z_tensor"].startswith(f"{MODULE}.weight (output channel ")
+
+
+@pytest.mark.parametrize("name", list(AUTOROUND_PACKS))
+def test_a_wrong_scale_fails_naming_the_channel(autoround_tiny, name, tmp_path):
+    def scale_one_group(tensors):
+        tensors[f"{MODULE}.scales"][1, 7] *= 4  # group 1 of output channel 7
+
+    candidate = copy_checkpoint(pack(autoround_tiny, name), tmp_path / "ckpt")
+    edit_tensors(candidate, scale_one_group)
+    code, entry, _ = run_tensors(candidate, autoround_tiny[SOURCE], tmp_path / "run")
+    assert code == 1
+    assert "worst_channel_gain_err" in failed_checks(entry)
+    assert list(named(entry, "worst_channel_gain_err")) == [f"{MODULE}.weight (output channel 7)"]
