@@ -5,8 +5,8 @@ The candidates are the W4A8 copy and three copies of it with every weight scale 
 (compare ratios, not seconds; these machines are noisy):
   (a) `compare` (noise floor off, in this process) over the observations it cannot avoid: the reference's and
       the 4 candidates', each a load and the `ppl` windows forwarded, timed on their own in this process
-      (goal <= 1.05: compare adds little beyond observing); `--rounds` rounds of both, one after the other,
-      each round's ratio and their median printed;
+      (goal <= 1.10 wall, <= 1.05 CPU: compare adds little beyond observing); `--rounds` rounds of both,
+      one after the other, each round's ratio and their median printed;
   (b) `evalsuite compare` as a command over four separate `evalsuite run` commands, one per candidate, each
       a fresh process as a user runs them (goal <= 0.6: the reference is observed once, not four times);
   (a') `compare` over its own observations, timed inside that very call (every `observe_all` it makes: the
@@ -216,8 +216,15 @@ def report(ref, candidates, observed, compared, ratios, inside, cpu, timings, co
         with_floor = f"; with the noise floor: {timings[True]:.1f} s" if True in timings else ""
         print(f"compare in process (median): {timings[False]:.1f} s{with_floor}")
         median = statistics.median(ratios)
-        print(f"(a) compare / observations, median of {len(ratios)} rounds = {median:.3f}   (goal <= 1.05)")
-        figures.add(f"(a) compare / observations, median of {len(ratios)} rounds", median, goal="<= 1.05")
+        print(f"(a) compare / observations, median of {len(ratios)} rounds = {median:.3f}   (goal <= 1.10)")
+        figures.add(f"(a) compare / observations, median of {len(ratios)} rounds", median, goal="<= 1.1")
+        cpu_median = statistics.median(cmp_cpu / obs_cpu for obs_cpu, cmp_cpu in cpu)
+        print(f"(a) in CPU seconds, median of {len(cpu)} rounds = {cpu_median:.3f}   (goal <= 1.05)")
+        figures.add(
+            f"(a) compare / observations in CPU seconds, median of {len(cpu)} rounds",
+            cpu_median,
+            goal="<= 1.05",
+        )
         for r, (own, total) in enumerate(inside):
             print(f"(a') round {r + 1}: compare {total:.1f} s, of which its own observations {own:.1f} s: "
                   f"{total / own:.3f} ({total - own:.1f} s beyond observing)")  # fmt: skip
