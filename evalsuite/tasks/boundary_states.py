@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from evalsuite import metrics
+from evalsuite import tensor_errors
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, observe_alone
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
@@ -90,18 +90,19 @@ def check_same_model(states: Observation, backend: StreamedBackend, inputs: Inpu
 
 
 def state_errors(reference: torch.Tensor, candidate: torch.Tensor) -> np.ndarray:
-    """`metrics.ErrorSums` of two hidden-state tensors as a row (n, Σr², Σ(x−r)², Σx², Σr·x, max|x−r|)."""
+    """`tensor_errors.ErrorSums` of two hidden-state tensors as one row: n, Σr², Σ(x−r)², Σx², Σr·x and
+    max|x−r|."""
     r = reference.detach().float().cpu().numpy()
     x = candidate.detach().float().cpu().numpy()
-    e = metrics.error_sums(r, x)
+    e = tensor_errors.error_sums(r, x)
     return np.array([e.n, e.ref_sq, e.err_sq, e.cand_sq, e.dot, e.max_abs], dtype=np.float64)
 
 
-def summed_errors(rows: np.ndarray) -> metrics.ErrorSums:
-    """Rows of `state_errors` (e.g. one per window) added into one `metrics.ErrorSums`."""
-    total = metrics.ErrorSums(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+def summed_errors(rows: np.ndarray) -> tensor_errors.ErrorSums:
+    """Rows of `state_errors` (e.g. one per window) added into one `tensor_errors.ErrorSums`."""
+    total = tensor_errors.ErrorSums(0, 0.0, 0.0, 0.0, 0.0, 0.0)
     for n, ref_sq, err_sq, cand_sq, dot, max_abs in np.asarray(rows).reshape(-1, 6):
-        total = total + metrics.ErrorSums(int(n), ref_sq, err_sq, cand_sq, dot, max_abs)
+        total = total + tensor_errors.ErrorSums(int(n), ref_sq, err_sq, cand_sq, dot, max_abs)
     return total
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from evalsuite import metrics
+from evalsuite import metrics, tensor_errors
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, observe_alone
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
@@ -425,7 +425,7 @@ class MoeErrorsVisitor(QuietVisitor):
             routing[m, slot, w] = routing_sums(ref_logits, ref_index, route)
         rows = slice(w * len(x) * ref_index.shape[1], (w + 1) * len(x) * ref_index.shape[1])
         cand = chosen_expert_outputs(moe.experts, x, ref_index.to(x.device))
-        experts[slot] += metrics.grouped_error_sums(
+        experts[slot] += tensor_errors.grouped_error_sums(
             ref["experts"][rows].float().numpy(),
             cand.float().cpu().numpy(),
             ref["weights"][tokens].reshape(-1).numpy(),

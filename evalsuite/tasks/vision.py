@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from evalsuite import metrics
+from evalsuite import metrics, tensor_errors
 from evalsuite.errors import InputError
 from evalsuite.multimodal import NoVisualPath, VisualProcessing
 from evalsuite.observation import Observation
@@ -400,9 +400,9 @@ def compare_case(case: Case, ref: Observation, ckpt: Observation) -> dict[str, A
         ckpt_pass = case.answer.matches(ckpt.meta["answer"])
         values.update(ref_pass=ref_pass, ckpt_pass=ckpt_pass, answer_lost=ref_pass and not ckpt_pass)
     values.update(
-        vision_cosine=metrics.cosine_similarity(fa, fb),
-        vision_rel_err=metrics.relative_frobenius_error(fa, fb),
-        vision_max_abs=metrics.max_abs_error(fa, fb),
+        vision_cosine=tensor_errors.cosine_similarity(fa, fb),
+        vision_rel_err=tensor_errors.relative_frobenius_error(fa, fb),
+        vision_max_abs=tensor_errors.max_abs_error(fa, fb),
         vision_tokens=int(fa.shape[0]),
         first_tokens_kld=float(kld.mean()) if steps else float("nan"),
         first_tokens_compared=steps,

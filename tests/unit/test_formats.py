@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from evalsuite import metrics
+from evalsuite import tensor_errors
 from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.formats import ShardReader, ct_decode, exl3
 from evalsuite.formats import compressed_tensors as ct
@@ -386,7 +386,7 @@ def test_error_accumulator_adds_up_to_the_metric_sums():
     acc = ErrorAccumulator()
     acc.add(0, ref[:4], cand[:4])
     acc.add(4, ref[4:], cand[4:])
-    whole = metrics.error_sums(ref.astype(np.float64), cand.astype(np.float64))
+    whole = tensor_errors.error_sums(ref.astype(np.float64), cand.astype(np.float64))
     for field in ("ref_sq", "err_sq", "cand_sq", "dot", "max_abs"):
         assert getattr(acc.sums, field) == pytest.approx(getattr(whole, field), rel=1e-5)
     assert acc.worst_channel == 6

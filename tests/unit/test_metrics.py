@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from evalsuite import metrics
+from evalsuite import metrics, tensor_errors
 
 
 def test_mean_with_stderr_uses_n_minus_one():
@@ -109,45 +109,45 @@ def test_top_k_tail_kl_without_tail_samples_is_the_top_k_part():
 
 def test_error_metrics_by_hand():
     a, b = np.array([3.0, 4.0]), np.array([3.0, 5.0])
-    assert metrics.relative_frobenius_error(a, b) == pytest.approx(1 / 5)
-    assert metrics.max_abs_error(a, b) == 1.0
-    assert metrics.cosine_similarity(a, b) == pytest.approx((9 + 20) / (5 * math.sqrt(34)))
+    assert tensor_errors.relative_frobenius_error(a, b) == pytest.approx(1 / 5)
+    assert tensor_errors.max_abs_error(a, b) == 1.0
+    assert tensor_errors.cosine_similarity(a, b) == pytest.approx((9 + 20) / (5 * math.sqrt(34)))
 
 
 def test_identical_arrays_have_cosine_exactly_one_and_no_error():
     x = np.random.default_rng(1).normal(size=(20, 64)).astype(np.float32)
-    assert metrics.cosine_similarity(x, x.copy()) == 1.0
-    assert metrics.relative_frobenius_error(x, x.copy()) == 0.0
-    assert metrics.max_abs_error(x, x.copy()) == 0.0
+    assert tensor_errors.cosine_similarity(x, x.copy()) == 1.0
+    assert tensor_errors.relative_frobenius_error(x, x.copy()) == 0.0
+    assert tensor_errors.max_abs_error(x, x.copy()) == 0.0
 
 
 def test_error_sums_by_hand():
     # r = (3, 4), x = (3, 5): error (0, 1), Σe² = 1, Σr² = 25, Σx² = 34, Σr·x = 29
-    sums = metrics.error_sums([3.0, 4.0], [3.0, 5.0])
-    assert sums == metrics.ErrorSums(n=2, ref_sq=25.0, err_sq=1.0, cand_sq=34.0, dot=29.0, max_abs=1.0)
+    sums = tensor_errors.error_sums([3.0, 4.0], [3.0, 5.0])
+    assert sums == tensor_errors.ErrorSums(n=2, ref_sq=25.0, err_sq=1.0, cand_sq=34.0, dot=29.0, max_abs=1.0)
     assert sums.relative_frobenius_error == pytest.approx(1 / 5)
     assert sums.sqnr_db == pytest.approx(10 * math.log10(25))  # 13.98 dB
     assert sums.cosine == pytest.approx(29 / (5 * math.sqrt(34)))
-    assert metrics.sqnr_db([3.0, 4.0], [3.0, 5.0]) == pytest.approx(10 * math.log10(25))
+    assert tensor_errors.sqnr_db([3.0, 4.0], [3.0, 5.0]) == pytest.approx(10 * math.log10(25))
 
 
 def test_error_sums_of_chunks_add_up_to_the_whole():
     # r = (1, 2, 2), x = (1, 2, 0): chunks (1, 2) | (2,) against (1, 2) | (0,); ‖e‖ = 2, ‖r‖ = 3, r·x = 5
-    whole = metrics.error_sums([1, 2, 2], [1, 2, 0])
-    assert metrics.error_sums([1, 2], [1, 2]) + metrics.error_sums([2], [0]) == whole
+    whole = tensor_errors.error_sums([1, 2, 2], [1, 2, 0])
+    assert tensor_errors.error_sums([1, 2], [1, 2]) + tensor_errors.error_sums([2], [0]) == whole
     assert whole.relative_frobenius_error == pytest.approx(2 / 3)
     assert whole.cosine == pytest.approx(5 / (3 * math.sqrt(5)))
 
 
 def test_an_exact_float32_copy_has_no_error_and_infinite_sqnr():
     x = np.random.default_rng(2).normal(size=(8, 32)).astype(np.float32)
-    sums = metrics.error_sums(x, x.copy())
+    sums = tensor_errors.error_sums(x, x.copy())
     assert (sums.relative_frobenius_error, sums.sqnr_db, sums.max_abs) == (0.0, math.inf, 0.0)
     assert sums.cosine == pytest.approx(1.0, abs=1e-6)
 
 
 def test_zeroing_a_weight_is_a_relative_error_of_one_at_zero_db():
-    sums = metrics.error_sums([1.0, -1.0], [0.0, 0.0])
+    sums = tensor_errors.error_sums([1.0, -1.0], [0.0, 0.0])
     assert sums.relative_frobenius_error == 1.0
     assert sums.sqnr_db == 0.0
     assert math.isnan(sums.cosine)

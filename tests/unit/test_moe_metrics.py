@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from evalsuite import metrics
+from evalsuite import metrics, tensor_errors
 from evalsuite.errors import InputError
 from evalsuite.tasks.moe import COVERAGE_SCHEMA, expert_count, read_coverage
 
@@ -33,7 +33,7 @@ def test_mass_on_chosen_is_the_share_of_the_candidates_weight_on_the_references_
 def test_grouped_error_sums_weight_each_row_into_its_group():
     ref = np.array([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0]])
     cand = np.array([[1.0, 1.0], [0.0, 2.0], [3.0, 4.0]])
-    out = metrics.grouped_error_sums(ref, cand, [0.5, 0.25, 1.0], [1, 1, 0], 3)
+    out = tensor_errors.grouped_error_sums(ref, cand, [0.5, 0.25, 1.0], [1, 1, 0], 3)
     assert out[0].tolist() == [1, 1.0, 25.0, 0.0, 25.0, 25.0]
     # group 1: rows 0 (w 0.5, r·r 1, err 1, x·x 2, r·x 1) and 1 (w 0.25, r·r 4, exact)
     assert out[1].tolist() == [2, 0.75, 0.5 + 1.0, 0.5, 1.0 + 1.0, 0.5 + 1.0]

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from evalsuite import metrics
+from evalsuite import tensor_errors
 from evalsuite.formats import ModuleKind, Part
 from evalsuite.formats.compressed_tensors import StoredQuantization
 from evalsuite.tasks.tensor_verification._outliers import ChannelOutliers, channel_outliers
@@ -137,14 +137,13 @@ class UnexpectedRow:
 class ErrorAccumulator:
     """Error statistics of a decoded tensor against its source, added up block by block of rows.
 
-    It adds up the sums of `metrics.error_sums` (computed here per row, in reused buffers), and keeps two
-    worst output channels (rows): the largest ‖x_r − w_r‖ / ‖w_r‖ (relative to the channel itself: above 1 a
-    channel decodes further from its source than zeros would) and the largest ‖x_r − w_r‖ / max(‖w_r‖, RMS)
+    It adds up the sums of `tensor_errors.error_sums` (computed here per row, in reused buffers), and keeps
+    two worst output channels (rows): the largest ‖x_r − w_r‖ / ‖w_r‖ (relative to the channel itself: above 1
+    a channel decodes further from its source than zeros would) and the largest ‖x_r − w_r‖ / max(‖w_r‖, RMS)
     with RMS the tensor's RMS channel norm √(Σ‖w_r‖² / rows). The second holds for error-compensating
     quantizers (GPTQ moves the weights of a near-zero channel far, relative to that channel, on purpose: the
     RMS is the yardstick there) and for real weights' outlier channels (their own norm is), while one wrong
-    scale still shows.
-    """
+    scale still shows."""
 
     def __init__(self) -> None:
         # Per block: its first row, its rows' ‖x_r − w_r‖, ‖w_r‖, ‖x_r‖, max|w_r| (float32, 4 × rows), the
@@ -153,7 +152,7 @@ class ErrorAccumulator:
         self._blocks: list[tuple[int, Any, Any, int]] = []
         self._cand_sq = np.zeros(0)
         self._amax = np.zeros(0)
-        self._settled: tuple[metrics.ErrorSums, np.ndarray, np.ndarray, int, float] | None = None
+        self._settled: tuple[tensor_errors.ErrorSums, np.ndarray, np.ndarray, int, float] | None = None
 
     def add(self, r0: int, ref: np.ndarray, cand: np.ndarray, work: np.ndarray | None = None) -> None:
         """Add rows r0.. of the source (`ref`) and of the decoded tensor (`cand`), float32 (rows, cols);
@@ -175,7 +174,7 @@ class ErrorAccumulator:
         self._blocks.append((r0, norms, extremes, d.numel()))
         self._settled = None
 
-    def _settle(self) -> tuple[metrics.ErrorSums, np.ndarray, np.ndarray, int, float]:
+    def _settle(self) -> tuple[tensor_errors.ErrorSums, np.ndarray, np.ndarray, int, float]:
         """The sums, every row's squared error and source norms (float64), and the worst channel (-1 for
         none) with its relative error, from the blocks added so far."""
         if self._settled is not None:
@@ -184,7 +183,13 @@ class ErrorAccumulator:
 
         blocks = [b for b in self._blocks if b[1].shape[1]]
         if not blocks:
-            self._settled = (metrics.ErrorSums(0, 0.0, 0.0, 0.0, 0.0, 0.0), np.zeros(0), np.zeros(0), -1, 0.0)
+            self._settled = (
+                tensor_errors.ErrorSums(0, 0.0, 0.0, 0.0, 0.0, 0.0),
+                np.zeros(0),
+                np.zeros(0),
+                -1,
+                0.0,
+            )
             return self._settled
         stacked = torch.cat([b[1] for b in blocks], dim=1).double()
         self._amax = stacked[3].numpy()
@@ -196,7 +201,7 @@ class ErrorAccumulator:
         # A block's max |x − w| is NaN where x − w holds one, and a NaN never wins a max against a number
         # (as Python's max of floats, which added the blocks up before): fmax passes NaNs over.
         block_max = np.where(-low > high, -low, high)
-        sums = metrics.ErrorSums(
+        sums = tensor_errors.ErrorSums(
             n=sum(b[3] for b in blocks),
             ref_sq=ref_sq,
             err_sq=err_sq,
@@ -223,8 +228,8 @@ class ErrorAccumulator:
         return self._settled
 
     @property
-    def sums(self) -> metrics.ErrorSums:
-        """The `metrics.ErrorSums` of the rows added so far."""
+    def sums(self) -> tensor_errors.ErrorSums:
+        """The `tensor_errors.ErrorSums` of the rows added so far."""
         return self._settle()[0]
 
     @property
