@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from evalsuite.backends.load_lock import MODEL_LOADS
 from evalsuite.backends.options import BACKEND_NAMES, BackendOptions
 
 if TYPE_CHECKING:
@@ -104,7 +105,13 @@ class Generation(Protocol):
 
 def load_backend(checkpoint: Checkpoint, options: BackendOptions) -> Backend:
     """Load `checkpoint` with the backend `options.backend` names (options already checked); streamed, one
-    decoder layer resident at a time, when `options.stream`."""
+    decoder layer resident at a time, when `options.stream`. One load at a time in the process
+    (`MODEL_LOADS`)."""
+    with MODEL_LOADS:
+        return _load_backend(checkpoint, options)
+
+
+def _load_backend(checkpoint: Checkpoint, options: BackendOptions) -> Backend:
     if options.stream and options.backend in BACKEND_NAMES:
         from evalsuite.backends.streamed import StreamedBackend
 
@@ -131,16 +138,23 @@ def load_pair(
     """Both sides streamed, for an observation that runs a layer of each in lockstep (`Need` role `pair`)."""
     from evalsuite.backends.streamed import StreamedBackend, StreamedPair
 
-    reference = StreamedBackend(ref, ref_options)
-    try:
-        return StreamedPair(ref=reference, ckpt=StreamedBackend(ckpt, ckpt_options))
-    except BaseException:
-        reference.close()
-        raise
+    with MODEL_LOADS:
+        reference = StreamedBackend(ref, ref_options)
+        try:
+            return StreamedPair(ref=reference, ckpt=StreamedBackend(ckpt, ckpt_options))
+        except BaseException:
+            reference.close()
+            raise
 
 
 def check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
-    """Refuse, from the files alone, a checkpoint the backend could not load faithfully (InputError)."""
+    """Refuse, from the files alone, a checkpoint the backend could not load faithfully (InputError). A
+    check that builds the model on the meta device is a load (`MODEL_LOADS`)."""
+    with MODEL_LOADS:
+        _check_load_plan(checkpoint, options)
+
+
+def _check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
     from evalsuite.backends.transformers_internals import check_internals
 
     check_internals(options, checkpoint.format)

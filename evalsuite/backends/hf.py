@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import gc
 import io
@@ -16,6 +17,7 @@ import torch
 from evalsuite.backends.c_heap import tensors_mapped_while_loading
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
 from evalsuite.backends.intref_plan import DYNAMIC_INT8_PER_TOKEN
+from evalsuite.backends.load_lock import MODEL_LOADS
 from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION, DTYPE_NAMES, BackendOptions
 from evalsuite.backends.packed_zero_points import zero_points_packed_on_meta
 from evalsuite.backends.skeleton import set_generation_config
@@ -71,9 +73,12 @@ def meta_model(config: Any, dtype: torch.dtype, checkpoint: Checkpoint, buffers:
 
     `buffers=False` puts the buffers on the meta device too: a skeleton of module names and classes only,
     which Transformers then builds without running its weight initialisation (0.05 s against 0.22 s for the
-    3 GB MiniCPM-V fixture)."""
-    import copy
+    3 GB MiniCPM-V fixture). One build at a time in the process (`load_lock`)."""
+    with MODEL_LOADS:
+        return _meta_model(config, dtype, checkpoint, buffers)
 
+
+def _meta_model(config: Any, dtype: torch.dtype, checkpoint: Checkpoint, buffers: bool) -> Any:
     from accelerate import init_empty_weights
     from transformers.utils import logging as hf_logging
 

@@ -5,6 +5,7 @@ compressor class (which a load patches while it runs)."""
 from __future__ import annotations
 
 import threading
+import traceback
 
 import torch
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
@@ -36,20 +37,20 @@ def test_two_compares_in_two_threads_give_what_each_gives_alone(tiny_pair, tmp_p
         return lambda: None
 
     outcomes: dict[str, evalsuite.CompareOutcome] = {}
-    errors: list[BaseException] = []
+    errors: list[str] = []
 
     def compare(name: str) -> None:
         try:
             outcomes[name] = evalsuite.compare([ckpt], ref, tmp_path / name, progress=progress, **arguments)
-        except BaseException as exc:  # shown by the assertion below
-            errors.append(exc)
+        except BaseException:  # shown by the assertion below, with where it was raised
+            errors.append(traceback.format_exc())
 
     workers = [threading.Thread(target=compare, args=(name,)) for name in ("a", "b")]
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join()
-    assert not errors, errors
+    assert not errors, "\n".join(errors)
     assert met[0] >= 4  # the two calls met at two passes at least: they did interleave
     name = ckpt.name
     for outcome in outcomes.values():
