@@ -475,6 +475,8 @@ def _measured_in_threads(jobs: list[list[Pair]], work: _Work, workers: int) -> I
 
 # What forked workers inherit instead of receiving it pickled: set just before the pool forks, cleared after.
 _FORKED: dict[str, Any] = {}
+# Held from setting `_FORKED` to clearing it: two verifications in two threads would fork each other's jobs.
+_FORKING = threading.Lock()
 
 
 def _measured_in_processes(jobs: list[list[Pair]], work: _Work, workers: int) -> Iterator[Measured]:
@@ -487,21 +489,22 @@ def _measured_in_processes(jobs: list[list[Pair]], work: _Work, workers: int) ->
     if work.verifier is not None:
         work.verifier.before_fork()
     cache = work.verifier.module_matches if work.verifier is not None else {}
-    _FORKED.update(work=work, jobs=jobs)
-    context = multiprocessing.get_context("fork")
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_forked_worker)
-    try:
-        for measured, matched in pool.map(_forked_measure, range(len(jobs))):
-            cache.update(matched)
-            yield measured
-    except BaseException:
-        # An interrupt (or a failed job) stops the pool at the jobs running now, not after the rest.
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    else:
-        pool.shutdown(wait=True)
-    finally:
-        _FORKED.clear()
+    with _FORKING:
+        _FORKED.update(work=work, jobs=jobs)
+        context = multiprocessing.get_context("fork")
+        pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_forked_worker)
+        try:
+            for measured, matched in pool.map(_forked_measure, range(len(jobs))):
+                cache.update(matched)
+                yield measured
+        except BaseException:
+            # An interrupt (or a failed job) stops the pool at the jobs running now, not after the rest.
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        else:
+            pool.shutdown(wait=True)
+        finally:
+            _FORKED.clear()
 
 
 def _forked_worker() -> None:
