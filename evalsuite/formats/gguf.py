@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from evalsuite.errors import InputError
+from evalsuite.errors import DependencyError, InputError
 
 # What a quantized module `X` stores in the candidate's view of a GGUF file: `X.ggml`, holding the GGUF
 # tensor's bytes with its ggml type as dtype (`gguf_view` in the tensors task pairs names with the source's).
@@ -83,8 +83,14 @@ def read_gguf(path: Path) -> GgufFile:
 
     Raises:
         InputError: the file does not parse, or a tensor's header disagrees with the file.
+        DependencyError: the gguf package is not installed.
     """
-    import gguf
+    try:
+        import gguf
+    except ImportError:
+        raise DependencyError(
+            f"reading {path.name} needs the gguf package: pip install -e '.[demo]'"
+        ) from None
 
     size = path.stat().st_size
     try:

@@ -16,7 +16,8 @@ import pytest
 
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.gguf_packs import write_llama_gguf
-from tests.conftest import FIXTURES, cli_in_process, run_cli
+from tests.conftest import FIXTURES, run_cli
+from tests.e2e.test_tensors import failed_checks, named, run_tensors
 
 TINY_LLAMA = "tiny-llama-bf16"
 # The packs written for the default tier: name → (Linear type, embedding type).
@@ -48,27 +49,9 @@ def tiny_ggufs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     return folders
 
 
-def run_tensors(ckpt: Path, ref: Path, out: Path) -> tuple[int, dict, str]:
-    """Exit code, the `tensors` entry of results.json (empty when none was written) and stderr."""
-    code, err, _ = cli_in_process(
-        "run", "--ckpt", ckpt, "--ref", ref, "--tasks", "tensors", "--out", out, "--quiet"
-    )
-    path = out / "results.json"
-    entry = json.loads(path.read_text())["tasks"]["tensors"] if path.is_file() else {}
-    return code, entry, "\n".join(err)
-
-
 def rows(out: Path) -> dict[str, dict]:
     document = json.loads((out / "artifacts" / "tensors.json").read_text())
     return {row["name"]: row for row in document["tensors"]}
-
-
-def failed(entry: dict) -> set[str]:
-    return {c["name"] for c in entry["checks"] if not c["passed"]}
-
-
-def problems(entry: dict, check: str) -> dict[str, str]:
-    return {d["tensor"]: d["detail"] for d in entry.get("details", []) if d.get("check") == check}
 
 
 def gguf_copy(folder: Path, dst: Path) -> tuple[Path, Path]:
@@ -90,7 +73,20 @@ def block_of(path: Path, gguf_name: str, row: int, block: int) -> tuple[int, np.
     return offset, raw, tensor.tensor_type.name
 
 
-def flip(path: Path, offset: int) -> None:
+def flip_block_byte(path: Path, gguf_name: str, row: int, block: int, where: str) -> None:
+    """Flip every bit of one byte of a Q4_0 or Q8_0 block (both start with their F16 scale): the scale's high
+    byte (sign and exponent), or the byte holding the code of the block's largest weight."""
+    import gguf
+    from gguf.quants import dequantize
+
+    offset, raw, type_name = block_of(path, gguf_name, row, block)
+    if where == "scale":
+        offset += 1
+    else:
+        values = dequantize(raw.reshape(1, -1), gguf.GGMLQuantizationType[type_name])[0]
+        largest = int(np.argmax(np.abs(values)))
+        # Q8_0: one int8 code per weight after the scale; Q4_0: weights j and j + 16 share byte j's nibbles.
+        offset += 2 + (largest if type_name == "Q8_0" else largest % 16)
     with path.open("r+b") as f:
         f.seek(offset)
         byte = f.read(1)[0]
@@ -165,28 +161,15 @@ def test_read_without_undoing_the_permutation_the_query_and_key_projections_fail
 def test_a_flipped_byte_in_one_block_fails_naming_the_tensor_and_the_block(
     pack, where, tiny_llama, tiny_ggufs, tmp_path
 ):
-    """Q4_0 and Q8_0 blocks start with their F16 scale; the scale's high byte (sign and exponent) or the
-    byte holding the code of the block's largest weight is flipped (every bit)."""
     folder, path = gguf_copy(tiny_ggufs[pack], tmp_path / "pack")
     row, block = 7, 1
-    offset, raw, type_name = block_of(path, "blk.1.ffn_up.weight", row, block)
-    if where == "scale":
-        offset += 1
-    else:
-        import gguf
-        from gguf.quants import dequantize
-
-        values = dequantize(raw.reshape(1, -1), gguf.GGMLQuantizationType[type_name])[0]
-        largest = int(np.argmax(np.abs(values)))
-        # Q8_0: one int8 code per weight after the scale; Q4_0: weights j and j + 16 share byte j's nibbles.
-        offset += 2 + (largest if type_name == "Q8_0" else largest % 16)
-    flip(path, offset)
+    flip_block_byte(path, "blk.1.ffn_up.weight", row, block, where)
     code, entry, err = run_tensors(folder, tiny_llama, tmp_path / "run")
     assert code == 1, (err, entry.get("details"))
-    assert "tile_outliers" in failed(entry)
-    named = problems(entry, "block")
-    assert list(named) == [UP]
-    assert f"row {row}, weights {32 * block}..{32 * block + 31}" in named[UP]
+    assert "tile_outliers" in failed_checks(entry)
+    blocks = named(entry, "block")
+    assert list(blocks) == [UP]
+    assert f"row {row}, weights {32 * block}..{32 * block + 31}" in blocks[UP]
 
 
 def test_a_file_type_that_is_not_what_the_file_stores_fails(tiny_llama, tmp_path):
@@ -199,8 +182,8 @@ def test_a_file_type_that_is_not_what_the_file_stores_fails(tiny_llama, tmp_path
     reader.fields["general.file_type"].parts[-1][0] = int(gguf.LlamaFileType.MOSTLY_Q8_0)
     del reader  # flushes the memory map
     code, entry, _ = run_tensors(tmp_path / "pack", tiny_llama, tmp_path / "run")
-    assert code == 1 and "config_mismatches" in failed(entry)
-    detail = problems(entry, "config")["tiny.gguf: general.file_type"]
+    assert code == 1 and "config_mismatches" in failed_checks(entry)
+    detail = named(entry, "config")["tiny.gguf: general.file_type"]
     assert "MOSTLY_Q8_0" in detail and "Q4_0" in detail
 
 
@@ -217,7 +200,7 @@ def test_a_hyperparameter_the_source_does_not_have_fails(tiny_llama, tmp_path):
     assert code == 1
     assert (
         "says 4, the source's config.json says 2"
-        in problems(entry, "config")["tiny.gguf: llama.attention.head_count_kv"]
+        in named(entry, "config")["tiny.gguf: llama.attention.head_count_kv"]
     )
 
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from evalsuite.fixtures import SMOLLM2_BF16, build_fixtures
 from evalsuite.fixtures.gguf_packs import SMOLLM2_GGUF_TYPES
 from evalsuite.fixtures.names import SMOLLM2_GGUF
 from tests.conftest import FIXTURES
-from tests.e2e.test_gguf import block_of, failed, flip, problems, rows, run_tensors
+from tests.e2e.test_gguf import flip_block_byte, rows
+from tests.e2e.test_tensors import failed_checks, named, run_tensors
 
 pytestmark = pytest.mark.slow
 DOWN = "model.layers.12.mlp.down_proj.weight"  # stored as blk.12.ffn_down.weight
@@ -60,23 +60,14 @@ def test_each_smollm2_gguf_passes_with_its_counts_and_bits(pack, smollm2_gguf_ru
 @pytest.mark.parametrize("where", ["scale", "code"])
 def test_a_flipped_byte_in_one_smollm2_block_fails_naming_the_tensor(where, smollm2_ggufs, tmp_path):
     """Q4_0: the high byte of one block's F16 scale, or the byte holding its largest weight's code."""
-    import gguf
-    from gguf.quants import dequantize
-
     source, packs = smollm2_ggufs
     shutil.copytree(packs / "q4_0", tmp_path / "pack")
     path = next((tmp_path / "pack").glob("*.gguf"))
     row, block = 100, 5
-    offset, raw, type_name = block_of(path, "blk.12.ffn_down.weight", row, block)
-    if where == "scale":
-        offset += 1
-    else:
-        values = dequantize(raw.reshape(1, -1), gguf.GGMLQuantizationType[type_name])[0]
-        offset += 2 + int(np.argmax(np.abs(values))) % 16
-    flip(path, offset)
+    flip_block_byte(path, "blk.12.ffn_down.weight", row, block, where)
     code, entry, err = run_tensors(tmp_path / "pack", source, tmp_path / "run")
     assert code == 1, (err, entry.get("details"))
-    assert "tile_outliers" in failed(entry)
-    named = problems(entry, "block")
-    assert list(named) == [DOWN]
-    assert f"row {row}, weights {32 * block}..{32 * block + 31}" in named[DOWN]
+    assert "tile_outliers" in failed_checks(entry)
+    blocks = named(entry, "block")
+    assert list(blocks) == [DOWN]
+    assert f"row {row}, weights {32 * block}..{32 * block + 31}" in blocks[DOWN]
