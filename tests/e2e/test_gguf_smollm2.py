@@ -5,6 +5,7 @@ the packs take minutes to build (once, into the fixture cache)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -71,3 +72,33 @@ def test_a_flipped_byte_in_one_smollm2_block_fails_naming_the_tensor(where, smol
     blocks = named(entry, "block")
     assert list(blocks) == [DOWN]
     assert f"row {row}, weights {32 * block}..{32 * block + 31}" in blocks[DOWN]
+
+
+def test_compare_of_smollm2_against_two_ggufs_a_compressed_tensors_pack_and_the_exl3_pack(
+    smollm2_ggufs, smollm2_pair, smollm2_exl3_pair, tmp_path
+):
+    """One `compare` run: `ppl` through Transformers' dequantization of each GGUF (backend `hf`), `tensors` for
+    the bits per weight of every candidate; one table, one KLD-vs-bpw plot."""
+    from evalsuite.fixtures import SMOLLM2_EXL3, SMOLLM2_W4A8
+    from tests.conftest import run_cli
+
+    source, packs = smollm2_ggufs
+    ckpts = [packs / "q4_0", packs / "q8_0", smollm2_pair[SMOLLM2_W4A8], smollm2_exl3_pair[SMOLLM2_EXL3]]
+    out = tmp_path / "cmp"
+    args = ["compare", "--ref", source, "--tasks", "ppl,tensors", "--corpus", "python-docs", "--out", out]
+    done = run_cli(*args, *[a for c in ckpts for a in ("--ckpt", c)], "--quiet")
+    assert done.returncode in (0, 1), done.stderr
+    doc = json.loads((out / "compare.json").read_text(encoding="utf-8"))
+    rows = {r["name"]: r for r in doc["candidates"]}
+    assert set(rows) == {"q4_0", "q8_0", SMOLLM2_W4A8, SMOLLM2_EXL3}, list(rows)
+    for row in rows.values():
+        assert row["kld_mean"] > 0 and row["bits_per_weight_from"] == "tensors", row
+    # more bits, less divergence: Q8_0 (8.5 bpw) against Q4_0 (4.5 bpw, its embedding Q8_0)
+    assert rows["q4_0"]["bits_per_weight"] < rows["q8_0"]["bits_per_weight"]
+    assert rows["q8_0"]["kld_mean"] < rows["q4_0"]["kld_mean"]
+    assert (out / "kld_vs_bpw.png").is_file()
+    print(
+        json.dumps(
+            {n: {k: r[k] for k in ("bits_per_weight", "kld_mean", "ppl_ratio")} for n, r in rows.items()}
+        )
+    )
