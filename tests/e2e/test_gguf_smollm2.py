@@ -77,8 +77,8 @@ def test_a_flipped_byte_in_one_smollm2_block_fails_naming_the_tensor(where, smol
 def test_compare_of_smollm2_against_two_ggufs_a_compressed_tensors_pack_and_the_exl3_pack(
     smollm2_ggufs, smollm2_pair, smollm2_exl3_pair, tmp_path
 ):
-    """One `compare` run: `ppl` through Transformers' dequantization of each GGUF (backend `hf`), `tensors` for
-    the bits per weight of every candidate; one table, one KLD-vs-bpw plot."""
+    """One `compare` run: `ppl` through Transformers' dequantization of each GGUF (backend `hf`), `tensors`
+    for the bits per weight of every candidate; one table, one KLD-vs-bpw plot."""
     from evalsuite.fixtures import SMOLLM2_EXL3, SMOLLM2_W4A8
     from tests.conftest import run_cli
 
