@@ -170,6 +170,11 @@ def decode_rows(raw: np.ndarray, type_name: str, cols: int) -> np.ndarray:
     return np.asarray(decoded, dtype=np.float32).reshape(raw.shape[0], cols)
 
 
+# File types whose name is no ggml type with a size suffix taken off: llama.cpp's quantizer gives their
+# Linear weights this type (`default_type` in llama-quant.cpp), the rest of the mix its own rules.
+MIX_DEFAULT_TYPES = {"IQ3_XS": "IQ3_S", "IQ3_M": "IQ3_S", "IQ2_M": "IQ2_S"}
+
+
 def claimed_type(file_type: Any) -> str | None:
     """The ggml type most Linear weights have under `general.file_type` (llama.cpp's `LlamaFileType`:
     MOSTLY_Q4_K_M → Q4_K), or None when the value is no known file type."""
@@ -180,8 +185,9 @@ def claimed_type(file_type: Any) -> str | None:
     except (TypeError, ValueError):
         return None
     name = {"ALL_F32": "F32"}.get(name, name.removeprefix("MOSTLY_"))
+    name = MIX_DEFAULT_TYPES.get(name, name)
     types = gguf.GGMLQuantizationType.__members__
-    while name and name not in types:  # the size suffixes of a mix: _S, _M, _L, _XS
+    while name and name not in types:  # the size suffixes of a mix: _S, _M, _L, _XS, _MOE
         name = name.rpartition("_")[0]
     return name or None
 
