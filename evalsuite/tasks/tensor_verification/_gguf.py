@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import numpy as np
@@ -46,6 +46,7 @@ from evalsuite.formats.gguf import (
     read_gguf,
     row_bytes,
 )
+from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
 from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
 
 # A ggml block is broken when its largest error, over the larger of its own largest source weight and the
@@ -182,7 +183,7 @@ def _row_blocks(rows: int, cols: int, order: np.ndarray | None) -> Iterator[tupl
         r0 = r1
 
 
-class GgufVerifier:
+class GgufVerifier(OneByOneVerifier):
     """How a GGUF candidate is verified (see `FormatVerifier`); `candidate` is the view the engine pairs."""
 
     # llama.cpp stores norms in F32 whatever the source's dtype, and an F16 file every weight in F16: kept
@@ -196,21 +197,14 @@ class GgufVerifier:
     }
 
     def __init__(self, source: Checkpoint, candidate: Checkpoint) -> None:
-        self.format = GgufFormat()
+        super().__init__(GgufFormat())
         self.candidate, self.file, self.origins = gguf_view(source, candidate)
         self.source_config = source.config
-        self.module_matches: dict[Any, Any] = {}
 
     def before_fork(self) -> None:
         """Import what decoding imports, once, before the workers fork."""
         import gguf.quants  # noqa: F401
         import torch  # noqa: F401
-
-    def measure_many(
-        self, modules: Sequence[tuple[TensorInfo, dict[str, TensorInfo], TensorRow]], reader: ShardReader
-    ) -> list[list[Problem]]:
-        """`measure` of each module."""
-        return [self.measure(source, tensors, reader, row) for source, tensors, row in modules]
 
     def measure(
         self, source: TensorInfo, tensors: dict[str, TensorInfo], reader: ShardReader, row: TensorRow
