@@ -546,8 +546,7 @@ def verify_tensors(
     """
     verifier = format_verifier(candidate, library_check)
     if candidate.format == "gguf":  # its tensors under the source's names, as the engine pairs them
-        verifier = GgufVerifier(source, candidate)
-        candidate = verifier.candidate
+        candidate = (verifier := GgufVerifier(source, candidate)).candidate
     pairs, unexpected = pair_tensors(
         source.tensors,
         candidate.tensors,
