@@ -33,6 +33,7 @@ from evalsuite.tasks.tensor_verification import (
     ModuleRules,
     TensorRow,
     Verification,
+    check_gguf_source,
     verify_tensors,
 )
 
@@ -117,6 +118,8 @@ class Tensors:
         "worst_sibling_z",
         "ignored_on_load_tensors",
         "ignored_on_load_bytes",
+        "gguf_file_type",
+        "gguf_tensor_types",
         "assets_compared",
         "assets_missing",
         "assets_changed",
@@ -159,7 +162,11 @@ class Tensors:
         "lies along the weights, and so does coarse rounding's shrinking of a channel)",
         "payload_bytes": "bytes of every tensor the candidate stores",
         "tile_outliers": "EXL3 16×16 tiles whose error in the rotated basis is an outlier against the median "
-        "tile of their own tensor (a damaged trellis tile)",
+        "tile of their own tensor (a damaged trellis tile); for GGUF, ggml blocks against their tensor's "
+        "median block (a damaged block scale or code)",
+        "gguf_file_type": "GGUF: what general.file_type claims (checked against the type of most Linear "
+        "weights)",
+        "gguf_tensor_types": "GGUF: the file's tensors by ggml type (its per-tensor mix)",
         "worst_tile_ratio": "the largest tile error over its tensor's median tile error (EXL3)",
         "outlier_channels": "output channels of quantized tensors that decode further from their source than "
         "the tensor's other channels, by a robust z (median absolute deviation) and a ratio to the median "
@@ -182,11 +189,13 @@ class Tensors:
         if ref.is_recorded:
             raise TaskSkipped("the reference is a recording, which holds no tensors: pass the source folder")
         source, candidate = ref.checkpoint, ckpt.checkpoint
-        if candidate.format == "gguf":
-            raise TaskSkipped("GGUF candidates are not read tensor by tensor")
         if source.format not in SOURCE_FORMATS:
             raise InputError(f"the reference is {source.format}, not an unquantized source", source.path)
-        for what, get in (("architecture", _architecture), ("vocabulary size", _vocab_size)):
+        checked = (("architecture", _architecture), ("vocabulary size", _vocab_size))
+        if candidate.format == "gguf":  # no config.json: its header and metadata against the source's
+            check_gguf_source(source, candidate)
+            checked = ()
+        for what, get in checked:
             a, b = get(source.config), get(candidate.config)
             if a != b:
                 raise InputError(
@@ -220,9 +229,13 @@ class Tensors:
             progress=progress,
         )
         values = found.summary()
+        values.update(gguf_summary(found.claims))
         values.update(ignored_on_load_summary(ckpt.checkpoint))
-        assets = compare_assets(ref.checkpoint.path, ckpt.checkpoint.path, self.spec.assets)
-        values.update(assets.summary())
+        if ckpt.checkpoint.format == "gguf":  # the tokenizer is in its metadata: the assets are not measured
+            assets = AssetComparison()
+        else:
+            assets = compare_assets(ref.checkpoint.path, ckpt.checkpoint.path, self.spec.assets)
+            values.update(assets.summary())
         digests = self.context.digests or DigestCache.default()
         manifests = [verify_manifest(m, digests) for m in inputs.get("manifests", [])]
         values.update(manifest_summary(manifests))
@@ -325,6 +338,14 @@ def ignored_on_load_summary(candidate: Checkpoint) -> dict[str, int]:
         "ignored_on_load_tensors": len(names),
         "ignored_on_load_bytes": sum(candidate.tensors[n].nbytes for n in names),
     }
+
+
+def gguf_summary(claims: dict[str, Any]) -> dict[str, Any]:
+    """A GGUF candidate's claimed file type and per-type tensor counts as metrics (none for other formats)."""
+    if "tensor_types" not in claims:
+        return {}
+    types = ", ".join(f"{name} {count}" for name, count in claims["tensor_types"].items())
+    return {"gguf_file_type": claims.get("file_type"), "gguf_tensor_types": types}
 
 
 def manifest_summary(checks: list[ManifestCheck]) -> dict[str, Any]:

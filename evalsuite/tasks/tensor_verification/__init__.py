@@ -11,7 +11,8 @@ The formats (`evalsuite.formats`) say what a quantized module stores and how it 
 them is here: `_compressed_tensors` decodes every weight with `evalsuite.formats.ct_decode` and measures it,
 has compressed-tensors' decompressor decode a sample of its rows (or all of them) to agree bit for bit
 (`library_runs`; the library's decode of every row where evalsuite has no decode of the format), and checks
-the config's groups against the stored schemes, `_exl3` checks trellis layouts and `tensor_storage`. `_same`
+the config's groups against the stored schemes, `_exl3` checks trellis layouts and `tensor_storage`, `_gguf`
+decodes a GGUF file's tensors under the source's names and its metadata's claims. `_same`
 compares a tensor kept under its name, `_outliers` judges each channel against its tensor's channels and
 each tensor against its siblings, `_modules` tells modules apart by name and shape (and builds the model
 skeleton targets are matched on), `_rows` holds the typed rows of tensors.json, `_engine` pairs and streams.
@@ -26,6 +27,7 @@ from evalsuite.tasks.tensor_verification._engine import (
     pair_tensors,
     verify_tensors,
 )
+from evalsuite.tasks.tensor_verification._gguf import check_gguf_source
 from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection
 from evalsuite.tasks.tensor_verification._rows import (
     ErrorAccumulator,
@@ -47,6 +49,7 @@ __all__ = [
     "TensorRow",
     "UnexpectedRow",
     "Verification",
+    "check_gguf_source",
     "compare_same",
     "format_verifier",
     "layer_and_projection",

@@ -28,6 +28,7 @@ from evalsuite.task import Progress, no_progress
 from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTensorsVerifier, LibraryCheck
 from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
 from evalsuite.tasks.tensor_verification._fp8_block import Fp8BlockVerifier
+from evalsuite.tasks.tensor_verification._gguf import GgufVerifier
 from evalsuite.tasks.tensor_verification._gptq import GptqVerifier
 from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection, skeleton_modules
 from evalsuite.tasks.tensor_verification._outliers import (
@@ -547,6 +548,8 @@ def verify_tensors(
     takes minutes.
     """
     verifier = format_verifier(candidate, library_check)
+    if candidate.format == "gguf":  # its tensors under the source's names, as the engine pairs them
+        candidate = (verifier := GgufVerifier(source, candidate)).candidate
     pairs, unexpected = pair_tensors(
         source.tensors,
         candidate.tensors,

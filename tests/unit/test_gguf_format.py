@@ -1,0 +1,69 @@
+"""evalsuite/formats/gguf.py on what it reads from the gguf package's tables: a type's bits, the type a
+llama.cpp file type names, and a file whose header cannot be trusted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from evalsuite.errors import InputError
+from evalsuite.formats.gguf import bits_per_weight, claimed_type, nominal_bits, read_gguf
+
+
+@pytest.mark.parametrize(
+    ("type_name", "bits", "bpw"),
+    [("Q4_0", 4, 4.5), ("Q8_0", 8, 8.5), ("Q4_K", 4, 4.5), ("Q6_K", 6, 6.5625), ("IQ2_XXS", 2, 2.0625),
+     ("MXFP4", 4, 4.25), ("BF16", 16, 16.0), ("F32", 32, 32.0)],
+)  # fmt: skip
+def test_a_types_bits_count_its_blocks_scales_as_llama_cpp_does(type_name, bits, bpw):
+    assert nominal_bits(type_name) == bits
+    assert bits_per_weight(type_name) == bpw
+
+
+@pytest.mark.parametrize(
+    ("file_type", "expected"),
+    [("MOSTLY_Q4_0", "Q4_0"), ("MOSTLY_Q4_K_M", "Q4_K"), ("MOSTLY_Q3_K_L", "Q3_K"),
+     ("MOSTLY_IQ2_XXS", "IQ2_XXS"), ("MOSTLY_IQ3_M", "IQ3_S"), ("MOSTLY_IQ2_M", "IQ2_S"),
+     ("MOSTLY_MXFP4_MOE", "MXFP4"), ("ALL_F32", "F32"), ("MOSTLY_BF16", "BF16")],
+)  # fmt: skip
+def test_a_file_type_names_the_type_most_linear_weights_have(file_type, expected):
+    assert claimed_type(int(gguf.LlamaFileType[file_type])) == expected
+
+
+def test_an_unknown_file_type_claims_nothing():
+    assert claimed_type(9999) is None and claimed_type("Q4_0") is None
+
+
+def _one_tensor_file(path: Path) -> tuple[int, int]:
+    writer = gguf.GGUFWriter(path, "llama")
+    data = gguf.quants.quantize(np.ones((4, 64), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.ffn_up.weight", data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.stat().st_size, data.nbytes
+
+
+def test_a_file_is_read_with_its_tensors_shape_in_the_sources_order(tmp_path):
+    size, nbytes = _one_tensor_file(tmp_path / "a.gguf")
+    found = read_gguf(tmp_path / "a.gguf")
+    (tensor,) = found.tensors
+    assert (tensor.name, tensor.type_name, tensor.shape) == ("blk.0.ffn_up.weight", "Q8_0", (4, 64))
+    assert tensor.data_end - tensor.data_begin == nbytes and tensor.data_end <= size
+    assert found.architecture == "llama"
+
+
+@pytest.mark.parametrize("where", ["in the tensor data", "in the header"])
+def test_a_truncated_file_is_refused_naming_it(tmp_path, where):
+    path = tmp_path / "a.gguf"
+    _one_tensor_file(path)
+    (tensor,) = read_gguf(path).tensors
+    with path.open("r+b") as f:
+        f.truncate(tensor.data_end - 1 if where == "in the tensor data" else 8)
+    with pytest.raises(InputError) as caught:
+        read_gguf(path)
+    assert "a.gguf" in str(caught.value) and "\n" not in str(caught.value)
