@@ -40,9 +40,8 @@ from evalsuite.tasks.tensor_verification._outliers import (
 from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow, UnexpectedRow
 from evalsuite.tasks.tensor_verification._same import compare_same
 
-# A worker's unit of work: consecutive pairs, at most this many and about this many source bytes. Large
-# enough that a layer's small experts share a job (and the library's decodes of their sampled rows), small
-# enough that the workers stay busy to the end.
+# A worker's unit of work: consecutive pairs, at most this many and about this many source bytes: a layer's
+# small experts share a job (and the decodes of their sampled rows); the workers stay busy to the end.
 JOB_PAIRS = 64
 JOB_BYTES = 64 << 20
 
@@ -421,11 +420,9 @@ def _jobs(pairs: list[Pair], source: dict[str, TensorInfo]) -> Iterator[list[Pai
         yield job
 
 
-# Workers that measure jobs at once: processes forked from this one, each with its own GIL, or threads of
-# this one. A job is a chain of short numpy and torch calls, and the Python between them holds the GIL: on a
-# checkpoint of many small experts two threads measured no faster than one (README, `tensors`), while two
-# forked processes share nothing but the page cache. Forking needs a platform that forks safely (Linux);
-# elsewhere, and for one worker, threads.
+# Workers: processes forked from this one (each its own GIL) or threads. A job is short numpy and torch calls
+# with Python between them holding the GIL: on many small experts two threads measured no faster than one,
+# two forked processes share only the page cache. Forking needs Linux; elsewhere, and for one worker, threads.
 WorkerKind = Literal["process", "thread"]
 
 
@@ -474,9 +471,9 @@ def _measured_in_threads(jobs: list[list[Pair]], work: _Work, workers: int) -> I
             reader.__exit__()
 
 
-# What forked workers inherit instead of receiving it pickled: set just before the pool forks, cleared after.
+# What forked workers inherit instead of receiving it pickled: set just before the pool forks, cleared after,
+# under `_FORKING` (two verifications in two threads would fork each other's jobs).
 _FORKED: dict[str, Any] = {}
-# Held from setting `_FORKED` to clearing it: two verifications in two threads would fork each other's jobs.
 _FORKING = threading.Lock()
 
 
