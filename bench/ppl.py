@@ -4,10 +4,10 @@ on the same tokens, and its peak memory.
 Prints ratios measured in this one run, each the median over pairs of whole processes run in turn
 (A B C, then C B A, ...: drift of the machine's speed falls on both sides of a ratio):
   bare    `evalsuite run --tasks ppl` (both sides, one model resident at a time, the KLD detail, plots,
-          reports) over bench/bare_forward.py (load each model, forward the windows, log-softmax the
-          scored rows; nothing else), wall and CPU seconds (goal <= 1.10);
-  lm-eval the same run over bench/lmeval_rolling.py, lm-eval's rolling log-likelihood of each window's text
-          for each model (goal <= 0.50);
+          reports) over bench/sides/bare_forward.py (load each model, forward the windows, log-softmax
+          the scored rows; nothing else), wall and CPU seconds (goal <= 1.10);
+  lm-eval the same run over bench/sides/lmeval_rolling.py, lm-eval's rolling log-likelihood of each
+          window's text for each model (goal <= 0.50);
   memory  peak resident memory of a whole run (a child process), above its footprint before the first model
           loads, over the same figure for observing the larger side alone (goal <= 1.3: it holds only if one
           model is resident at a time). Also printed over the bytes of the larger model's parameters.
@@ -145,10 +145,10 @@ def main() -> None:
     commands: dict[str, list[str]] = {}
     run = [sys.executable, "-m", "evalsuite.cli", "run", "--ckpt", str(ckpt_path), "--ref", str(ref_path)]
     run += ["--tasks", "ppl", "--corpus", "python-docs", "--quiet", "--no-resume", "--out"]
-    bare = [sys.executable, str(BENCH / "bare_forward.py"), str(folder / "windows.npy")]
+    bare = [sys.executable, str(BENCH / "sides" / "bare_forward.py"), str(folder / "windows.npy")]
     commands["bare"] = [*bare, str(scored.first), str(scored.last), str(ref_path), str(ckpt_path)]
     if with_lm_eval:
-        lm_eval = [sys.executable, str(BENCH / "lmeval_rolling.py"), str(folder / "windows.npy")]
+        lm_eval = [sys.executable, str(BENCH / "sides" / "lmeval_rolling.py"), str(folder / "windows.npy")]
         commands["lm-eval"] = [*lm_eval, str(windows.shape[1]), str(ref_path), str(ckpt_path)]
     if spec is not None:
         run = [*run[:-1], "--spec", f"ppl={spec}", "--out"]

@@ -146,8 +146,9 @@ def test_attribution_puts_the_perturbed_layer_first(scaled):
     rows = {row["unit"]: row for row in attribution["details"]}
     assert set(rows) == {"layer 0", "layer 1", "head"}
     assert rows["layer 1"]["identical"] and rows["layer 1"]["kld_mean"] == 0.0
-    # The whole candidate is the `ppl` task's candidate: the same KLD, full vocabulary, same tokens.
-    assert m["whole_kld"] == pytest.approx(scaled["ppl"]["metrics"]["kld_mean"], rel=1e-9)
+    # The whole candidate is the `ppl` task's candidate: the same KLD, full vocabulary, same tokens (ppl's
+    # float32 detail holds the float64 definition, attribution's arithmetic, to 1e-4 relative).
+    assert m["whole_kld"] == pytest.approx(scaled["ppl"]["metrics"]["kld_mean"], rel=1e-4)
     assert m["additivity"] == pytest.approx(m["sum_unit_kld"] / m["whole_kld"])
     assert attribution["artifacts"]["kld_by_unit"].endswith(".png")
 

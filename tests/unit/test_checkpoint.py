@@ -282,9 +282,9 @@ def test_gguf_folder_is_detected_and_records_its_file(tmp_path: Path) -> None:
 
 
 def test_unsupported_quant_method_is_rejected(tmp_path: Path) -> None:
-    config = {**CONFIG, "quantization_config": {"quant_method": "gptq"}}
+    config = {**CONFIG, "quantization_config": {"quant_method": "hqq"}}
     error = _rejected(_write_checkpoint(tmp_path / "ckpt", config=config))
-    assert "'gptq' is not supported" in str(error)
+    assert "'hqq' is not supported" in str(error)
     assert error.path == (tmp_path / "ckpt" / "config.json").resolve()
 
 

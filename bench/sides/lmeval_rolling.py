@@ -2,7 +2,7 @@
 length) of each window's text, for each model in turn: what a user would run with lm-eval to get a
 perplexity of the same text.
 
-    python bench/lmeval_rolling.py WINDOWS.npy WINDOW_TOKENS MODEL_DIR [MODEL_DIR ...]
+    python bench/sides/lmeval_rolling.py WINDOWS.npy WINDOW_TOKENS MODEL_DIR [MODEL_DIR ...]
 
 The windows are given to lm-eval as their decoded text (lm-eval takes strings and tokenizes them itself).
 """

@@ -1,7 +1,7 @@
 """The bare side of bench/ppl.py: load each model, forward the windows, log-softmax the scored rows. Nothing
 else: what any perplexity script must do, for `evalsuite run --tasks ppl` to be measured against.
 
-    python bench/bare_forward.py WINDOWS.npy FIRST LAST MODEL_DIR [MODEL_DIR ...]
+    python bench/sides/bare_forward.py WINDOWS.npy FIRST LAST MODEL_DIR [MODEL_DIR ...]
 
 WINDOWS.npy: int64 token ids, one window per row; FIRST..LAST: the scored positions.
 """
