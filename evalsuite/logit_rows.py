@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from evalsuite import metrics
+
 
 def as_float32(raw: np.ndarray, bfloat16: bool, out: np.ndarray) -> np.ndarray:
     """Rows of stored logits as float32 in `out` (same shape): `raw` is bf16's 16 bits as uint16 when
@@ -108,17 +110,10 @@ def _same_top(x: np.ndarray, y: np.ndarray, mx: np.ndarray, my: np.ndarray) -> n
 
 
 def _kld_rows64(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Forward and reverse KLD of rows of logits by the float64 definition (terms where p is 0 count 0)."""
+    """Forward and reverse KLD of rows of logits by the float64 definition (`metrics.kl_divergence`)."""
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        lp = _log_softmax64(x)
-        lq = _log_softmax64(y)
-        out = []
-        for a, b in ((lp, lq), (lq, lp)):
-            p = np.exp(a)
-            terms = p * (a - b)
-            terms[~(p > 0)] = 0.0
-            out.append(terms.sum(axis=1))
-    return out[0], out[1]
+        lp, lq = _log_softmax64(x), _log_softmax64(y)
+        return metrics.kl_divergence(lp, lq), metrics.kl_divergence(lq, lp)
 
 
 def _log_softmax64(x: np.ndarray) -> np.ndarray:

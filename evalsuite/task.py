@@ -275,9 +275,7 @@ class SharedWork:
                     return self._values[key]
             value = make()
             with self._lock:
-                self._values[key] = value
-                while len(self._values) > self.keep:
-                    self._values.popitem(last=False)
+                self._keep(key, value)
                 self._making.pop(key, None)
         return value
 
@@ -289,10 +287,14 @@ class SharedWork:
     def put(self, key: Hashable, value: Any) -> None:
         """Keep `value` for `key` (results a caller made as a side effect of other work)."""
         with self._lock:
-            self._values[key] = value
-            self._values.move_to_end(key)
-            while len(self._values) > self.keep:
-                self._values.popitem(last=False)
+            self._keep(key, value)
+
+    def _keep(self, key: Hashable, value: Any) -> None:
+        """`value` as the most recent result, the oldest dropped past `keep` (the lock held)."""
+        self._values[key] = value
+        self._values.move_to_end(key)
+        while len(self._values) > self.keep:
+            self._values.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._values)
