@@ -6,6 +6,7 @@ shared expert's error). What they mean and how they are compared: `evalsuite.tas
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -416,7 +417,7 @@ class MoeErrorsVisitor(QuietVisitor):
         shared: np.ndarray,
     ) -> None:
         """One window of one MoE layer: the routing sums of each mode, the experts' and shared expert's."""
-        x = ref["input"][w].to(next(moe.experts.parameters()).device)
+        x = ref["input"][w].to(_device_of(moe.experts))
         tokens = slice(w * len(x), (w + 1) * len(x))
         ref_logits, ref_index = ref["logits"][tokens], ref["index"][tokens].long()
         with torch.inference_mode():
@@ -435,3 +436,10 @@ class MoeErrorsVisitor(QuietVisitor):
         if moe.shared is not None and "shared" in ref:
             with torch.inference_mode():
                 shared[slot, w] = state_errors(ref["shared"][tokens], moe.shared(x))
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    """Where a module's tensors are: integer experts (backend intref) hold buffers, not parameters."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        return tensor.device
+    raise ValueError(f"{type(module).__name__} holds no tensors")

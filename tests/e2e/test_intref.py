@@ -80,6 +80,19 @@ def test_backend_intref_runs_ppl_as_the_intref_task_does(tiny_pair, tiny_run, tm
     assert "integer" in again.metrics("ppl")["ckpt_execution"]
 
 
+def test_moe_runs_on_the_integer_experts_of_backend_intref(tiny_pair, tmp_path):
+    """`moe` with `--backend intref`: the integer experts hold buffers, not parameters (an internal error
+    once, where the task asked their parameters for a device)."""
+    res = run_cli(
+        "run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], "--ref", tiny_pair["tiny-minicpmv47-bf16"],
+        "--tasks", "moe", "--backend", "intref", "--corpus", "python-docs", "--out", tmp_path, "--quiet",
+        "--no-plots",
+    )  # fmt: skip
+    assert res.returncode in (0, 1), res.stderr
+    entry = json.loads((tmp_path / "results.json").read_text())["tasks"]["moe"]
+    assert entry["status"] in ("pass", "fail") and 0 < entry["metrics"]["mean_topk_overlap"] <= 1
+
+
 def test_a_recorded_reference_replays_the_live_intref_run(tiny_run, tiny_replay):
     live, replay = tiny_run.metrics("intref"), tiny_replay.metrics("intref")
     for name in ("ppl_ref", "ppl_int", "ppl_hf", "kld_int_vs_hf", "same_top_int_vs_hf", "int_experts"):
