@@ -65,7 +65,10 @@ def quick_ppl_spec(folder: Path, windows: int = 2) -> Path:
 
 
 def git_commit(repo: Path = REPO) -> tuple[str | None, bool]:
-    """The commit checked out in `repo` and whether tracked files differ from it (None, False outside git)."""
+    """The commit checked out in `repo` and whether tracked files differ from it (None, False outside git).
+    A copy of the tree without .git (the lent GPU machine's) names its commit in EVALSUITE_BENCH_COMMIT."""
+    if os.environ.get("EVALSUITE_BENCH_COMMIT"):
+        return os.environ["EVALSUITE_BENCH_COMMIT"], False
     try:
         head = subprocess.run(
             ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True

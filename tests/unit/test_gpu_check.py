@@ -23,8 +23,9 @@ def test_the_gpu_check_lists_its_parts_and_their_memory_plans_without_a_gpu(tiny
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     for part in ("tiny-cuda", "exl3", "auto", "wide"):
-        assert any(line.startswith(f"part {part}: run ") for line in lines), proc.stdout
-    assert any("tiny-minicpmv47-w4a8: compressed-tensors, plan " in line for line in lines), proc.stdout
+        assert f"part {part}:" in lines, proc.stdout
+    assert "  cuda: run --tasks ppl,smoke,vision,tensors,intref,moe,layers --device cuda (metrics against cpu)" in lines
+    assert any(line.startswith("    tiny-minicpmv47-w4a8: plan ") for line in lines), proc.stdout
     assert any("minicpmv47-35b-a3b-wide" in line for line in lines), proc.stdout
 
 
@@ -35,4 +36,4 @@ def test_an_unknown_part_is_one_line_exit_2():
         text=True,
         check=False,
     )
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "unknown part" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "unknown part nonsense" in proc.stderr
