@@ -165,8 +165,9 @@ def sample_gpu(log: Path) -> subprocess.Popen[bytes] | None:
     return subprocess.Popen(query, stdout=log.open("wb"), stderr=subprocess.DEVNULL)
 
 
-def execute(run: Run, quick: bool) -> Outcome:
-    """One CLI run through bench/sides/cuda_peak.py, with its wall time and peaks."""
+def execute(run: Run, quick: bool, threads: int | None = None) -> Outcome:
+    """One CLI run through bench/sides/cuda_peak.py, with its wall time and peaks; `threads`: its torch
+    threads (OMP_NUM_THREADS), None for torch's default (every core)."""
     folder = WORK / run.name
     shutil.rmtree(folder, ignore_errors=True)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -177,6 +178,8 @@ def execute(run: Run, quick: bool) -> Outcome:
         "--corpus", "python-docs", "--quiet", "--no-plots", "--out", str(folder), *on_device(run.args, quick),
     ]  # fmt: skip
     env = {**os.environ, "CUDA_PEAK_FILE": str(peak_file)}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     smi = sample_gpu(smi_log)
     start = time.perf_counter()
     try:
@@ -289,7 +292,7 @@ def main() -> None:
         fig.data = {"gpu": gpu_description(), "runs": {}}
 
         def execute_and_keep(run: Run, part: str) -> None:
-            outcome = execute(run, args.quick)
+            outcome = execute(run, args.quick, threads)
             with lock:  # a run's outcome is kept as it ends: a lease that runs out keeps what was measured
                 done[run.name] = outcome
                 fig.data["runs"][run.name] = {"part": part, "args": list(run.args), **vars(outcome)}
@@ -299,7 +302,10 @@ def main() -> None:
         # Part by part (a lease that runs out has finished the first parts): within a part the CPU runs go
         # side by side on the machine's cores while the device runs one at a time (so that nvidia-smi's
         # figure is one run's); a rehearsal (--quick) runs everything in turn.
-        workers = 1 if args.quick else max(1, min(3, (os.cpu_count() or 1) // 4))
+        workers = 1 if args.quick else max(1, min(2, (os.cpu_count() or 1) // 4))
+        # The processes at once share the cores: each with every core as torch threads oversubscribes them
+        # (seen on the 16-core lent machine: three processes of 16 threads, the CPU runs unfinished in 5 min).
+        threads = None if args.quick else max(1, (os.cpu_count() or 1) // (workers + 1))
         for part in parts:
             runs = [run for run in PARTS[part] if run.name not in done]
             for run in runs:
