@@ -86,11 +86,12 @@ def git_commit(repo: Path = REPO) -> tuple[str | None, bool]:
 
 def bench_machine() -> dict[str, Any]:
     """The CPU a bench ran on (evalsuite.machine's description: model, kernel flags, the ISA torch's and
-    oneDNN's kernels use, overrides in the environment) and its cores."""
+    oneDNN's kernels use, overrides in the environment), its cores, and its GPU where it has one."""
     from evalsuite.machine import describe_machine
 
     machine = describe_machine("cpu")
-    machine.pop("gpu", None)
+    if machine.get("gpu") is None:
+        machine.pop("gpu", None)
     machine["cores"] = os.cpu_count()
     machine["cores_usable"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     machine["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -22,13 +22,14 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 PAGE = REPO / "docs" / "benchmarks.md"
 SCHEMA = "evalsuite.bench/1"
-# The bench scripts that write figures (bench/figures.py is their helper; the shell script needs CUDA).
+# The bench scripts that write figures (bench/figures.py is their helper).
 BENCHES = (
     "compare",
     "digest",
     "drift",
     "exl3_decode",
     "exl3_tiles",
+    "gpu_check",
     "intref",
     "lmeval",
     "long_context",
@@ -112,6 +113,10 @@ def machine_text(machine: dict[str, Any]) -> str:
         parts.append(f"{machine['cores']} cores")
     if machine.get("memory_bytes"):
         parts.append(f"{machine['memory_bytes'] / 1e9:.1f} GB of memory")
+    gpu = machine.get("gpu")
+    if gpu:
+        memory = f", {gpu['memory_bytes'] / 2**30:.0f} GiB" if gpu.get("memory_bytes") else ""
+        parts.append(f"GPU {gpu.get('name', 'unknown')}{memory}")
     if machine.get("kernel_overrides"):
         parts.append("overrides " + ", ".join(f"{k}={v}" for k, v in machine["kernel_overrides"].items()))
     return "; ".join(parts)
