@@ -400,7 +400,13 @@ class HFBackend:
                 torch.inference_mode(),
             ):
                 self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
-            yield scored_states(self.model, stand_in, head)
+            yield scored_states(self.model, stand_in, head, self._forward_one_token)
+
+    def _forward_one_token(self) -> torch.Tensor:
+        """The model's forward on one token, its `.logits`: what `after_head_of` hands the head's rows
+        through."""
+        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        return self.model(input_ids=one, use_cache=False).logits
 
     @torch.inference_mode()
     def generate_greedy(

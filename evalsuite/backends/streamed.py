@@ -310,7 +310,17 @@ class StreamedBackend:
             torch.inference_mode(),
         ):
             self.model(input_ids=ids, logits_to_keep=keep, use_cache=False)
-        return scored_states(self.model, stand_in, head)
+        return scored_states(self.model, stand_in, head, self._forward_one_token)
+
+    def _forward_one_token(self) -> torch.Tensor:
+        """The model's forward on one token, its layers standing in (none is resident here), its `.logits`:
+        what `after_head_of` hands the head's rows through."""
+        width = int(self.model.config.get_text_config().hidden_size)
+        hidden = torch.zeros((1, 1, width), dtype=getattr(torch, self.options.dtype), device=self.device)
+        output = (hidden,) if self._tuple_output else hidden
+        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        with self._standing_in(lambda i, layer: _Replay(layer, output if i == 0 else None)):
+            return self.model(input_ids=one, use_cache=False).logits
 
     def window_scored_states(
         self, windows: torch.Tensor, positions: torch.Tensor, after_layer: AfterLayer | None = None
