@@ -10,7 +10,8 @@ their pages add nothing (`Checkpoint.open_tensors`). The estimate is made from t
 before anything loads:
 
 - backend `hf` holds every weight in the compute dtype: Transformers decompresses compressed-tensors weights
-  (an INT4 `weight_packed` word is eight weights), so a W4A8 pack needs as much as its BF16 source;
+  (a `weight_packed` tensor holds weights of its group's `num_bits`: an INT4 int32 word is eight, an NVFP4 or
+  MXFP4 byte two, an 8-bit word four), so a W4A8 or NVFP4 pack needs as much as its BF16 source;
 - backend `intref` keeps the packed weights packed: it needs about the files' bytes;
 - backend `exl3` (decoded path) holds every EXL3 Linear decoded in the compute dtype: a 4 bpw trellis needs
   four times its stored bytes (`exl3_decoded_bytes`).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import FLOAT_DTYPES, Checkpoint
@@ -82,17 +84,37 @@ def loaded_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
     per_weight = _DTYPE_BYTES[options.dtype]
     if options.backend == "exl3" or checkpoint.format == "exl3":
         return exl3_decoded_bytes(checkpoint, per_weight)
+    bits = _packed_bits(checkpoint)
     total = 0
     for name, info in checkpoint.tensors.items():
         if name.endswith(".weight_shape"):
             continue  # compressed-tensors' record of the logical shape, not a weight
-        if name.endswith(".weight_packed") and info.dtype == "I32":
-            total += info.numel * 8 * per_weight  # eight INT4 weights per int32 word, decompressed
+        if name.endswith(".weight_packed"):
+            # Packed weights of `bits` each (INT4 eight to an int32 word, NVFP4/MXFP4 two to a byte),
+            # decompressed into the compute dtype.
+            total += info.nbytes * 8 // bits(name.removesuffix(".weight_packed")) * per_weight
         elif info.dtype in FLOAT_DTYPES or name.endswith(".weight"):
             total += info.numel * per_weight
         else:
             total += info.nbytes
     return total
+
+
+def _packed_bits(checkpoint: Checkpoint) -> Callable[[str], int]:
+    """The width of a module's packed weights, as its `quantization_config` group says (compressed-tensors'
+    own resolution of targets); 4 where no group says (the width compressed-tensors packs by default)."""
+    config = checkpoint.quantization_config
+    if not config or not config.get("config_groups"):
+        return lambda module: 4
+    from evalsuite.formats.compressed_tensors import SchemeLookup
+
+    lookup = SchemeLookup(config, checkpoint.path / "config.json")
+
+    def bits(module: str) -> int:
+        scheme = lookup.covering(module, "linear").scheme
+        return int(getattr(getattr(scheme, "weights", None), "num_bits", None) or 4)
+
+    return bits
 
 
 def loaded_peak_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
