@@ -69,18 +69,25 @@ def fake_gpus(gpus: int, gpu_bytes: int) -> Iterator[None]:
         yield
 
 
-def plan_cell(
-    fixtures: Path, task: str, backend: str, device: str, stream: bool, context: RunContext | None = None
-) -> Cell:
-    """Phase 1 of `evalsuite run --tasks TASK --backend BACKEND --device DEVICE [--stream]` on the tiny
-    pair; `context` shares the corpus's tokenization between cells."""
+def plan_cells(
+    fixtures: Path,
+    tasks: list[str],
+    backend: str,
+    device: str,
+    stream: bool,
+    context: RunContext | None = None,
+) -> dict[str, Cell]:
+    """Phase 1 of `evalsuite run --tasks TASKS --backend BACKEND --device DEVICE [--stream]` on the tiny pair,
+    each task's cell read off the one plan; where the plan of them all is refused, each task is planned
+    alone, so that a refusal is the cell of the task it comes from. `context` shares the corpus's
+    tokenization between plans."""
     from evalsuite.plan import RunRequest, plan_run
 
     with tempfile.TemporaryDirectory() as out:
         request = RunRequest(
             ckpt=str(fixtures / CANDIDATE_OF[backend]),
             ref=str(fixtures / REFERENCE),
-            tasks=[task],
+            tasks=tasks,
             out=Path(out) / "run",
             context=context or RunContext(corpus_name="python-docs"),
             ckpt_options=BackendOptions(backend=backend, device=device, stream=stream),
@@ -89,20 +96,29 @@ def plan_cell(
         try:
             plan = plan_run(request, DigestCache())
         except EvalsuiteError as exc:
-            return Cell("refused", str(exc).splitlines()[0])
-    if task in plan.skipped:
-        return Cell("skipped", plan.skipped[task].reason or "")
-    placements = sorted(
-        {
-            f"{p.role} {'streamed' if p.options.stream else 'loaded'} on {p.options.device}"
-            + (f" ({p.options.backend})" if p.options.backend not in ("hf", "auto") else "")
-            for p in plan.observations.values()
-        }
-    )
-    if not placements:
-        return Cell("runs", "reads the files only")
-    streamed = all("streamed" in p for p in placements)
-    return Cell("streams" if streamed else "runs", "; ".join(placements))
+            if len(tasks) > 1:
+                alone = (plan_cells(fixtures, [task], backend, device, stream, context) for task in tasks)
+                return {task: cell for cells in alone for task, cell in cells.items()}
+            return {tasks[0]: Cell("refused", str(exc).splitlines()[0])}
+    cells = {}
+    for task in tasks:
+        if task in plan.skipped:
+            cells[task] = Cell("skipped", plan.skipped[task].reason or "")
+            continue
+        placements = sorted(
+            {
+                f"{p.role} {'streamed' if p.options.stream else 'loaded'} on {p.options.device}"
+                + (f" ({p.options.backend})" if p.options.backend not in ("hf", "auto") else "")
+                for p in plan.observations.values()
+                if task in p.tasks
+            }
+        )
+        if not placements:
+            cells[task] = Cell("runs", "reads the files only")
+        else:
+            streamed = all("streamed" in p for p in placements)
+            cells[task] = Cell("streams" if streamed else "runs", "; ".join(placements))
+    return cells
 
 
 Table = dict[tuple[str, str, str, bool], Cell]
@@ -114,13 +130,12 @@ def support_table(fixtures: Path, tasks: list[str], gpus: int = 2, gpu_bytes: in
     context = RunContext(corpus_name="python-docs")
     table = {}
     with fake_gpus(gpus, gpu_bytes):
-        for task in tasks:
-            for backend in BACKENDS:
-                for device in DEVICES:
-                    for stream in (False, True):
-                        cell = plan_cell(fixtures, task, backend, device, stream, context)
+        for backend in BACKENDS:
+            for device in DEVICES:
+                for stream in (False, True):
+                    for task, cell in plan_cells(fixtures, tasks, backend, device, stream, context).items():
                         table[task, backend, device, stream] = cell
-    return table
+    return {key: table[key] for key in sorted(table, key=lambda k: tasks.index(k[0]))}
 
 
 def render_markdown(table: Table) -> str:

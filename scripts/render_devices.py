@@ -48,13 +48,18 @@ whatever the cell says ([scale](scale.md)).
 """
 
 
+def render(fixtures: Path) -> str:
+    """The page, planned on the tiny fixtures under `fixtures` (built there when missing)."""
+    build_fixtures(fixtures, [REFERENCE, *dict.fromkeys(CANDIDATE_OF.values())])
+    return HEADER + render_markdown(support_table(fixtures, sorted(registered_tasks())))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fixtures", type=Path, default=FIXTURES, help="where the tiny fixtures are built")
     parser.add_argument("--check", action="store_true", help="exit 1 when the page is not what this renders")
     args = parser.parse_args()
-    build_fixtures(args.fixtures, [REFERENCE, *dict.fromkeys(CANDIDATE_OF.values())])
-    page = HEADER + render_markdown(support_table(args.fixtures, sorted(registered_tasks())))
+    page = render(args.fixtures)
     if args.check:
         if PAGE.read_text(encoding="utf-8") != page:
             print(f"{PAGE} is not what the planning renders: run python scripts/render_devices.py")

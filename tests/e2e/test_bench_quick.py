@@ -24,7 +24,7 @@ from evalsuite.fixtures.names import REAL_WIDE_BF16
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["digest", "manifest", "exl3_decode", "exl3_tiles", "tensors", "intref", "moe", "stream", "outliers"]
-SLOW = ["ppl", "record", "drift", "compare", "lmeval", "long_context", "real_shape"]
+SLOW = ["ppl", "record", "drift", "compare", "lmeval", "long_context", "real_shape", "gpu_check"]
 
 
 def render_module():
