@@ -1,11 +1,12 @@
 """What every task does on every backend, device and streaming choice, read off the run's own planning.
 
 `support_table` runs phase 1 of `evalsuite run` (`plan.plan_run`: options checked, sides opened, memory plan,
-tasks prepared, observations planned, load plans checked on the meta device; no weight read) for each
-combination on a pair of the tiny fixtures, on a machine made to look like one with `gpus` CUDA devices of
-`gpu_bytes` each (`fake_gpus`). Each cell says what the plan decided: the side runs loaded or streamed, and
-where; the task is skipped (and why); or the run is refused (the one line it prints). `docs/devices.md` is
-this table (scripts/render_devices.py); a test renders it again and compares.
+tasks prepared, observations planned; no weight read) for each combination on a pair of the tiny fixtures,
+on a machine made to look like one with `gpus` CUDA devices of `gpu_bytes` each (`fake_gpus`; the
+load-plan check, which reads the files the same whatever the device, is left out). Each cell says what the
+plan decided: the side runs loaded or streamed, and where; the task is skipped (and why); or the run is
+refused (the one line it prints). `docs/devices.md` is this table (scripts/render_devices.py); a test
+renders it again and compares.
 """
 
 from __future__ import annotations
