@@ -95,6 +95,9 @@ def loaded_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
             total += info.nbytes * 8 // bits(name.removesuffix(".weight_packed")) * per_weight
         elif info.dtype in FLOAT_DTYPES or name.endswith(".weight"):
             total += info.numel * per_weight
+        elif name.endswith(".weight_scale") and info.dtype == "U8":
+            # MXFP4's E8M0 scales: Transformers holds them in the compute dtype once loaded.
+            total += info.numel * per_weight
         else:
             total += info.nbytes
     return total

@@ -1,7 +1,8 @@
 """The memory plan of every format against what Transformers actually allocates: a tiny pack of each (INT4
-and INT8 in compressed-tensors' packed and plain formats, FP8 per tensor and per block, NVFP4, EXL3) loaded
-whole, its parameters and buffers summed. NVFP4's `weight_packed` holds two weights a byte and an 8-bit
-pack-quantized word four: both were counted as INT4 words once (a quarter and twice the bytes)."""
+and INT8 in compressed-tensors' packed and plain formats, FP8 per tensor and per block, NVFP4, MXFP4,
+EXL3) loaded whole, its parameters and buffers summed. NVFP4's `weight_packed` holds two weights a byte
+and an 8-bit pack-quantized word four: both were counted as INT4 words once (a quarter and twice the
+bytes); MXFP4's E8M0 scales are held in the compute dtype."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
 from tests.conftest import TINY_BF16, TINY_EXL3, TINY_W4A8
 
-LLMC_PACKS = ("fp8-dynamic", "nvfp4a16", "w4a16-asym-g64", "w4a8-g64", "w4a8-gptq", "w8a16", "w8a8")
+LLMC_PACKS = (
+    *("fp8-dynamic", "nvfp4a16", "mxfp4a16", "w4a16-asym-g64"),
+    *("w4a8-g64", "w4a8-gptq", "w8a16", "w8a8"),
+)
 
 
 def allocated_bytes(folder) -> tuple[int, int]:
