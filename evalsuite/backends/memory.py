@@ -84,6 +84,11 @@ def loaded_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
     per_weight = _DTYPE_BYTES[options.dtype]
     if options.backend == "exl3" or checkpoint.format == "exl3":
         return exl3_decoded_bytes(checkpoint, per_weight)
+    if checkpoint.gguf_file is not None:
+        from evalsuite.formats.gguf import read_gguf
+
+        # Transformers dequantizes every GGUF tensor into the compute dtype (its header gives the shapes).
+        return sum(t.numel for t in read_gguf(checkpoint.gguf_file).tensors) * per_weight
     bits = _packed_bits(checkpoint)
     total = 0
     for name, info in checkpoint.tensors.items():

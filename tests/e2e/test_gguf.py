@@ -212,3 +212,16 @@ def test_a_truncated_gguf_is_refused_in_one_line_naming_the_file(tiny_llama, tin
                    "--out", tmp_path / "run", "--quiet")  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert len(done.error_lines) == 1 and str(path.name) in done.error_lines[0], done.stderr
+
+
+def test_the_memory_plan_of_a_gguf_file_is_its_source_s_dequantized(tiny_llama, tiny_ggufs):
+    """Transformers dequantizes a GGUF file into the compute dtype: the plan counts its tensors (read from
+    the GGUF header) at the dtype's bytes, as it counts the BF16 source's (0 bytes once: no safetensors)."""
+    from evalsuite.backends.memory import loaded_bytes
+    from evalsuite.backends.options import BackendOptions
+    from evalsuite.checkpoint import Checkpoint
+
+    source = loaded_bytes(Checkpoint.open(tiny_llama), BackendOptions())
+    for name, folder in tiny_ggufs.items():
+        planned = loaded_bytes(Checkpoint.open(folder), BackendOptions())
+        assert abs(planned - source) <= 0.01 * source, (name, planned, source)
