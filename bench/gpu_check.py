@@ -147,7 +147,7 @@ def plan_bytes(pair: tuple[str, str], args: tuple[str, ...]) -> int:
         if not (folder / "config.json").is_file():
             return 0
         checkpoint = Checkpoint.open(folder)
-        options = BackendOptions().for_format(checkpoint.format)
+        options = BackendOptions(backend="auto").for_format(checkpoint.format)
         if side == "ckpt" and backend != "auto":
             options = options.with_backend(backend, {})
         peaks.append(loaded_peak_bytes(checkpoint, options))
