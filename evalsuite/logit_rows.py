@@ -59,6 +59,7 @@ class PairRows:
     top_ref: np.ndarray  # (rows, k) ids, most probable first, ties by lower id
     top_ckpt: np.ndarray
     same_top: np.ndarray  # some token is most probable on both sides (ties included)
+    top_hits: np.ndarray  # (rows, k): the first 1 .. k tokens agree in order, ties included
 
 
 def pair_statistics(
@@ -74,6 +75,7 @@ def pair_statistics(
     top_ref, top_ckpt = top_ids(x, k), top_ids(y, k)
     mx, my = x.max(axis=1, keepdims=True), y.max(axis=1, keepdims=True)
     same = _same_top(x, y, mx, my)
+    hits = metrics.top_k_hits_tied(x, y, top_ref, top_ckpt)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         x -= mx
         y -= my
@@ -97,7 +99,7 @@ def pair_statistics(
             for raw in (raw_x, raw_y)
         ]
         forward[rows], reverse[rows] = _kld_rows64(*again)
-    return PairRows(forward, reverse, 1.0 / sx, top_ref, top_ckpt, same)
+    return PairRows(forward, reverse, 1.0 / sx, top_ref, top_ckpt, same, hits)
 
 
 def _same_top(x: np.ndarray, y: np.ndarray, mx: np.ndarray, my: np.ndarray) -> np.ndarray:

@@ -424,6 +424,53 @@ def top_k_hits(top_ref: ArrayLike, top_ckpt: ArrayLike, k: int) -> NDArray[np.bo
     return np.all(a[:, :k] == b[:, :k], axis=1)
 
 
+def top_k_hits_tied(
+    rows_ref: NDArray[np.floating],
+    rows_ckpt: NDArray[np.floating],
+    top_ref: ArrayLike,
+    top_ckpt: ArrayLike,
+) -> NDArray[np.bool_]:
+    """Per position (rows of values over the vocabulary: logits or log-probs, any float dtype) and per
+    k = 1..K (K the columns of the ranked ids `top_ref`/`top_ckpt`, each side's K largest in any order among
+    equal values): whether some way of breaking ties on each side ranks the same k tokens first, in the same
+    order. Column 0 is `same_top_tied`.
+
+    Why this decides it: such a common ranking exists exactly when the two canonical rankings agree, each side
+    ordered by (its own value, then the other side's value, both descending, then the lower id). A common
+    ranking orders the tokens one side ties by the other side's values (it must be a ranking of both), so it
+    is the canonical one up to tokens tied on both sides, where the lower id comes first on both. Only rows
+    whose given rankings differ and that hold a tie at or above their K-th value need ranking again; there
+    the candidates are the tokens at or above either side's K-th value."""
+    a, b = np.asarray(rows_ref), np.asarray(rows_ckpt)
+    ia, ib = np.asarray(top_ref), np.asarray(top_ckpt)
+    if a.ndim != 2 or a.shape != b.shape or ia.ndim != 2 or ia.shape != ib.shape or len(ia) != len(a):
+        raise ValueError(f"value rows {a.shape}/{b.shape} and ranked ids {ia.shape}/{ib.shape} do not pair")
+    k_max = ia.shape[1]
+    hits = np.logical_and.accumulate(ia == ib, axis=1)
+    differ = np.flatnonzero(~hits[:, -1])
+    if not differ.size:
+        return hits
+    va = np.take_along_axis(a[differ], ia[differ], axis=1)
+    vb = np.take_along_axis(b[differ], ib[differ], axis=1)
+    lowest_a, lowest_b = va.min(axis=1), vb.min(axis=1)
+    at_or_above_a = a[differ] >= lowest_a[:, None]
+    at_or_above_b = b[differ] >= lowest_b[:, None]
+    tied = (
+        (at_or_above_a.sum(axis=1) > k_max)
+        | (at_or_above_b.sum(axis=1) > k_max)
+        | (np.sort(va, axis=1)[:, 1:] == np.sort(va, axis=1)[:, :-1]).any(axis=1)
+        | (np.sort(vb, axis=1)[:, 1:] == np.sort(vb, axis=1)[:, :-1]).any(axis=1)
+    )
+    for j in np.flatnonzero(tied):
+        row = differ[j]
+        ids = np.flatnonzero(at_or_above_a[j] | at_or_above_b[j])
+        x, y = a[row, ids], b[row, ids]
+        first_a = ids[np.lexsort((ids, -y, -x))[:k_max]]
+        first_b = ids[np.lexsort((ids, -x, -y))[:k_max]]
+        hits[row] = np.logical_and.accumulate(first_a == first_b)
+    return hits
+
+
 def top_k_agreement(top_ref: ArrayLike, top_ckpt: ArrayLike, k: int) -> Estimate:
     """Share of positions whose k most probable tokens agree in order (`top_k_hits`; k = 1 is the
     same-top-token rate with ties broken by the ranking given), with the binomial standard error."""

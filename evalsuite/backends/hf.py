@@ -17,7 +17,7 @@ import torch
 from evalsuite.backends.c_heap import tensors_mapped_while_loading
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
 from evalsuite.backends.intref_plan import DYNAMIC_INT8_PER_TOKEN
-from evalsuite.backends.load_lock import MODEL_LOADS
+from evalsuite.backends.load_lock import MODEL_LOADS, tensors_read_when_converted
 from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION, DTYPE_NAMES, BackendOptions
 from evalsuite.backends.packed_zero_points import zero_points_packed_on_meta
 from evalsuite.backends.skeleton import set_generation_config
@@ -228,7 +228,7 @@ def from_pretrained_with_report(
     model_class = _registered_class(cls, config)
     by_handles = checkpoint.format != "gguf" and device_map != "meta" and model_class is not None
     try:
-        with quiet_transformers(), fix:
+        with quiet_transformers(), fix, tensors_read_when_converted():
             if by_handles:
                 settings = {k: v for k, v in kwargs.items() if k not in ("config", "trust_remote_code")}
                 with tensors_mapped_while_loading(), checkpoint.open_tensors(checkpoint.tensors) as handles:

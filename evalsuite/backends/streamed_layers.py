@@ -21,6 +21,7 @@ from evalsuite.backends.hf import (
     refuse_partial_load,
     transformers_config,
 )
+from evalsuite.backends.load_lock import tensors_read_when_converted
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.skeleton import refuse_mismatch, set_generation_config, tie_weights
 from evalsuite.backends.stream_units import (
@@ -124,6 +125,7 @@ class TransformersLayers:
             self.checkpoint.open_tensors(names) as handles,
             quiet_transformers(),
             tensors_mapped_while_loading(),
+            tensors_read_when_converted(),
         ):
             info, _ = convert_and_load_state_dict_in_model(self.model, handles, self.load_config)
         errors = list(info.conversion_errors.values()) + list(info.error_msgs)

@@ -33,7 +33,7 @@ from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.run_folder import atomic_target
 from evalsuite.task import Inputs, Need, Progress
-from evalsuite.tasks.kld_detail import TOP_K_AGREEMENT, TokenDetail, kld_at_reference
+from evalsuite.tasks.kld_detail import TOP_K_AGREEMENT, TokenDetail, kld_at_reference, top_hits_recorded
 from evalsuite.tasks.window_logits import (
     COMPACT_ARRAYS,
     RecordOptions,
@@ -194,7 +194,7 @@ class LogitsAtReference(_ReducedWindowLogits):
     ) -> dict:
         ref = _reference(inputs).arrays
         start = window * len(self.protocol.positions)
-        names = ("nll", "top", "ranked", "at_top", "at_tail", "same_top")
+        names = ("nll", "top", "ranked", "at_top", "at_tail", "same_top", "top_hits")
         parts: dict[str, list[np.ndarray]] = {k: [] for k in names}
         for block, targets in blocks:
             rows = slice(start, start + len(block))
@@ -209,6 +209,8 @@ class LogitsAtReference(_ReducedWindowLogits):
             on_top = (at_top == lp.amax(dim=-1, keepdim=True)).numpy()
             ref_top = ref["top_logp"][rows]
             parts["same_top"].append(np.any(on_top & (ref_top == ref_top[:, :1]), axis=1))
+            ref_ids = ref["top_ids"][rows]
+            parts["top_hits"].append(top_hits_recorded(ref_ids, ref_top, lp, parts["ranked"][-1]))
         return {k: np.concatenate(v) for k, v in parts.items()}
 
 
@@ -236,7 +238,9 @@ def detail_at_reference(ref: Observation, ckpt: Observation) -> tuple[TokenDetai
     kld = kld_at_reference(ref, ckpt)
     ref_top_p = np.exp(a["top_logp"][:, 0].astype(np.float64))
     top_ref = a["ranked"] if "ranked" in a else a["top_ids"][:, :TOP_K_AGREEMENT]
-    detail = TokenDetail(ref_top_p, top_ref, c["ranked"], None, same_top=c["same_top"])
+    detail = TokenDetail(
+        ref_top_p, top_ref, c["ranked"], None, same_top=c["same_top"], top_hits=c.get("top_hits")
+    )
     estimator = (
         f"top-{ref.meta['top_k']} exact + {ref.meta['tail_samples']} sampled tail ids "
         "(the reference's compact form, long windows)"

@@ -42,6 +42,9 @@ class TokenDetail:
     # Whether the sides' most probable tokens agree, ties included: some token is most probable on both
     # (`metrics.same_top_tied`), so that no way of breaking a tie among equal BF16 logits changes it.
     same_top: np.ndarray | None = None
+    # Per token and K = 1 .. TOP_K_AGREEMENT, whether the K first tokens agree in order, ties included
+    # (`metrics.top_k_hits_tied`); None where only the given rankings were kept (they are compared as ranked).
+    top_hits: np.ndarray | None = None
 
 
 Precision = Literal["float32", "float64"]
@@ -63,15 +66,21 @@ def token_detail(
     k = TOP_K_AGREEMENT
     if ref.meta.get("kind") == "recorded":
         a = ref.arrays
-        top_ckpt, same, start = [], [], 0
+        top_ckpt, same, hits, start = [], [], [], 0
         for block in read_rows(window_paths(ckpt), chunk_rows):
             rows = slice(start, start + len(block))
             start += len(block)
             top_ckpt.append(block.double().topk(k, dim=-1).indices.numpy())
             same.append(_same_top_recorded(a["top_ids"][rows], a["top_logp"][rows], block))
+            hits.append(top_hits_recorded(a["top_ids"][rows], a["top_logp"][rows], block, top_ckpt[-1]))
         conf = np.exp(a["top_logp"][:, 0].astype(np.float64))
         return TokenDetail(
-            conf, a["top_ids"][:, :k], np.concatenate(top_ckpt), None, same_top=np.concatenate(same)
+            conf,
+            a["top_ids"][:, :k],
+            np.concatenate(top_ckpt),
+            None,
+            same_top=np.concatenate(same),
+            top_hits=np.concatenate(hits),
         )
     ref_paths, ckpt_paths = window_paths(ref), window_paths(ckpt)
     if len(ref_paths) != len(ckpt_paths):
@@ -117,6 +126,7 @@ def token_detail(
         joined("reverse_kld"),
         joined("kld"),
         joined("same_top"),
+        joined("top_hits"),
     )
 
 
@@ -146,6 +156,7 @@ def _detail64(ref: Observation, run: _WindowRun, shared: SharedWork | None) -> T
         np.concatenate(share.reverse),
         np.concatenate(share.forward),
         np.concatenate(share.same_top),
+        np.concatenate(share.top_hits),
     )
 
 
@@ -192,6 +203,7 @@ class _Share:
     reverse: list[np.ndarray]
     rows: ReferenceRows | None
     same_top: list[np.ndarray]
+    top_hits: list[np.ndarray]
 
 
 @dataclass
@@ -211,7 +223,7 @@ class _WindowRun:
 def _detail_windows(run: _WindowRun) -> _Share:
     """`token_detail`'s statistics of a run of windows, read `chunk_rows` rows at a time into this thread's
     own buffers."""
-    share = _Share([], [], [], None if run.known is not None else ReferenceRows.empty(), [])
+    share = _Share([], [], [], None if run.known is not None else ReferenceRows.empty(), [], [])
     pairs = zip(
         read_rows(run.ref_paths, run.chunk_rows, run.ref_headers),
         read_rows(run.ckpt_paths, run.chunk_rows, run.ckpt_headers),
@@ -251,6 +263,10 @@ def _detail_rows(
             assert share.rows is not None
             share.rows.add(x64, k, out=lp_ref)
         share.same_top.append(metrics.same_top_tied(lp_ref.numpy(), lp_ckpt.numpy()))
+        top_ref = lp_ref.topk(k, dim=-1).indices.numpy()  # in the order the reference's rows were ranked
+        share.top_hits.append(
+            metrics.top_k_hits_tied(lp_ref.numpy(), lp_ckpt.numpy(), top_ref, share.top_ckpt[-1])
+        )
         f, r = metrics.kl_divergence_both(lp_ref.numpy(), lp_ckpt.numpy(), scratch)
         share.forward.append(f)
         share.reverse.append(r)
@@ -354,6 +370,17 @@ def _same_top_recorded(top_ids: np.ndarray, top_logp: np.ndarray, block: torch.T
     return np.any(on_top & (top_logp == top_logp[:, :1]), axis=1)
 
 
+def top_hits_recorded(
+    top_ids: np.ndarray, top_logp: np.ndarray, block: torch.Tensor, top_ckpt: np.ndarray
+) -> np.ndarray:
+    """`metrics.top_k_hits_tied` against a recording: the reference's values are its recorded top-k
+    log-probs, every other token below them (a tie reaching past the recorded top-k cannot be seen)."""
+    k = top_ckpt.shape[1]
+    ref_rows = np.full(tuple(block.shape), -np.inf)
+    np.put_along_axis(ref_rows, top_ids.astype(np.int64), top_logp.astype(np.float64), axis=1)
+    return metrics.top_k_hits_tied(ref_rows, block.double().numpy(), top_ids[:, :k], top_ckpt)
+
+
 def _bucket_name(lo: float, hi: float) -> str:
     return f"kld_conf_{round(lo * 100)}_{round(hi * 100)}"
 
@@ -374,6 +401,8 @@ def detail_metrics(
     for k in range(1, TOP_K_AGREEMENT + 1):
         if k == 1 and detail.same_top is not None:
             hits = detail.same_top  # ties included: the same figure as `same_top_p`
+        elif detail.top_hits is not None:
+            hits = detail.top_hits[:, k - 1]
         else:
             hits = metrics.top_k_hits(detail.top_ref, detail.top_ckpt, k)
         agree = metrics.rate_with_stderr(hits)

@@ -90,7 +90,7 @@ def test_metrics_come_by_position_bucket_with_a_plot(chunked):
     # its NLL, top token, 5 ranked ids and whether the top tokens agree (1 byte): set by the spec, not the
     # vocabulary.
     assert m["ref_stored_bytes_per_token"] == 8 * 64 + 8 * 64 + 24 + 4 * 5
-    assert m["ckpt_stored_bytes_per_token"] == 4 * (64 + 64) + 16 + 4 * 5 + 1
+    assert m["ckpt_stored_bytes_per_token"] == 4 * (64 + 64) + 16 + 4 * 5 + 1 + 5
     assert "compact form" in m["kld_estimator"]
     observations = [p for p in (out / "observations").iterdir() if not p.name.startswith(".")]
     assert {p.name.split("-window-logits")[0] for p in observations} == {"ref", "ckpt"}
@@ -244,7 +244,7 @@ def test_no_side_holds_more_than_a_chunk_of_vocabulary_rows(tiny_pair, tmp_path)
     ref, ckpt = observed["ref"], observed["ckpt"]
     # Less than one bf16 logits row of the 512-token vocabulary (1,024 bytes), with top-8 and 8 samples.
     assert ref.meta["bytes_per_token"] == 8 * 8 + 8 * 8 + 24 + 4 * 5 < 512 * 2
-    assert ckpt.meta["bytes_per_token"] == 4 * (8 + 8) + 16 + 4 * 5 + 1
+    assert ckpt.meta["bytes_per_token"] == 4 * (8 + 8) + 16 + 4 * 5 + 1 + 5
     assert ref.arrays["top_ids"].shape == ckpt.arrays["at_top"].shape == (len(positions), 8)
     _, kld, estimator = detail_at_reference(ref, ckpt)
     assert kld.shape == (len(positions),) and np.isfinite(kld).all() and kld.mean() > 0

@@ -4,6 +4,7 @@ thresholds judged on a bound, and the tie-aware same-top-token event."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -160,3 +161,45 @@ def test_top1_agreement_and_same_top_p_are_one_figure():
     values = detail_metrics(detail, kld, nll, nll, metrics.window_labels(2, 2))
     assert values["top1_agreement"] == pytest.approx(float(np.mean(same))) == 0.75
     assert "top1_agreement_stderr_window" in values and "top5_agreement_stderr_window" in values
+
+
+def _brute_force_top_k_tied(a: np.ndarray, b: np.ndarray, k: int) -> bool:
+    """Whether some tie-break of each side ranks the same k tokens first in the same order: every sequence
+    of k distinct tokens tried against both sides' weak orders."""
+    ids = range(len(a))
+    for seq in itertools.permutations(ids, k):
+        rest = [i for i in ids if i not in seq]
+        for v in (a, b):
+            if any(v[seq[j]] < v[seq[j + 1]] for j in range(k - 1)) or any(v[r] > v[seq[-1]] for r in rest):
+                break
+        else:
+            return True
+    return False
+
+
+def test_top_k_agreement_counts_a_ranking_both_sides_allow_whatever_the_tie_break():
+    # Ranked as torch might among equal values, these rows disagree from rank 2; some tie-break agrees.
+    a = np.array([[1.0, 5.0, 5.0, 0.0], [5.0, 4.0, 4.0, 0.0], [5.0, 5.0, 0.0, 1.0]])
+    b = np.array([[1.0, 5.0, 6.0, 0.0], [5.0, 3.0, 4.0, 0.0], [6.0, 4.0, 5.0, 1.0]])
+    top_a = np.array([[1, 2], [0, 1], [0, 1]])
+    top_b = np.array([[2, 1], [0, 2], [0, 2]])
+    hits = metrics.top_k_hits_tied(a, b, top_a, top_b)
+    # Row 0: a's tie goes b's way; row 1: the tie at rank 2 reaches past a's given ranking; row 2: b ranks
+    # token 2 second, which no tie-break of a puts above token 1.
+    assert hits.tolist() == [[True, True], [True, True], [True, False]]
+    assert metrics.top_k_hits(top_a, top_b, 2).tolist() == [False, False, False]
+
+
+def test_top_k_agreement_ties_included_is_the_brute_force_answer_on_coarse_random_rows():
+    rng = np.random.default_rng(7)
+    # Few distinct values: ties at every rank, as BF16 logits have them.
+    a = rng.integers(0, 4, size=(400, 7)).astype(np.float32)
+    b = np.where(rng.random((400, 7)) < 0.7, a, rng.integers(0, 4, size=(400, 7))).astype(np.float32)
+    k = 3
+    top_a, top_b = (np.argsort(-v, axis=1, kind="stable")[:, :k] for v in (a, b))
+    hits = metrics.top_k_hits_tied(a, b, top_a, top_b)
+    expected = [[_brute_force_top_k_tied(a[i], b[i], j) for j in range(1, k + 1)] for i in range(len(a))]
+    assert hits.tolist() == expected
+    assert np.array_equal(hits[:, 0], metrics.same_top_tied(a, b))
+    # The given rankings alone would call some of these rows disagreements.
+    assert (hits[:, k - 1] & ~metrics.top_k_hits(top_a, top_b, k)).any()
