@@ -100,7 +100,7 @@ RUNS = {
     "exl3-ppl-streamed": Run("exl3", "ppl", streamed=True),
 }
 BARE = ("bare-ref", "bare-w4a8", "bare-exl3")
-QUICK_RUNS = ("tensors", "ppl-streamed", "bare-ref", "bare-w4a8")
+QUICK_RUNS = ("tensors", "ppl-streamed", "bare-ref", "bare-w4a8", "bare-exl3")
 
 
 def bare_streamed_forward(folder: Path) -> dict[str, Any]:
@@ -115,7 +115,8 @@ def bare_streamed_forward(folder: Path) -> dict[str, Any]:
 
     started = time.perf_counter()
     checkpoint = Checkpoint.open(folder)
-    options = BackendOptions(stream=True)
+    # Resolved from the pack's format, as `evalsuite run` resolves it: an EXL3 pack runs through backend exl3.
+    options = BackendOptions(backend="auto", stream=True).for_format(checkpoint.format)
     (ppl,) = build_tasks(["ppl"], RunContext(corpus_name=CORPUS), {})
     side = Side("ref", options, checkpoint)
     windows = torch.from_numpy(ppl.prepare(side, side)["windows"])
@@ -137,6 +138,7 @@ def bare_streamed_forward(folder: Path) -> dict[str, Any]:
         "seconds": time.perf_counter() - started,
         "layer_seconds": layer_seconds,
         "layer_kinds": model.layer_kinds(),
+        "backend": options.backend,
         "windows": list(windows.shape),
     }
 
@@ -345,6 +347,9 @@ def report(doc: dict[str, Any]) -> None:
         return
     print(f"\nextrapolated to {REAL_LAYERS} layers on this machine ({gb(doc['memory_bytes'])} RAM):")
     for what, v in extrapolated["validations"].items():
+        if not v["runs"]:
+            print(f"  {what} validation: not extrapolated (needs its runs and the bare-{what} floor)")
+            continue
         runs = ", ".join(f"{task}: {run}" for task, run in v["runs"].items())
         fits = "fits" if v["fits_machine"] else "does NOT fit this machine's memory"
         floor = "not measured" if v["floor_seconds"] is None else f"{v['floor_seconds'] / 60:.0f} min"

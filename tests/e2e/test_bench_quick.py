@@ -99,7 +99,11 @@ def check_real_shape(doc: dict, section: str) -> None:
     assert set(data["runs"]) == {"tensors", "ppl-streamed"}
     assert all(run["exit"] == 0 and run["peak_rss"] > 0 for run in data["runs"].values())
     assert all(run["commit"].startswith(doc["commit"]) for run in data["runs"].values())
-    assert [len(data["bare"][side]["layer_seconds"]) for side in ("bare-ref", "bare-w4a8")] == [2, 2]
+    sides = ("bare-ref", "bare-w4a8", "bare-exl3")
+    assert [len(data["bare"][side]["layer_seconds"]) for side in sides] == [2, 2, 2]
+    # The EXL3 pack's floor runs through backend exl3, as `evalsuite run` resolves it.
+    assert [data["bare"][side]["backend"] for side in sides] == ["hf", "hf", "exl3"]
+    assert data["extrapolated"]["validations"]["exl3"]["floor_seconds"] > 0
     w4a8 = data["extrapolated"]["validations"]["w4a8"]
     assert w4a8["runs"] == {"tensors": "tensors", "ppl": "ppl-streamed"}
     assert w4a8["missing"] == ["smoke", "moe", "intref"] and w4a8["floor_seconds"] > 0
