@@ -21,8 +21,9 @@ memory, layer loads per side where the run reports them, and:
 - `(ppl+moe+layers streamed) / (bare streamed forward of both sides)` (goal <= 1.3);
 - loaded peak RSS / the larger side's loaded bytes (goal <= 1.25);
 - the extrapolation to the real 40-layer model on this machine: the time and peak memory of a publisher's
-  validation of the W4A8 pack (`tensors`, `ppl`, `smoke`, `moe`, `intref`; each task loaded where its side
-  fits the machine, streamed otherwise) and of the EXL3 pack (`tensors`, `ppl`), beside the bare streamed
+  validation of the W4A8 pack (`tensors`, `ppl`, `smoke`, `moe`, `intref`; each task by the fastest measured
+  run that covers it and fits the machine, a run of several tasks counted once) and of the EXL3 pack
+  (`tensors`, `ppl`), beside the bare streamed
   forward of both sides. How: the 40-layer model's bytes are the fixture's non-layer bytes plus 30 Gated
   DeltaNet and 10 full-attention layers as the fixture stores them; a run's time is scaled by the bare
   forward's (fixed part + 40 layers of their measured times) / (fixed part + the fixture's layers), a
@@ -266,26 +267,33 @@ def extrapolate(doc: dict[str, Any], machine_bytes: int) -> dict[str, Any]:
 def validation(
     extrapolated: dict[str, Any], tasks: tuple[str, ...], prefix: str, bare: str
 ) -> dict[str, Any]:
-    """A publisher's validation at 40 layers: each task loaded where it fits the machine, streamed otherwise
-    (smoke only loads); its time, its peak, and the floor (the bare streamed forward of both sides)."""
+    """A publisher's validation at 40 layers: each task by a run that covers it (a run of several tasks, as
+    `ppl,moe,layers` streamed, covers each of them and counts once), one that fits the machine where any does
+    (the fastest of those), else the fastest measured; its time, its peak, and the floor (the bare streamed
+    forward of both sides)."""
     runs = extrapolated["runs"]
     chosen: dict[str, str] = {}
     for task in tasks:
-        if task == "tensors":
-            candidates = [f"{prefix}tensors"]
-        else:
-            candidates = [f"{prefix}{task}-loaded", f"{prefix}{task}-streamed"]
-        measured_runs = [c for c in candidates if c in runs]
-        fitting = [c for c in measured_runs if runs[c]["fits_machine"]]
-        if fitting or measured_runs:
-            chosen[task] = (fitting or measured_runs)[0]
+        covering = [
+            name
+            for name in runs
+            if name.startswith(prefix)
+            and RUNS[name].candidate == (bare.removeprefix("bare-"))
+            and task in RUNS[name].tasks.split(",")
+        ]
+        fitting = [name for name in covering if runs[name]["fits_machine"]]
+        shared = [name for name in fitting if name in chosen.values()]
+        pool = shared or fitting or covering
+        if pool:
+            chosen[task] = min(pool, key=lambda name: runs[name]["seconds"])
     missing = [t for t in tasks if t not in chosen]
+    distinct = set(chosen.values())
     return {
         "runs": chosen,
         "missing": missing,
-        "seconds": sum(runs[r]["seconds"] for r in chosen.values()),
-        "peak_rss": max((runs[r]["peak_rss"] for r in chosen.values()), default=0),
-        "fits_machine": all(runs[r]["fits_machine"] for r in chosen.values()),
+        "seconds": sum(runs[r]["seconds"] for r in distinct),
+        "peak_rss": max((runs[r]["peak_rss"] for r in distinct), default=0),
+        "fits_machine": all(runs[r]["fits_machine"] for r in distinct),
         "floor_seconds": (
             extrapolated["bare_40"]["bare-ref"] + extrapolated["bare_40"][bare]
             if bare in extrapolated["bare_40"]
