@@ -18,8 +18,11 @@ RSS (the kernel's, as `/usr/bin/time -v` reports it) and the machine's load aver
 Printed and written as JSON into bench/results/ (bench/figures.py: bench `real_shape`, `real_shape_8l` at 8
 layers), with the machine and the git commit, every run's own commit beside it: per run its time, peak
 memory, layer loads per side where the run reports them, and:
-- `(ppl+moe+layers streamed) / (bare streamed forward of both sides)` (goal <= 1.3);
+- `(ppl+moe+layers streamed) / (bare streamed forward of both sides)` (goal <= 1.3), that run's peak RSS
+  (goal <= 6.5 GB at 4 layers);
 - loaded peak RSS / the larger side's loaded bytes (goal <= 1.25);
+- at 8 layers, the streamed `ppl,moe,layers` run's peak RSS / its peak in the latest 4-layer JSON (goal
+  <= 1.05: a streamed peak does not grow with depth);
 - the extrapolation to the real 40-layer model on this machine: the time and peak memory of a publisher's
   validation of the W4A8 pack (`tensors`, `ppl`, `smoke`, `moe`, `intref`; each task by the fastest measured
   run that covers it and fits the machine, a run of several tasks counted once) and of the EXL3 pack
@@ -67,6 +70,8 @@ DECODER_LAYER = re.compile(r"model\.language_model\.layers\.(\d+)\.")
 CORPUS = "python-docs"
 STREAM_GOAL = 1.3
 LOADED_GOAL = 1.25
+DEPTH_GOAL = 1.05
+STREAMED_PEAK_GOAL_GB = 6.5
 LOADED_RUNS = ("ppl-loaded", "intref-loaded", "smoke-loaded", "exl3-ppl-loaded")
 W4A8_VALIDATION = ("tensors", "ppl", "smoke", "moe", "intref")
 EXL3_VALIDATION = ("tensors", "ppl")
@@ -346,6 +351,11 @@ def report(doc: dict[str, Any]) -> None:
             f"\n(ppl+moe+layers streamed) / (bare streamed forward of both sides) = "
             f"{ratios['streamed_over_bare']:.2f}  (goal <= {STREAM_GOAL})"
         )
+    if "streamed_peak_over_shallower" in ratios:
+        print(
+            f"ppl-moe-layers-streamed: peak RSS / its peak at {doc['shallower']['layers']} layers = "
+            f"{ratios['streamed_peak_over_shallower']:.3f}  (goal <= {DEPTH_GOAL})"
+        )
     for name in LOADED_RUNS:
         if f"{name}_peak_over_loaded_bytes" in ratios:
             value = ratios[f"{name}_peak_over_loaded_bytes"]
@@ -375,6 +385,10 @@ def summarise(doc: dict[str, Any]) -> None:
     if "ppl-moe-layers-streamed" in runs and {"bare-ref", "bare-w4a8"} <= set(bare):
         floor = bare["bare-ref"]["seconds"] + bare["bare-w4a8"]["seconds"]
         ratios["streamed_over_bare"] = runs["ppl-moe-layers-streamed"]["seconds"] / floor
+    shallower = doc.get("shallower")
+    if shallower and "ppl-moe-layers-streamed" in runs:
+        peak = runs["ppl-moe-layers-streamed"]["peak_rss"]
+        ratios["streamed_peak_over_shallower"] = peak / shallower["streamed_peak_rss"]
     for name, run in runs.items():
         spec = RUNS[name]
         if not spec.streamed and spec.tasks != "tensors":
@@ -394,11 +408,17 @@ def add_figures(doc: dict[str, Any], figures: Figures) -> None:
         figures.add(f"{side}: loaded", sizes["loaded"] / 1e9, "GB")
     for name, run in [*doc["runs"].items(), *doc["bare"].items()]:
         figures.add(f"{name}: time", run["seconds"], "s")
-        figures.add(f"{name}: peak RSS", run["peak_rss"] / 1e9, "GB")
+        # The streamed peak's goal is set at the default depth; deeper, it is read against that depth's.
+        at_default_depth = name == "ppl-moe-layers-streamed" and doc["layers"] == DEFAULT_WIDE_LAYERS
+        goal = f"<= {STREAMED_PEAK_GOAL_GB}" if at_default_depth else None
+        figures.add(f"{name}: peak RSS", run["peak_rss"] / 1e9, "GB", goal=goal)
     ratios = doc.get("ratios", {})
     if "streamed_over_bare" in ratios:
         what = "(ppl+moe+layers streamed) / (bare streamed forward of both sides)"
         figures.add(what, ratios["streamed_over_bare"], goal=f"<= {STREAM_GOAL}")
+    if "streamed_peak_over_shallower" in ratios:
+        what = f"ppl-moe-layers-streamed: peak RSS / its peak at {doc['shallower']['layers']} layers"
+        figures.add(what, ratios["streamed_peak_over_shallower"], goal=f"<= {DEPTH_GOAL}")
     for name in LOADED_RUNS:
         if f"{name}_peak_over_loaded_bytes" in ratios:
             what = f"{name}: peak RSS / the larger side's loaded bytes"
@@ -484,6 +504,16 @@ def main() -> int:
     )
     doc.setdefault("runs", {})
     doc.setdefault("bare", {})
+    if deeper:
+        # The streamed peak should not grow with depth: the 8-layer run is read against the 4-layer one.
+        shallow = latest("real_shape", options.results, quick=False)
+        shallow_run = (shallow or {}).get("data", {}).get("runs", {}).get("ppl-moe-layers-streamed")
+        if shallow_run is not None:
+            doc["shallower"] = {
+                "layers": shallow["data"]["layers"],
+                "streamed_peak_rss": shallow_run["peak_rss"],
+                "commit": shallow_run.get("commit"),
+            }
     doc["bytes"] = {**doc.get("bytes", {}), **{side: unit_bytes(f) for side, f in folders.items()}}
     with recorded(bench, __doc__, options) as figures:
         figures.data = doc
