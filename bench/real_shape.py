@@ -1,12 +1,17 @@
 """Benchmark of the seed's model at its real shape: each task on the wide fixtures, extrapolated to 40 layers.
 
-    python bench/real_shape.py [--layers 4|8] [--runs NAME,...] [--fixtures DIR] [--quick] [--results DIR]
+    python bench/real_shape.py [--layers 4|8] [--runs NAME,...] [--rounds N] [--fixtures DIR] [--quick]
+                               [--results DIR]
 
 The fixtures are `minicpmv47-35b-a3b-wide` (MiniCPM-V-4.7-35B-A3B's real widths and 248,320 vocabulary at the
 first `--layers` decoder layers of its pattern, random BF16 weights), its W4A8 copy written with the seed's
 policy and its EXL3 pack (K=4, K=6 head, random trellis words), built once (`evalsuite fixtures --only ...`).
-Each run is `evalsuite run` in a child process of its own, on the `python-docs` corpus; its wall time, peak
-RSS (the kernel's, as `/usr/bin/time -v` reports it) and the machine's load average are recorded:
+Each run is `evalsuite run` in a child process of its own, on the `python-docs` corpus, started with the
+fixtures' files dropped from the page cache (every run reads its weights from the disk, as a 70 GB model
+always does); its wall time, peak RSS (the kernel's, as `/usr/bin/time -v` reports it, from a small launcher
+process: Linux would lend the bench's own peak to a child it forks) and the machine's load average are
+recorded. `--rounds N` measures each run N times, in the listed order and then in reverse, and keeps the
+median time:
 
 - the W4A8 pair: `tensors`; `ppl` loaded and streamed; `smoke` loaded (generation cannot stream); `moe`,
   `layers` streamed; `intref` loaded and streamed; and `ppl,moe,layers` streamed in one run;
@@ -45,6 +50,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -149,25 +155,63 @@ def bare_streamed_forward(folder: Path) -> dict[str, Any]:
     }
 
 
+# Linux carries a process's high-water RSS across fork and exec into the child's ru_maxrss (with vfork, the
+# parent's own peak): the bench, which may have built the fixtures itself, would lend its peak to every run.
+# A fresh small interpreter forks the measured command instead, and reports that command's own peak.
+LAUNCHER = r"""
+import json, os, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execv(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as out:
+    json.dump({"peak_rss": usage.ru_maxrss * 1024}, out)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def evict_page_cache(folders: list[Path]) -> None:
+    """Drop the page cache's copy of every file in `folders` (`POSIX_FADV_DONTNEED`, no root needed), so that
+    every run reads its weights from the disk, as a 70 GB model always does, and no run gains from the one
+    before it having read the same files."""
+    for folder in folders:
+        for path in sorted(folder.iterdir()):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
 def measured(command: list[str]) -> dict[str, Any]:
-    """A child process's exit status, wall seconds, peak RSS (bytes, the kernel's own count for that process,
-    as `/usr/bin/time -v` reads it), stdout, and the load averages at its start and end."""
+    """A child process's exit status, wall seconds, peak RSS (bytes: the kernel's own count for that process,
+    as `/usr/bin/time -v` reads it, through `LAUNCHER`), stdout, and the load averages at its start and
+    end."""
     load_before = os.getloadavg()[0]
-    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+    with (
+        tempfile.TemporaryFile("w+") as stdout,
+        tempfile.TemporaryFile("w+") as stderr,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        usage_file = Path(tmp) / "usage.json"
+        launched = [sys.executable, "-S", "-c", LAUNCHER, str(usage_file), *command]
         started = time.perf_counter()
-        child = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True)
-        _, status, usage = os.wait4(child.pid, 0)
+        child = subprocess.run(launched, stdout=stdout, stderr=stderr, text=True, check=False)
         seconds = time.perf_counter() - started
-        child.returncode = os.waitstatus_to_exitcode(status)
         stdout.seek(0)
         stderr.seek(0)
         output, errors = stdout.read(), stderr.read()
+        peak = json.loads(usage_file.read_text())["peak_rss"] if usage_file.exists() else 0
     if child.returncode not in (0, 1):
         print(f"  exited with {child.returncode}: {errors[-1500:]}", file=sys.stderr)
     return {
         "exit": child.returncode,
         "seconds": round(seconds, 2),
-        "peak_rss": usage.ru_maxrss * 1024,
+        "peak_rss": peak,
         "stdout": output,
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
@@ -460,6 +504,9 @@ def main() -> int:
         "--runs", help="comma-separated run names (default: all): " + ", ".join([*RUNS, *BARE])
     )
     parser.add_argument("--fixtures", type=Path, default=TEST_FIXTURES)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="measure each run this many times, alternating the order"
+    )
     parser.add_argument("--bare", type=Path, help=argparse.SUPPRESS)  # the child of a bare forward
     add_arguments(parser)
     options = parser.parse_args()
@@ -517,51 +564,83 @@ def main() -> int:
     doc["bytes"] = {**doc.get("bytes", {}), **{side: unit_bytes(f) for side, f in folders.items()}}
     with recorded(bench, __doc__, options) as figures:
         figures.data = doc
-        code = measure_runs(doc, wanted, folders, f"{commit}{'+dirty' if dirty else ''}", figures)
+        stamp = f"{commit}{'+dirty' if dirty else ''}"
+        code = measure_runs(doc, wanted, folders, stamp, figures, options.rounds)
         report(doc)
         add_figures(doc, figures)
     return code
 
 
+def measure_one(name: str, folders: dict[str, Path], commit: str, tmp: Path) -> dict[str, Any] | None:
+    """One run (a task run or a bare forward) from a cold page cache: its figures, or None when it could not
+    be done."""
+    evict_page_cache(list(folders.values()))
+    if name in BARE:
+        side = name.removeprefix("bare-")
+        result = measured([sys.executable, __file__, "--bare", str(folders[side])])
+        if result["exit"] != 0:
+            return None
+        figures_of_run = json.loads(result["stdout"].strip().splitlines()[-1])
+        entry = {**figures_of_run, "wall_seconds": result["seconds"], "commit": commit}
+        return entry | {k: result[k] for k in ("peak_rss", "load_average")}
+    spec = RUNS[name]
+    run_out = tmp / name
+    args = spec.args(folders["ref"], folders[spec.candidate], run_out)
+    result = measured([sys.executable, "-m", "evalsuite.cli", *args])
+    if result["exit"] not in (0, 1):
+        return None
+    results = json.loads((run_out / "results.json").read_text())
+    return {
+        "tasks": spec.tasks,
+        "streamed": spec.streamed,
+        "exit": result["exit"],
+        "statuses": {task: entry["status"] for task, entry in results["tasks"].items()},
+        "seconds": result["seconds"],
+        "peak_rss": result["peak_rss"],
+        "load_average": result["load_average"],
+        "layer_loads": layer_loads(results),
+        "commit": commit,
+    }
+
+
+def combined(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run's rounds as one: the median seconds (each layer's too, for a bare forward), every round's seconds
+    kept, the largest peak, the load average at the first start and the last end."""
+    entry = dict(rounds[-1])
+    entry["seconds"] = statistics.median(r["seconds"] for r in rounds)
+    entry["seconds_rounds"] = [r["seconds"] for r in rounds]
+    entry["peak_rss"] = max(r["peak_rss"] for r in rounds)
+    entry["load_average"] = [rounds[0]["load_average"][0], rounds[-1]["load_average"][1]]
+    if "layer_seconds" in entry:
+        per_layer = zip(*(r["layer_seconds"] for r in rounds), strict=True)
+        entry["layer_seconds"] = [statistics.median(values) for values in per_layer]
+    return entry
+
+
 def measure_runs(
-    doc: dict[str, Any], wanted: list[str], folders: dict[str, Path], commit: str, figures: Figures
+    doc: dict[str, Any],
+    wanted: list[str],
+    folders: dict[str, Path],
+    commit: str,
+    figures: Figures,
+    rounds: int = 1,
 ) -> int:
-    """Each wanted run into `doc` (its progress on stderr), the JSON rewritten after each: 2 when a run could
-    not be done, else 0."""
+    """Each wanted run into `doc` (its progress on stderr), `rounds` times, in the listed order and then in
+    reverse (A B C, C B A, ...: a drift of the machine's speed falls on both sides of a ratio), each from a
+    cold page cache; the JSON rewritten after each: 2 when a run could not be done, else 0."""
+    done: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="evalsuite-bench-real-shape-") as tmp:
-        for name in wanted:
-            print(f"{name} ...", file=sys.stderr, flush=True)
-            if name in BARE:
-                side = name.removeprefix("bare-")
-                result = measured([sys.executable, __file__, "--bare", str(folders[side])])
-                if result["exit"] != 0:
+        for round_index in range(rounds):
+            for name in wanted if round_index % 2 == 0 else wanted[::-1]:
+                print(f"{name} (round {round_index + 1} of {rounds}) ...", file=sys.stderr, flush=True)
+                entry = measure_one(name, folders, commit, Path(tmp))
+                if entry is None:
                     return 2
-                figures_of_run = json.loads(result["stdout"].strip().splitlines()[-1])
-                doc["bare"][name] = {**figures_of_run, "wall_seconds": result["seconds"], "commit": commit}
-                doc["bare"][name].update({k: result[k] for k in ("peak_rss", "load_average")})
-            else:
-                spec = RUNS[name]
-                run_out = Path(tmp) / name
-                args = spec.args(folders["ref"], folders[spec.candidate], run_out)
-                result = measured([sys.executable, "-m", "evalsuite.cli", *args])
-                if result["exit"] not in (0, 1):
-                    return 2
-                results = json.loads((run_out / "results.json").read_text())
-                statuses = {task: entry["status"] for task, entry in results["tasks"].items()}
-                doc["runs"][name] = {
-                    "tasks": spec.tasks,
-                    "streamed": spec.streamed,
-                    "exit": result["exit"],
-                    "statuses": statuses,
-                    "seconds": result["seconds"],
-                    "peak_rss": result["peak_rss"],
-                    "load_average": result["load_average"],
-                    "layer_loads": layer_loads(results),
-                    "commit": commit,
-                }
-            summarise(doc)
-            add_figures(doc, figures)
-            figures.save()
+                done.setdefault(name, []).append(entry)
+                doc["bare" if name in BARE else "runs"][name] = combined(done[name])
+                summarise(doc)
+                add_figures(doc, figures)
+                figures.save()
     return 0
 
 
