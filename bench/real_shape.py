@@ -588,6 +588,7 @@ def main() -> int:
         figures.data = doc
         stamp = f"{commit}{'+dirty' if dirty else ''}"
         code = measure_runs(doc, wanted, folders, stamp, figures, options.rounds)
+        summarise(doc)
         report(doc)
         add_figures(doc, figures)
     return code
