@@ -1,5 +1,6 @@
-"""Transformers reads a load's tensors as its conversions reach them (`load_lock.tensors_read_when_converted`),
-whatever nests or overlaps, and a user's own choice of Transformers' switch stands."""
+"""Transformers reads a load's tensors as its conversions reach them
+(`load_lock.tensors_read_when_converted`), whatever nests or overlaps, and a user's own choice of
+Transformers' switch stands."""
 
 from __future__ import annotations
 
