@@ -208,7 +208,10 @@ def main() -> None:
 def report(ref, candidates, observed, compared, ratios, inside, cpu, timings, commands, figures) -> None:
     """Print the timings of every round and record the medians and per-round ratios."""
     n = len(candidates)
-    print(f"{ref.name} pair, {n} candidates, task ppl; timings taken in one run (a shared, busy machine)")
+    print(
+        f"{ref.name} pair, {n} candidates, task ppl; timings taken in one run "
+        "(the load averages below say how busy the machine was)"
+    )
     for r, (o, c, q) in enumerate(zip(observed, compared, ratios, strict=True)):
         print(f"(a) round {r + 1}: observations alone (1 reference + {n} candidates) {o:.1f} s, "
               f"compare {c:.1f} s: {q:.3f}")  # fmt: skip
