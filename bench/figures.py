@@ -47,6 +47,45 @@ STARTED = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
 LOAD_AT_START = list(os.getloadavg())
 
 
+# Linux carries a process's high-water RSS across fork and exec into the child's ru_maxrss (with vfork, the
+# parent's own peak): a bench that built its fixtures in its own process would lend its peak to every run it
+# starts. A fresh small interpreter forks the measured command instead and reports that command's own peak.
+_OWN_PEAK_LAUNCHER = r"""
+import json, os, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as out:
+    json.dump({"peak_rss": usage.ru_maxrss * 1024}, out)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def with_own_peak(command: list[str], usage_file: Path) -> list[str]:
+    """`command` started through the launcher, which writes the command's own peak RSS into `usage_file`
+    (`own_peak`) and exits with its status."""
+    return [sys.executable, "-S", "-c", _OWN_PEAK_LAUNCHER, str(usage_file), *command]
+
+
+def own_peak(usage_file: Path) -> int:
+    """The peak RSS in bytes the launcher wrote (the kernel's count, as `/usr/bin/time -v` reads it); 0 when
+    the command could not be started."""
+    return json.loads(usage_file.read_text())["peak_rss"] if usage_file.exists() else 0
+
+
+def launched_pid(launcher_pid: int) -> int | None:
+    """The measured command's pid under a running launcher, None before it has forked or after it ended."""
+    try:
+        children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`--quick` (seconds, on the tiny fixtures) and `--results DIR` (where the JSON goes)."""
     parser.add_argument(

@@ -62,7 +62,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from figures import TEST_FIXTURES, Figures, add_arguments, bench_machine, git_commit, latest, recorded
+from figures import (
+    TEST_FIXTURES,
+    Figures,
+    add_arguments,
+    bench_machine,
+    git_commit,
+    latest,
+    own_peak,
+    recorded,
+    with_own_peak,
+)
 
 from evalsuite.backends.memory import loaded_bytes
 from evalsuite.backends.options import BackendOptions
@@ -157,24 +167,6 @@ def bare_streamed_forward(folder: Path) -> dict[str, Any]:
     }
 
 
-# Linux carries a process's high-water RSS across fork and exec into the child's ru_maxrss (with vfork, the
-# parent's own peak): the bench, which may have built the fixtures itself, would lend its peak to every run.
-# A fresh small interpreter forks the measured command instead, and reports that command's own peak.
-LAUNCHER = r"""
-import json, os, sys
-pid = os.fork()
-if pid == 0:
-    try:
-        os.execv(sys.argv[2], sys.argv[2:])
-    finally:
-        os._exit(127)
-_, status, usage = os.wait4(pid, 0)
-with open(sys.argv[1], "w") as out:
-    json.dump({"peak_rss": usage.ru_maxrss * 1024}, out)
-sys.exit(os.waitstatus_to_exitcode(status))
-"""
-
-
 def evict_page_cache(folders: list[Path]) -> None:
     """Drop the page cache's copy of every file in `folders` (`POSIX_FADV_DONTNEED`, no root needed), so that
     every run reads its weights from the disk, as a 70 GB model always does, and no run gains from the one
@@ -191,8 +183,8 @@ def evict_page_cache(folders: list[Path]) -> None:
 
 def measured(command: list[str]) -> dict[str, Any]:
     """A child process's exit status, wall seconds, peak RSS (bytes: the kernel's own count for that process,
-    as `/usr/bin/time -v` reads it, through `LAUNCHER`), stdout, and the load averages at its start and
-    end."""
+    as `/usr/bin/time -v` reads it, through `figures.with_own_peak`), stdout, and the load averages at its
+    start and end."""
     load_before = os.getloadavg()[0]
     with (
         tempfile.TemporaryFile("w+") as stdout,
@@ -200,14 +192,14 @@ def measured(command: list[str]) -> dict[str, Any]:
         tempfile.TemporaryDirectory() as tmp,
     ):
         usage_file = Path(tmp) / "usage.json"
-        launched = [sys.executable, "-S", "-c", LAUNCHER, str(usage_file), *command]
         started = time.perf_counter()
+        launched = with_own_peak(command, usage_file)
         child = subprocess.run(launched, stdout=stdout, stderr=stderr, text=True, check=False)
         seconds = time.perf_counter() - started
         stdout.seek(0)
         stderr.seek(0)
         output, errors = stdout.read(), stderr.read()
-        peak = json.loads(usage_file.read_text())["peak_rss"] if usage_file.exists() else 0
+        peak = own_peak(usage_file)
     if child.returncode not in (0, 1):
         print(f"  exited with {child.returncode}: {errors[-1500:]}", file=sys.stderr)
     return {
@@ -309,28 +301,23 @@ def extrapolate(doc: dict[str, Any], machine_bytes: int) -> dict[str, Any]:
         }
     out["bytes_40"] = {"files": files_40, "loaded": loaded_40}
     out["validations"] = {
-        "w4a8": validation(out, W4A8_VALIDATION, "", "bare-w4a8"),
-        "exl3": validation(out, EXL3_VALIDATION, "exl3-", "bare-exl3"),
+        "w4a8": validation(out, W4A8_VALIDATION, "w4a8"),
+        "exl3": validation(out, EXL3_VALIDATION, "exl3"),
     }
     return out
 
 
-def validation(
-    extrapolated: dict[str, Any], tasks: tuple[str, ...], prefix: str, bare: str
-) -> dict[str, Any]:
+def validation(extrapolated: dict[str, Any], tasks: tuple[str, ...], candidate: str) -> dict[str, Any]:
     """A publisher's validation at 40 layers: each task by a run that covers it (a run of several tasks, as
     `ppl,moe,layers` streamed, covers each of them and counts once), one that fits the machine where any does
     (the fastest of those), else the fastest measured; its time, its peak, and the floor (the bare streamed
     forward of both sides)."""
     runs = extrapolated["runs"]
+    bare = f"bare-{candidate}"
     chosen: dict[str, str] = {}
     for task in tasks:
         covering = [
-            name
-            for name in runs
-            if name.startswith(prefix)
-            and RUNS[name].candidate == (bare.removeprefix("bare-"))
-            and task in RUNS[name].tasks.split(",")
+            name for name in runs if RUNS[name].candidate == candidate and task in RUNS[name].tasks.split(",")
         ]
         fitting = [name for name in covering if runs[name]["fits_machine"]]
         shared = [name for name in fitting if name in chosen.values()]

@@ -36,7 +36,15 @@ import threading
 import time
 from pathlib import Path
 
-from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
+from figures import (
+    TEST_FIXTURES,
+    add_arguments,
+    launched_pid,
+    own_peak,
+    quick_ppl_spec,
+    recorded,
+    with_own_peak,
+)
 
 from evalsuite.backends.memory import exl3_decoded_bytes
 from evalsuite.checkpoint import Checkpoint
@@ -99,26 +107,33 @@ def sampled_run(args: list[str], cgroup: Path | None) -> tuple[int, float, int, 
         # The shell joins the cgroup and becomes the run (exec): the limit applies from its first byte.
         script = f'echo $$ > {cgroup / "cgroup.procs"} && exec "$@"'
         command = ["sh", "-c", script, "sh", *command]
-    start = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak_anon = [0]
-    done = threading.Event()
+    with tempfile.TemporaryDirectory() as tmp:
+        usage_file = Path(tmp) / "usage.json"
+        start = time.perf_counter()
+        # The run's own peak: this process built the fixtures and would lend it its own (`with_own_peak`).
+        child = subprocess.Popen(
+            with_own_peak(command, usage_file), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        peak_anon = [0]
+        done = threading.Event()
 
-    def sample() -> None:
-        while not done.wait(0.02):
-            peak_anon[0] = max(peak_anon[0], anonymous_bytes(child.pid))
+        def sample() -> None:
+            while not done.wait(0.02):
+                pid = launched_pid(child.pid)
+                if pid is not None:
+                    peak_anon[0] = max(peak_anon[0], anonymous_bytes(pid))
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    _, status, usage = os.wait4(child.pid, 0)
-    done.set()
-    sampler.join()
-    seconds = time.perf_counter() - start
-    child.returncode = os.waitstatus_to_exitcode(status)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        _, errors = child.communicate()
+        done.set()
+        sampler.join()
+        seconds = time.perf_counter() - start
+        peak = own_peak(usage_file)
     if child.returncode not in (0, 1):
-        tail = child.stderr.read().decode(errors="replace")[-2000:] if child.stderr else ""
+        tail = errors.decode(errors="replace")[-2000:] if errors else ""
         print(f"run exited with {child.returncode}:\n{tail}", file=sys.stderr)
-    return child.returncode, seconds, usage.ru_maxrss * 1024, peak_anon[0]
+    return child.returncode, seconds, peak, peak_anon[0]
 
 
 def main() -> int:
