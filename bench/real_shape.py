@@ -528,6 +528,8 @@ def main() -> int:
         bf16, w4a8, exl3 = wide_names(options.layers)
         names = {"ref": bf16, "w4a8": w4a8, "exl3": exl3}
         wanted = [*RUNS, *BARE]
+    if options.rounds < 1:
+        parser.error(f"--rounds must be at least 1, not {options.rounds}")
     if options.no_measure:
         wanted = []
     elif options.runs:
