@@ -7,9 +7,9 @@ once, the windows' hidden states go through it once, and every observation takin
 sees the layer while it is resident:
 
 - `tap(index, layer)`: hooks around the pass's own forward of each window (a router's outputs, say);
-- `reference_input(index)`: the reference's input to this layer, for observations of the candidate that feed
-  the candidate's layer the reference's states; the layer runs on them once per window whichever observations
-  ask, with every visitor's `fed_tap` on;
+- `reference_input(index)`: the reference's input to this layer and the windows to run it on, for
+  observations of the candidate that feed the candidate's layer the reference's states; the layer runs on each
+  such window once whichever observations ask, with every visitor's `fed_tap` on;
 - `visit(step)`: the layer's inputs and outputs on the pass's own states (and on the reference's input);
 - `finish(final)`: the last layer's outputs, from which an observation of logits applies the head.
 
@@ -55,8 +55,17 @@ class LayerStep:
     after: list[torch.Tensor]
     calls: list[WindowCall]
     backend: StreamedBackend
-    reference_input: torch.Tensor | None = None  # (windows, tokens, hidden), on the CPU
-    fed: list[torch.Tensor] | None = None  # the layer's output on each window of `reference_input`
+    reference_input: ReferenceInput | None = None
+    fed: dict[int, torch.Tensor] | None = None  # window → the layer's output on the reference's input
+
+
+@dataclass(frozen=True)
+class ReferenceInput:
+    """The reference's input to one layer, every window's (windows, tokens, hidden) on the CPU, and the
+    windows a visitor wants the candidate's layer run on."""
+
+    states: torch.Tensor
+    windows: tuple[int, ...]
 
 
 @runtime_checkable
@@ -73,13 +82,14 @@ class LayerVisitor(Protocol):
         window order)."""
         ...
 
-    def reference_input(self, index: int) -> torch.Tensor | None:
-        """The reference's (windows, tokens, hidden) input to layer `index`, when this visitor wants the layer
-        run on it; else None."""
+    def reference_input(self, index: int) -> ReferenceInput | None:
+        """The reference's input to layer `index` and the windows to run the layer on, when this visitor wants
+        the layer run on it; else None."""
         ...
 
     def fed_tap(self, index: int, layer: nn.Module) -> AbstractContextManager[Any]:
-        """Hooks around the layer's forward of one window of the reference's input (once per window)."""
+        """Hooks around the layer's forward of one window of the reference's input (once per window asked
+        for, in window order)."""
         ...
 
     def visit(self, step: LayerStep) -> None:
@@ -104,7 +114,7 @@ class QuietVisitor:
     def tap(self, index: int, layer: nn.Module) -> AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
-    def reference_input(self, index: int) -> torch.Tensor | None:
+    def reference_input(self, index: int) -> ReferenceInput | None:
         return None
 
     def fed_tap(self, index: int, layer: nn.Module) -> AbstractContextManager[Any]:
@@ -200,27 +210,35 @@ def observe_alone(
 
 
 def _fed_reference(step: LayerStep, visitors: list[LayerVisitor]) -> list[LayerStep]:
-    """The step each visitor sees: with the layer run on the reference's input to it, once per window, for
-    the visitors that ask (visitors handing the same reference states share one run, their `fed_tap`s on)."""
-    groups: list[tuple[torch.Tensor, list[int]]] = []
+    """The step each visitor sees: with the layer run on the reference's input to it, once per window asked
+    for, for the visitors that ask (visitors handing the same states and windows share one run, their
+    `fed_tap`s on)."""
+    groups: list[tuple[ReferenceInput, list[int]]] = []
     for i, visitor in enumerate(visitors):
         reference = visitor.reference_input(step.index)
         if reference is None:
             continue
-        group = next((g for g in groups if torch.equal(g[0], reference)), None)
+        group = next(
+            (
+                g
+                for g in groups
+                if g[0].windows == reference.windows and torch.equal(g[0].states, reference.states)
+            ),
+            None,
+        )
         if group is None:
             groups.append((reference, [i]))
         else:
             group[1].append(i)
     steps = [step] * len(visitors)
     for reference, members in groups:
-        fed = []
-        for w, call in enumerate(step.calls):
+        fed = {}
+        for w in reference.windows:
             with contextlib.ExitStack() as taps:
                 for i in members:
                     taps.enter_context(visitors[i].fed_tap(step.index, step.layer))
-                hidden = reference[w : w + 1].to(step.backend.device)
-                fed.append(step.backend.forward_layer(step.layer, step.index, hidden, call))
+                hidden = reference.states[w : w + 1].to(step.backend.device)
+                fed[w] = step.backend.forward_layer(step.layer, step.index, hidden, step.calls[w])
         for i in members:
             steps[i] = dataclasses.replace(step, reference_input=reference, fed=fed)
     return steps

@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from evalsuite import tensor_errors
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, observe_alone
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.run_folder import atomic_target
+from evalsuite.spec import StrictModel
 from evalsuite.task import Inputs, Progress
 from evalsuite.tasks.window_logits import WindowObserver, window_tensor
 
@@ -104,6 +106,27 @@ def summed_errors(rows: np.ndarray) -> tensor_errors.ErrorSums:
     for n, ref_sq, err_sq, cand_sq, dot, max_abs in np.asarray(rows).reshape(-1, 6):
         total = total + tensor_errors.ErrorSums(int(n), ref_sq, err_sq, cand_sq, dot, max_abs)
     return total
+
+
+class FedOptions(StrictModel):
+    """Which windows the candidate's layers are run on a second time, fed the reference's input (`layers`'
+    own error per layer; `moe`'s fed routing and each expert on the reference's tokens).
+
+    That second forward of every candidate layer (and the experts' forward on the reference's tokens, on both
+    sides) is what these tasks add to the two forwards `ppl` needs: on all eight windows of a wide MoE model
+    it costs more than half again. It runs on `windows` of the protocol's windows, evenly spread (the first
+    and the last for two), or on every window where the protocol has no more; what runs on every window
+    (the accumulated drift, routing on the candidate's own prefix and by its router alone, expert usage)
+    keeps every window. Changing it makes new observations."""
+
+    windows: int = Field(2, ge=1)
+
+    def indices(self, n_windows: int) -> tuple[int, ...]:
+        """The windows fed the reference's input, of `n_windows`, evenly spread, in order."""
+        k = min(self.windows, n_windows)
+        if k == 1:
+            return (0,)
+        return tuple(sorted({round(i * (n_windows - 1) / (k - 1)) for i in range(k)}))
 
 
 class BoundaryStates(WindowObserver):

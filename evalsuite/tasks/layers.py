@@ -7,7 +7,8 @@ against the reference's:
 - **drift**: each side on its own prefix (the candidate's layer fed the candidate's own states): the error
   accumulated up to and including this layer;
 - **own**: the candidate's layer fed the reference's input for this layer: this layer's own error, whatever
-  came before. An unchanged layer has exactly 0 here (same weights, same input, same arithmetic).
+  came before. An unchanged layer has exactly 0 here (same weights, same input, same arithmetic). That is a
+  second forward of every candidate layer; it runs on the windows of the spec's `[fed]` (`FedOptions`).
 
 Design (one model resident at a time): the reference's states at every layer boundary are one observation
 (`BoundaryStates`, on the reference streamed alone, recordable); the candidate's observation consumes it
@@ -27,13 +28,14 @@ import numpy as np
 import torch
 
 from evalsuite import plots
-from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, observe_alone
+from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, ReferenceInput, observe_alone
 from evalsuite.observation import Observation
 from evalsuite.side import Side
 from evalsuite.spec import TaskSpec
 from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, task
 from evalsuite.tasks.boundary_states import (
     BoundaryStates,
+    FedOptions,
     ReferenceBoundaries,
     check_same_model,
     state_errors,
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
 
 class LayersSpec(TaskSpec):
     protocol: WindowProtocol = WindowProtocol()
+    fed: FedOptions = FedOptions()
 
 
 class LayerErrors(WindowObserver):
@@ -54,6 +57,13 @@ class LayerErrors(WindowObserver):
     reference's (consumed as `inputs["observed"]["ref"]`), on its own prefix and fed the reference's input."""
 
     name = "layer-errors"
+
+    def __init__(self, protocol: WindowProtocol, fed: FedOptions | None = None) -> None:
+        super().__init__(protocol)
+        self.fed = fed or FedOptions()
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "fed": self.fed.model_dump(mode="json")}
 
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
@@ -65,16 +75,19 @@ class LayerErrors(WindowObserver):
     def visitor(self, backend: StreamedBackend, inputs: Inputs, folder: Path) -> LayerVisitor:
         reference = inputs["observed"]["ref"]
         check_same_model(reference, backend, inputs)
-        return LayerErrorsVisitor(backend, inputs, reference)
+        return LayerErrorsVisitor(backend, inputs, reference, self.fed)
 
 
 class LayerErrorsVisitor(QuietVisitor):
     """`LayerErrors` during the candidate's layer pass: the pass's states are the candidate's own prefix; the
     layer is run on the reference's input to it (`reference_input`)."""
 
-    def __init__(self, backend: StreamedBackend, inputs: Inputs, reference: Observation) -> None:
+    def __init__(
+        self, backend: StreamedBackend, inputs: Inputs, reference: Observation, fed: FedOptions
+    ) -> None:
         self.backend, self.inputs, self.reference = backend, inputs, reference
         self.boundaries = ReferenceBoundaries(reference)
+        self.fed_windows = fed.indices(len(inputs["windows"]))
 
     def begin(self, calls: list[WindowCall], done: int, carry: dict[str, torch.Tensor]) -> None:
         n, n_windows = self.backend.n_layers, len(calls)
@@ -83,15 +96,16 @@ class LayerErrorsVisitor(QuietVisitor):
         ref_in = self.boundaries.read(0)
         self.embeddings = np.stack([state_errors(ref_in[w], calls[w].hidden[0]) for w in range(n_windows)])
 
-    def reference_input(self, index: int) -> torch.Tensor:
-        return self.boundaries.read(index)
+    def reference_input(self, index: int) -> ReferenceInput:
+        return ReferenceInput(self.boundaries.read(index), self.fed_windows)
 
     def visit(self, step: LayerStep) -> None:
         assert step.fed is not None
         ref_out = self.boundaries.read(step.index + 1)
         for w in range(len(step.calls)):
             self.drift[step.index, w] = state_errors(ref_out[w], step.after[w][0])
-            self.own[step.index, w] = state_errors(ref_out[w], step.fed[w][0])
+        for w, out in step.fed.items():
+            self.own[step.index, w] = state_errors(ref_out[w], out[0])
 
     def carry(self) -> dict[str, torch.Tensor]:
         return {"drift": torch.from_numpy(self.drift), "own": torch.from_numpy(self.own)}
@@ -105,6 +119,7 @@ class LayerErrorsVisitor(QuietVisitor):
                 "layer_kinds": backend.layer_kinds(),
                 "tokens_sha256": self.inputs["tokens_sha256"],
                 "n_windows": len(calls),
+                "fed_windows": list(self.fed_windows),
                 "execution": backend.describe(),
                 "ref_execution": self.reference.meta.get("execution", {}),
             },
@@ -140,7 +155,13 @@ class Layers:
     def needs(self) -> list[Need]:
         return [
             Need("ref", "ref", BoundaryStates(self.spec.protocol), streamed=True),
-            Need("ckpt", "ckpt", LayerErrors(self.spec.protocol), streamed=True, consumes=("ref",)),
+            Need(
+                "ckpt",
+                "ckpt",
+                LayerErrors(self.spec.protocol, self.spec.fed),
+                streamed=True,
+                consumes=("ref",),
+            ),
         ]
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
@@ -168,6 +189,8 @@ class Layers:
             "corpus": ref.meta["corpus"],
             "n_windows": ckpt.meta["n_windows"],
             "n_tokens": int(final.n // ref.meta["hidden_size"]),
+            # the windows the layers' own errors were measured on (the spec's [fed])
+            "own_windows": ", ".join(str(w) for w in ckpt.meta["fed_windows"]),
             "n_layers": len(rows),
             "worst_layer": worst,
             "worst_layer_kind": kinds[worst],

@@ -22,7 +22,9 @@ shared expert's damage is that of the module). Nothing is computed outside those
   layer (`fed`, as `layers` does: router inputs shifted by its attention show here) and its router alone on
   the reference's router input (`router`); each routed expert on the tokens the reference routes to it,
   against the reference's expert output, weighted by the reference's routing weight; the shared expert on
-  every token.
+  every token. `own`, `router` and usage cover every window; `fed` and the experts' errors, which run the
+  candidate's layer and experts once more (and the reference's experts), the windows of the spec's `[fed]`
+  (`FedOptions`). An expert the text uses but those windows never route to is counted as unmeasured.
 
 Routing agreement per MoE layer and mode: mean top-k set overlap |A∩B|/k, top-1 agreement, the candidate's
 routing weight on the reference's chosen experts, KL(softmax(ref logits) ‖ softmax(ckpt logits)). Expert usage
@@ -46,7 +48,7 @@ from evalsuite.run_folder import write_csv
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
 from evalsuite.task import Inputs, Need, RunContext, TaskResult, TaskSkipped, task
-from evalsuite.tasks.boundary_states import summed_errors
+from evalsuite.tasks.boundary_states import FedOptions, summed_errors
 from evalsuite.tasks.moe_observe import EXPERT_COUNT_FIELDS, MODES, MoeErrors, MoeReference, expert_count
 from evalsuite.tasks.moe_tables import COVERAGE_SCHEMA, ExpertTable, expert_name, read_coverage
 from evalsuite.tasks.window_logits import WindowProtocol, prepare_windows
@@ -72,6 +74,7 @@ class MoeCompareOptions(StrictModel):
 
 class MoeSpec(TaskSpec):
     protocol: WindowProtocol = WindowProtocol()
+    fed: FedOptions = FedOptions()
     compare: MoeCompareOptions = MoeCompareOptions()
 
 
@@ -96,6 +99,7 @@ class MixtureOfExperts:
         "worst_expert_rel_err",
         "worst_expert_cosine",
         "experts_unused",
+        "experts_unmeasured",
         "experts_hot",
         "experts_hurt",
         "hot_hurt_experts",
@@ -121,6 +125,8 @@ class MixtureOfExperts:
         "reference's routing weights",
         "experts_unused": "routed experts the reference sends no token of the text to (their damage is not "
         "measured)",
+        "experts_unmeasured": "routed experts the text uses but the fed windows (the spec's [fed]) route no "
+        "token to: their damage is not measured",
         "experts_hot": "routed experts the reference sends at least the uniform share of its layer's "
         "tokens to (tokens × k / experts)",
         "experts_hurt": "used experts whose error is above hurt_rel_err_floor: the larger of the spec's "
@@ -161,8 +167,14 @@ class MixtureOfExperts:
 
     def needs(self) -> list[Need]:
         return [
-            Need("ref", "ref", MoeReference(self.spec.protocol), streamed=True),
-            Need("ckpt", "ckpt", MoeErrors(self.spec.protocol), streamed=True, consumes=("ref",)),
+            Need("ref", "ref", MoeReference(self.spec.protocol, self.spec.fed), streamed=True),
+            Need(
+                "ckpt",
+                "ckpt",
+                MoeErrors(self.spec.protocol, self.spec.fed),
+                streamed=True,
+                consumes=("ref",),
+            ),
         ]
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
@@ -189,14 +201,16 @@ class MixtureOfExperts:
             rel_err = np.where(experts[..., 3] == 0, 0.0, np.sqrt(experts[..., 3] / experts[..., 2]))
             cosine = experts[..., 5] / np.sqrt(experts[..., 2] * experts[..., 4])
         used = usage > 0
+        # Errors exist for the experts the fed windows route tokens to (a subset of those the text uses).
+        measured = experts[..., 0] > 0
         tokens_per_layer = usage.sum(axis=1, keepdims=True)
         uniform = tokens_per_layer / usage.shape[1]
-        median = float(np.median(rel_err[used])) if used.any() else 0.0
+        median = float(np.median(rel_err[measured])) if measured.any() else 0.0
         hurt_floor = max(options.hurt_min_rel_err, options.hurt_factor * median)
-        hurt = used & (rel_err > hurt_floor)
+        hurt = measured & (rel_err > hurt_floor)
         hot = used & (usage >= options.hot_usage * uniform)
         score = rel_err * usage / tokens_per_layer  # error × share of the layer's routed tokens
-        masked = np.where(used, rel_err, -1.0)
+        masked = np.where(measured, rel_err, -1.0)
         worst_slot, worst_e = np.unravel_index(int(np.argmax(masked)), masked.shape)
 
         coverage = self.coverage
@@ -212,7 +226,14 @@ class MixtureOfExperts:
             calibration[moe_layers.index(layer), e] = count
         below = calibration < options.coverage_floor if coverage is not None else np.zeros_like(used)
         table = ExpertTable(
-            moe_layers, usage, rel_err, cosine, hot, hurt, calibration if coverage is not None else None
+            moe_layers,
+            usage,
+            experts[..., 0],
+            rel_err,
+            cosine,
+            hot,
+            hurt,
+            calibration if coverage is not None else None,
         )
 
         rows: list[dict[str, Any]] = []
@@ -237,7 +258,7 @@ class MixtureOfExperts:
             )
         rows += table.per_layer(below if coverage is not None else None)
         order = sorted(
-            ((s, e) for s in range(len(moe_layers)) for e in range(usage.shape[1]) if used[s, e]),
+            ((s, e) for s in range(len(moe_layers)) for e in range(usage.shape[1]) if measured[s, e]),
             key=lambda se: (-score[se], -rel_err[se]),
         )
         worst_rows = order[: options.worst_experts]
@@ -262,11 +283,14 @@ class MixtureOfExperts:
                     {"table": title, "expert": f"{len(flagged) - len(shown):,} more: see moe_experts.csv"}
                 )
         shared_errors = [summed_errors(shared[s]).relative_frobenius_error for s in range(len(moe_layers))]
-        quantiles = np.quantile(rel_err[used], (0.9, 0.99)) if used.any() else (0.0, 0.0)
+        quantiles = np.quantile(rel_err[measured], (0.9, 0.99)) if measured.any() else (0.0, 0.0)
         values: dict[str, Any] = {
             "corpus": ref.meta["corpus"],
             "n_windows": ckpt.meta["n_windows"],
             "n_tokens": int(n_tokens[0, 0]),
+            # the windows the fed routing and the experts' errors were measured on (the spec's [fed])
+            "fed_windows": ", ".join(str(w) for w in ckpt.meta["fed_windows"]),
+            "n_fed_tokens": int(n_tokens[MODES.index("fed"), 0]),
             "n_moe_layers": len(moe_layers),
             "n_experts": int(usage.size),
             "top_k": ref.meta["top_k"],
@@ -288,6 +312,7 @@ class MixtureOfExperts:
             "p99_expert_rel_err": float(quantiles[1]),
             "hurt_rel_err_floor": hurt_floor,
             "experts_unused": int((~used).sum()),
+            "experts_unmeasured": int((used & ~measured).sum()),
             "experts_hot": int(hot.sum()),
             "experts_hurt": int(hurt.sum()),
             "hot_hurt_experts": int((hot & hurt).sum()),
@@ -309,7 +334,10 @@ class MixtureOfExperts:
         made = {"experts": f"{artifacts.name}/moe_experts.csv"}
         if self.context.plots:
             plots.expert_heatmap(
-                np.where(used, rel_err, np.nan), moe_layers, artifacts / "moe_expert_rel_err.png", hurt_floor
+                np.where(measured, rel_err, np.nan),
+                moe_layers,
+                artifacts / "moe_expert_rel_err.png",
+                hurt_floor,
             )
             made["expert_rel_err"] = f"{artifacts.name}/moe_expert_rel_err.png"
         write_csv(artifacts / "moe_experts.csv", table.every_row(below))

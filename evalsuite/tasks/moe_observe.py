@@ -17,19 +17,20 @@ import torch
 from torch import nn
 
 from evalsuite import metrics, tensor_errors
-from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, observe_alone
+from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, ReferenceInput, observe_alone
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.run_folder import atomic_target
 from evalsuite.task import Inputs, Progress
 from evalsuite.tasks.boundary_states import (
+    FedOptions,
     ReferenceBoundaries,
     boundary_file,
     check_same_model,
     state_errors,
     write_boundary,
 )
-from evalsuite.tasks.window_logits import WindowObserver, log_softmax64, window_tensor
+from evalsuite.tasks.window_logits import WindowObserver, WindowProtocol, log_softmax64, window_tensor
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend, WindowCall
@@ -178,6 +179,13 @@ class MoeReference(WindowObserver):
 
     name = "moe-reference"
 
+    def __init__(self, protocol: WindowProtocol, fed: FedOptions | None = None) -> None:
+        super().__init__(protocol)
+        self.fed = fed or FedOptions()
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "fed": self.fed.model_dump(mode="json")}
+
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
     ) -> Observation:
@@ -186,7 +194,7 @@ class MoeReference(WindowObserver):
         )
 
     def visitor(self, backend: StreamedBackend, inputs: Inputs, folder: Path) -> LayerVisitor:
-        return MoeReferenceVisitor(backend, inputs, folder)
+        return MoeReferenceVisitor(backend, inputs, folder, self.fed)
 
     def record(self, observation: Observation, folder: Path) -> Observation:
         """All of it: the candidate's experts are compared with these outputs (size: module docstring)."""
@@ -201,10 +209,12 @@ class MoeReference(WindowObserver):
 
 
 class MoeReferenceVisitor(QuietVisitor):
-    """`MoeReference` during the reference's layer pass: the MoE block tapped on the pass's own forward."""
+    """`MoeReference` during the reference's layer pass: the MoE block tapped on the pass's own forward; the
+    experts' outputs on the windows of `FedOptions`, the ones the candidate's experts are run on."""
 
-    def __init__(self, backend: StreamedBackend, inputs: Inputs, folder: Path) -> None:
+    def __init__(self, backend: StreamedBackend, inputs: Inputs, folder: Path, fed: FedOptions) -> None:
         self.backend, self.inputs, self.folder = backend, inputs, folder
+        self.fed_windows = fed.indices(len(inputs["windows"]))
         self.router = router_class(backend.model)
         # The meta skeleton's layers: nothing is read to find the blocks.
         self.blocks = [moe_block(layer, self.router) for layer in backend.layers]
@@ -239,20 +249,23 @@ class MoeReferenceVisitor(QuietVisitor):
         write_boundary(self.folder, step.index + 1, step.after)
 
     def _write_layer(self, index: int, moe: MoeBlock, taps: list[Tap]) -> None:
-        """One MoE layer's file: block inputs, routes, chosen and shared experts' outputs; usage counted."""
+        """One MoE layer's file: block inputs and routes of every window, the chosen and shared experts'
+        outputs on the fed windows (in their order); usage counted over every window."""
         slot = self.moe_layers.index(index)
         logits = torch.cat([t.routes[0][0] for t in taps]).float()
         weights = torch.cat([t.routes[0][1] for t in taps]).float()
         chosen = torch.cat([t.routes[0][2] for t in taps])
         x = torch.stack([t.inputs[0] for t in taps])
-        flat = x.reshape(-1, x.shape[-1])
+        fed = list(self.fed_windows)
+        flat = x[fed].reshape(-1, x.shape[-1])
+        fed_chosen = torch.stack([taps[w].routes[0][2] for w in fed]).reshape(-1, chosen.shape[-1])
         with torch.inference_mode():
             doc = {
                 "input": x,
                 "logits": logits,
                 "weights": weights,
                 "index": chosen.to(torch.int32),
-                "experts": chosen_expert_outputs(moe.experts, flat, chosen),
+                "experts": chosen_expert_outputs(moe.experts, flat, fed_chosen),
             }
             if moe.shared is not None:
                 doc["shared"] = moe.shared(flat)
@@ -269,9 +282,12 @@ class MoeReferenceVisitor(QuietVisitor):
         first = self.blocks[self.moe_layers[0]]
         assert first is not None
         hidden, dtype = int(final[0].shape[-1]), final[0].dtype
+        # per token of the text, the fed windows' share of the experts' outputs averaged over every token
+        fed_share = len(self.fed_windows) / len(calls)
         per_token = (n + 1) * hidden * dtype.itemsize
         per_token += len(self.moe_layers) * (
-            (self.top_k + 2) * hidden * dtype.itemsize + (self.n_experts + 2 * self.top_k) * 4
+            (1 + (self.top_k + 1) * fed_share) * hidden * dtype.itemsize
+            + (self.n_experts + 2 * self.top_k) * 4
         )
         files = {f"boundary-{b:03d}": boundary_file(self.folder, b) for b in range(n + 1)}
         files.update({moe_file(self.folder, i).stem: moe_file(self.folder, i) for i in self.moe_layers})
@@ -288,6 +304,7 @@ class MoeReferenceVisitor(QuietVisitor):
                 "hidden_size": hidden,
                 "bytes_per_token": per_token,
                 "n_windows": len(calls),
+                "fed_windows": list(self.fed_windows),
                 "tokens_sha256": self.inputs["tokens_sha256"],
                 "corpus": self.inputs["corpus"],
                 "execution": backend.describe(),
@@ -313,6 +330,13 @@ class MoeErrors(WindowObserver):
 
     name = "moe-errors"
 
+    def __init__(self, protocol: WindowProtocol, fed: FedOptions | None = None) -> None:
+        super().__init__(protocol)
+        self.fed = fed or FedOptions()
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "fed": self.fed.model_dump(mode="json")}
+
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
     ) -> Observation:
@@ -323,16 +347,25 @@ class MoeErrors(WindowObserver):
     def visitor(self, backend: StreamedBackend, inputs: Inputs, folder: Path) -> LayerVisitor:
         reference = inputs["observed"]["ref"]
         check_same_model(reference, backend, inputs)
-        return MoeErrorsVisitor(backend, inputs, reference)
+        return MoeErrorsVisitor(backend, inputs, reference, self.fed)
 
 
 class MoeErrorsVisitor(QuietVisitor):
     """`MoeErrors` during the candidate's layer pass: the router tapped on the pass's own forward (`own`) and
-    on the layer's forward of the reference's input (`fed`); the experts run on the reference's tokens."""
+    on the layer's forward of the reference's input (`fed`), and the router alone on the reference's router
+    input; the experts run on the reference's tokens. `fed` and the experts: the windows of `FedOptions`."""
 
-    def __init__(self, backend: StreamedBackend, inputs: Inputs, reference: Observation) -> None:
+    def __init__(
+        self, backend: StreamedBackend, inputs: Inputs, reference: Observation, fed: FedOptions
+    ) -> None:
         self.backend, self.inputs, self.reference = backend, inputs, reference
         meta = reference.meta
+        self.fed_windows = fed.indices(len(inputs["windows"]))
+        if meta.get("fed_windows") != list(self.fed_windows):
+            raise InputError(
+                f"the reference's experts were observed on windows {meta.get('fed_windows')}, the candidate "
+                f"is fed windows {list(self.fed_windows)} (the two specs' [fed] differ)"
+            )
         self.router = router_class(backend.model)
         blocks = [moe_block(layer, self.router) for layer in backend.layers]
         self.moe_layers = [i for i, b in enumerate(blocks) if b is not None]
@@ -363,8 +396,10 @@ class MoeErrorsVisitor(QuietVisitor):
         moe = moe_block(layer, self.router) if index in self.moe_layers else None
         return window_tapped(moe, self.own) if moe is not None else contextlib.nullcontext()
 
-    def reference_input(self, index: int) -> torch.Tensor | None:
-        return self.boundaries.read(index) if index in self.moe_layers else None
+    def reference_input(self, index: int) -> ReferenceInput | None:
+        if index not in self.moe_layers:
+            return None
+        return ReferenceInput(self.boundaries.read(index), self.fed_windows)
 
     def fed_tap(self, index: int, layer: nn.Module) -> contextlib.AbstractContextManager[Any]:
         moe = moe_block(layer, self.router)
@@ -380,7 +415,9 @@ class MoeErrorsVisitor(QuietVisitor):
         ref_moe = _read_moe(self.reference, step.index)
         slot = self.moe_layers.index(step.index)
         for w in range(len(step.calls)):
-            self._window(moe, ref_moe, w, slot, own[w], fed[w], self.routing, self.experts, self.shared)
+            self._routes(moe, ref_moe, w, slot, own[w], self.routing)
+        for j, w in enumerate(self.fed_windows):
+            self._fed_window(moe, ref_moe, w, j, slot, fed[j], self.routing, self.experts, self.shared)
 
     def carry(self) -> dict[str, torch.Tensor]:
         return {
@@ -398,6 +435,7 @@ class MoeErrorsVisitor(QuietVisitor):
                 "n_experts": int(self.reference.meta["n_experts"]),
                 "tokens_sha256": self.inputs["tokens_sha256"],
                 "n_windows": len(calls),
+                "fed_windows": list(self.fed_windows),
                 "execution": self.backend.describe(),
                 "ref_execution": self.reference.meta.get("execution", {}),
             },
@@ -405,26 +443,40 @@ class MoeErrorsVisitor(QuietVisitor):
         )
 
     @staticmethod
-    def _window(
-        moe: MoeBlock,
-        ref: dict[str, torch.Tensor],
-        w: int,
-        slot: int,
-        own: Tap,
-        fed: Tap,
-        routing: np.ndarray,
-        experts: np.ndarray,
-        shared: np.ndarray,
+    def _routes(
+        moe: MoeBlock, ref: dict[str, torch.Tensor], w: int, slot: int, own: Tap, routing: np.ndarray
     ) -> None:
-        """One window of one MoE layer: the routing sums of each mode, the experts' and shared expert's."""
+        """One window of one MoE layer: the routing sums of the candidate on its own prefix and of its router
+        alone on the reference's router input."""
         x = ref["input"][w].to(_device_of(moe.experts))
         tokens = slice(w * len(x), (w + 1) * len(x))
         ref_logits, ref_index = ref["logits"][tokens], ref["index"][tokens].long()
         with torch.inference_mode():
             alone = moe.router(x)
-        for m, route in enumerate((own.routes[0], fed.routes[0], alone)):
-            routing[m, slot, w] = routing_sums(ref_logits, ref_index, route)
-        rows = slice(w * len(x) * ref_index.shape[1], (w + 1) * len(x) * ref_index.shape[1])
+        routing[MODES.index("own"), slot, w] = routing_sums(ref_logits, ref_index, own.routes[0])
+        routing[MODES.index("router"), slot, w] = routing_sums(ref_logits, ref_index, alone)
+
+    @staticmethod
+    def _fed_window(
+        moe: MoeBlock,
+        ref: dict[str, torch.Tensor],
+        w: int,
+        j: int,
+        slot: int,
+        fed: Tap,
+        routing: np.ndarray,
+        experts: np.ndarray,
+        shared: np.ndarray,
+    ) -> None:
+        """Window `w`, the `j`-th fed window, of one MoE layer: the routing sums of the candidate's layer fed
+        the reference's input, the experts' and the shared expert's error sums on the reference's tokens."""
+        x = ref["input"][w].to(_device_of(moe.experts))
+        tokens = slice(w * len(x), (w + 1) * len(x))
+        fed_tokens = slice(j * len(x), (j + 1) * len(x))
+        ref_logits, ref_index = ref["logits"][tokens], ref["index"][tokens].long()
+        routing[MODES.index("fed"), slot, w] = routing_sums(ref_logits, ref_index, fed.routes[0])
+        k = ref_index.shape[1]
+        rows = slice(j * len(x) * k, (j + 1) * len(x) * k)
         cand = chosen_expert_outputs(moe.experts, x, ref_index.to(x.device))
         experts[slot] += tensor_errors.grouped_error_sums(
             ref["experts"][rows].float().numpy(),
@@ -435,7 +487,7 @@ class MoeErrorsVisitor(QuietVisitor):
         )
         if moe.shared is not None and "shared" in ref:
             with torch.inference_mode():
-                shared[slot, w] = state_errors(ref["shared"][tokens], moe.shared(x))
+                shared[slot, w] = state_errors(ref["shared"][fed_tokens], moe.shared(x))
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:

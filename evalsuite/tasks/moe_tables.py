@@ -72,6 +72,7 @@ class ExpertTable:
 
     moe_layers: list[int]
     usage: np.ndarray
+    measured_rows: np.ndarray  # the expert's outputs compared (tokens of the fed windows routed to it)
     rel_err: np.ndarray
     cosine: np.ndarray
     hot: np.ndarray
@@ -80,13 +81,14 @@ class ExpertTable:
 
     def row(self, s: int, e: int, below: np.ndarray) -> dict[str, Any]:
         """Expert `e` of MoE layer slot `s`: its tokens, share of its layer's, error, hot and hurt."""
-        used = bool(self.usage[s, e] > 0)
+        measured = bool(self.measured_rows[s, e] > 0)
         row: dict[str, Any] = {
             "expert": expert_name(self.moe_layers[s], e),
             "tokens": int(self.usage[s, e]),
             "usage_share": float(self.usage[s, e] / self.usage[s].sum()),
-            "rel_err": float(self.rel_err[s, e]) if used else None,
-            "cosine": float(self.cosine[s, e]) if used else None,
+            "measured_tokens": int(self.measured_rows[s, e]),
+            "rel_err": float(self.rel_err[s, e]) if measured else None,
+            "cosine": float(self.cosine[s, e]) if measured else None,
             "hot": bool(self.hot[s, e]),
             "hurt": bool(self.hurt[s, e]),
         }
@@ -96,17 +98,19 @@ class ExpertTable:
         return row
 
     def per_layer(self, below: np.ndarray | None) -> list[dict[str, Any]]:
-        """One row per MoE layer: how many of its experts are used, hot, hurt, both (and below the calibration
-        floor), and the median and 90th percentile of its used experts' errors."""
+        """One row per MoE layer: how many of its experts are used, measured, hot, hurt, both (and below the
+        calibration floor), and the median and 90th percentile of its measured experts' errors."""
         rows = []
         for s, layer in enumerate(self.moe_layers):
             used = self.usage[s] > 0
-            errors = self.rel_err[s][used]
+            measured = self.measured_rows[s] > 0
+            errors = self.rel_err[s][measured]
             row: dict[str, Any] = {
                 "table": "experts per MoE layer (hot: at least the uniform share of tokens; hurt: error "
                 "above hurt_rel_err_floor)",
                 "layer": layer,
                 "used": int(used.sum()),
+                "measured": int(measured.sum()),
                 "hot": int(self.hot[s].sum()),
                 "hurt": int(self.hurt[s].sum()),
                 "hot_and_hurt": int((self.hot[s] & self.hurt[s]).sum()),

@@ -16,11 +16,12 @@ from tests.e2e.test_interrupt import interrupt_after
 from tests.e2e.test_streamed import TWO_WINDOWS
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
-SPECS = {
-    "ppl": TWO_WINDOWS + "[noise_floor]\nenabled = true\n[thresholds]\nppl_ratio = { max = 1.70 }\n",
-    "moe": TWO_WINDOWS + "[thresholds]\nmean_topk_overlap = { min = 0.5 }\n",
-    "layers": TWO_WINDOWS + "[thresholds]\nfinal_hidden_cosine = { min = 0.5 }\n",
+BEYOND_PROTOCOL = {
+    "ppl": "[noise_floor]\nenabled = true\n[thresholds]\nppl_ratio = { max = 1.70 }\n",
+    "moe": "[thresholds]\nmean_topk_overlap = { min = 0.5 }\n",
+    "layers": "[thresholds]\nfinal_hidden_cosine = { min = 0.5 }\n",
 }
+SPECS = {task: TWO_WINDOWS + rest for task, rest in BEYOND_PROTOCOL.items()}
 # Strings that say how a side ran ("streamed"), not what it measured.
 EXECUTION = {"ref_execution", "ckpt_execution"}
 
@@ -94,3 +95,43 @@ def test_an_interrupted_pass_resumes_at_the_layer_it_stopped_at(runs):
     assert loads["ckpt"]["decoder_layer_loads"] == 2
     for task in ("ppl", "moe", "layers"):
         assert measured(runs["resumed"], task) == measured(runs["together"], task), task
+
+
+THREE_WINDOWS = TWO_WINDOWS.replace("count = 2", "count = 3")
+
+
+@pytest.fixture(scope="module")
+def fed_runs(tiny_pair, tmp_path_factory) -> dict[int, dict]:
+    """`moe` and `layers` together, streamed, on a 3-window protocol: the second forward (the candidate's
+    layers fed the reference's input) on 2 windows (the spec's default) and on all 3."""
+    root = tmp_path_factory.mktemp("fed-windows")
+    docs = {}
+    for windows in (2, 3):
+        args: list = ["run", "--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16]]
+        args += ["--tasks", "moe,layers", "--stream", "--corpus", "python-docs", "--quiet"]
+        for task in ("moe", "layers"):
+            spec = root / f"{task}-{windows}.toml"
+            spec.write_text(THREE_WINDOWS + f"[fed]\nwindows = {windows}\n" + BEYOND_PROTOCOL[task])
+            args += ["--spec", f"{task}={spec}"]
+        res = run_cli(*args, "--out", root / str(windows))
+        assert res.returncode == 0, res.stderr
+        docs[windows] = results(root / str(windows))
+    return docs
+
+
+def test_the_second_forward_runs_on_the_fed_windows_and_the_rest_on_every_window(fed_runs):
+    some, every = fed_runs[2], fed_runs[3]
+    moe, layers = some["tasks"]["moe"]["metrics"], some["tasks"]["layers"]["metrics"]
+    window = 512
+    assert moe["fed_windows"] == layers["own_windows"] == "0, 2"
+    assert every["tasks"]["moe"]["metrics"]["fed_windows"] == "0, 1, 2"
+    assert moe["n_tokens"] == 3 * window and moe["n_fed_tokens"] == 2 * window
+    assert every["tasks"]["moe"]["metrics"]["n_fed_tokens"] == 3 * window
+    # What rides the candidate's own pass is measured on every window whatever [fed] says.
+    for name in ("final_hidden_rel_err", "final_hidden_cosine", "embeddings_rel_err"):
+        assert layers[name] == every["tasks"]["layers"]["metrics"][name], name
+    for name in ("own_mean_topk_overlap", "router_mean_topk_overlap", "experts_unused"):
+        assert moe[name] == every["tasks"]["moe"]["metrics"][name], name
+    # ... and what the second forward measures differs with its windows (the W4A8 copy's layers all err).
+    assert layers["worst_layer_rel_err"] != every["tasks"]["layers"]["metrics"]["worst_layer_rel_err"]
+    assert moe["mean_topk_overlap"] != every["tasks"]["moe"]["metrics"]["mean_topk_overlap"]

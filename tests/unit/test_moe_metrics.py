@@ -11,6 +11,7 @@ import pytest
 
 from evalsuite import metrics, tensor_errors
 from evalsuite.errors import InputError
+from evalsuite.tasks.boundary_states import FedOptions
 from evalsuite.tasks.moe import COVERAGE_SCHEMA, expert_count, read_coverage
 
 
@@ -77,3 +78,24 @@ def test_expert_count_reads_the_text_config_and_says_zero_for_a_dense_model():
     assert expert_count({"text_config": {"num_experts": 256}}) == 256
     assert expert_count({"num_local_experts": 8}) == 8
     assert expert_count({"hidden_size": 576}) == 0
+
+
+@pytest.mark.parametrize(
+    ("windows", "n_windows", "expected"),
+    [
+        (2, 8, (0, 7)),
+        (4, 8, (0, 2, 5, 7)),
+        (8, 8, tuple(range(8))),
+        (9, 8, tuple(range(8))),
+        (1, 8, (0,)),
+        (2, 1, (0,)),
+        (2, 3, (0, 2)),
+    ],
+)
+def test_the_fed_windows_are_evenly_spread_and_never_more_than_the_protocol_has(windows, n_windows, expected):
+    assert FedOptions(windows=windows).indices(n_windows) == expected
+
+
+def test_a_fed_window_count_below_one_is_refused():
+    with pytest.raises(ValueError, match="windows"):
+        FedOptions(windows=0)

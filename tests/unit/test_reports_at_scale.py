@@ -65,7 +65,7 @@ def moe_observations(rng: np.random.Generator, layers: int, experts: int) -> dic
     )
     ckpt = Observation(
         name="moe-errors",
-        meta={"n_windows": N_WINDOWS, "tokens_sha256": "0" * 64},
+        meta={"n_windows": N_WINDOWS, "fed_windows": list(range(N_WINDOWS)), "tokens_sha256": "0" * 64},
         arrays={"routing": routing, "experts": expert_sums, "shared": shared},
     )
     return {"ref": ref, "ckpt": ckpt}
