@@ -386,8 +386,8 @@ def report(doc: dict[str, Any]) -> None:
         )
     if "streamed_over_bare_and_fed" in ratios:
         print(
-            f"(ppl+moe+layers streamed) / (that floor + the candidate's layers once more, on the reference's "
-            f"input) = {ratios['streamed_over_bare_and_fed']:.2f}"
+            f"(ppl+moe+layers streamed) / (that floor + the candidate's layers once more, fed the reference's"
+            f" input on the fed windows) = {ratios['streamed_over_bare_and_fed']:.2f}"
         )
     if "streamed_peak_over_shallower" in ratios:
         print(
@@ -424,9 +424,12 @@ def summarise(doc: dict[str, Any]) -> None:
         floor = bare["bare-ref"]["seconds"] + bare["bare-w4a8"]["seconds"]
         ratios["streamed_over_bare"] = runs["ppl-moe-layers-streamed"]["seconds"] / floor
         # `moe` and `layers` also run each candidate layer on the reference's input to it (their "given the
-        # same input" figures): a third forward of the candidate's layers, beyond the two the floor counts.
-        fed = sum(bare["bare-w4a8"]["layer_seconds"])
-        ratios["streamed_over_bare_and_fed"] = runs["ppl-moe-layers-streamed"]["seconds"] / (floor + fed)
+        # same input" figures) on their spec's [fed] windows: that share of a third forward of the
+        # candidate's layers, beyond the two the floor counts (known for runs that recorded the share).
+        share = runs["ppl-moe-layers-streamed"].get("fed_share")
+        if share is not None:
+            fed = share * sum(bare["bare-w4a8"]["layer_seconds"])
+            ratios["streamed_over_bare_and_fed"] = runs["ppl-moe-layers-streamed"]["seconds"] / (floor + fed)
     shallower = doc.get("shallower")
     if shallower and "ppl-moe-layers-streamed" in runs:
         peak = runs["ppl-moe-layers-streamed"]["peak_rss"]
@@ -459,7 +462,7 @@ def add_figures(doc: dict[str, Any], figures: Figures) -> None:
         what = "(ppl+moe+layers streamed) / (bare streamed forward of both sides)"
         figures.add(what, ratios["streamed_over_bare"], goal=f"<= {STREAM_GOAL}")
     if "streamed_over_bare_and_fed" in ratios:
-        what = "(ppl+moe+layers streamed) / (bare streamed forward of both sides + candidate's layers again)"
+        what = "(ppl+moe+layers streamed) / (bare streamed forward of both sides + candidate's fed layers)"
         figures.add(what, ratios["streamed_over_bare_and_fed"])
     if "streamed_peak_over_shallower" in ratios:
         what = f"ppl-moe-layers-streamed: peak RSS / its peak at {doc['shallower']['layers']} layers"
@@ -612,7 +615,17 @@ def measure_one(name: str, folders: dict[str, Path], commit: str, tmp: Path) -> 
         "load_average": result["load_average"],
         "layer_loads": layer_loads(results),
         "commit": commit,
+        **fed_share(results),
     }
+
+
+def fed_share(results: dict[str, Any]) -> dict[str, float]:
+    """The share of the windows `moe` fed the candidate's layers the reference's input (its spec's `[fed]`),
+    where the run has `moe`."""
+    metrics = results["tasks"].get("moe", {}).get("metrics", {})
+    if not metrics.get("n_tokens") or metrics.get("n_fed_tokens") is None:
+        return {}
+    return {"fed_share": metrics["n_fed_tokens"] / metrics["n_tokens"]}
 
 
 def combined(rounds: list[dict[str, Any]]) -> dict[str, Any]:
