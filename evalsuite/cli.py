@@ -154,7 +154,8 @@ def run_command(
         str,
         typer.Option(
             help="How the candidate is executed: hf (Transformers), intref (integer W4A8), exl3 (exllamav3 "
-            "on CUDA, else decoded weights), or auto (exl3 for an EXL3 pack, hf otherwise)."
+            "on CUDA, else decoded weights), llamacpp (a GGUF file through llama.cpp), or auto (exl3 for an "
+            "EXL3 pack, hf otherwise)."
         ),
     ] = "auto",
     dtype: Dtype = "bfloat16",

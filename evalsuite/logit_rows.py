@@ -25,10 +25,11 @@ import torch
 from evalsuite import metrics
 
 
-def as_float32(raw: np.ndarray, bfloat16: bool, out: np.ndarray) -> np.ndarray:
-    """Rows of stored logits as float32 in `out` (same shape): `raw` is bf16's 16 bits as uint16 when
-    `bfloat16` (numpy has no bfloat16; its bits are a float32's upper half), else float16 or float32."""
-    if bfloat16:
+def as_float32(raw: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Rows of stored logits as float32 in `out` (same shape): `raw` is bf16's 16 bits as uint16 (numpy has
+    no bfloat16; its bits are a float32's upper half), or float16 or float32. Each side is read by its own
+    dtype: a backend that hands float32 logits (`llamacpp`) meets a bf16 reference."""
+    if raw.dtype == np.uint16:
         bits = out.view(np.uint32)
         np.copyto(bits, raw, casting="safe")
         bits <<= 16
@@ -62,16 +63,14 @@ class PairRows:
     top_hits: np.ndarray  # (rows, k): the first 1 .. k tokens agree in order, ties included
 
 
-def pair_statistics(
-    raw_x: np.ndarray, raw_y: np.ndarray, bfloat16: bool, k: int, scratch: RowScratch
-) -> PairRows:
+def pair_statistics(raw_x: np.ndarray, raw_y: np.ndarray, k: int, scratch: RowScratch) -> PairRows:
     """Per row of stored logits `raw_x` (the reference) and `raw_y` (the candidate), as `as_float32` reads
     them: the forward and reverse KLD, the reference's top-1 probability, both sides' `k` most probable ids
     and whether their most probable tokens agree. Rows whose sums are not finite (logits of ±inf or NaN)
     are computed again in float64 from the definition."""
     n = len(raw_x)
-    x = as_float32(raw_x, bfloat16, scratch.x[:n])
-    y = as_float32(raw_y, bfloat16, scratch.y[:n])
+    x = as_float32(raw_x, scratch.x[:n])
+    y = as_float32(raw_y, scratch.y[:n])
     top_ref, top_ckpt = top_ids(x, k), top_ids(y, k)
     mx, my = x.max(axis=1, keepdims=True), y.max(axis=1, keepdims=True)
     same = _same_top(x, y, mx, my)
@@ -95,8 +94,7 @@ def pair_statistics(
     if bad.any():
         rows = np.flatnonzero(bad)
         again = [
-            as_float32(raw[rows], bfloat16, np.empty((len(rows), raw.shape[1]), np.float32))
-            for raw in (raw_x, raw_y)
+            as_float32(raw[rows], np.empty((len(rows), raw.shape[1]), np.float32)) for raw in (raw_x, raw_y)
         ]
         forward[rows], reverse[rows] = _kld_rows64(*again)
     return PairRows(forward, reverse, 1.0 / sx, top_ref, top_ckpt, same, hits)

@@ -181,11 +181,15 @@ class TaskSkipped(Exception):
     """Raised by `prepare` when a task cannot run on these sides or this machine; carries the reason."""
 
 
-def skip_if_streamed(ref: Side, ckpt: Side, what: str) -> None:
-    """TaskSkipped for a task that generates when a side runs streamed: decoding reads every layer for each
-    new token, so streaming does not apply, and the side was streamed because it does not fit (or was asked
-    to be)."""
+def skip_if_cannot_generate(ref: Side, ckpt: Side, what: str) -> None:
+    """TaskSkipped for a task that generates when a side runs streamed (decoding reads every layer for each
+    new token, so streaming does not apply, and the side was streamed because it does not fit, or was asked
+    to be), or on a backend that does not generate (`llamacpp`: `evalsuite.backends.llamacpp`)."""
     for side in (ref, ckpt):
+        if side.checkpoint is not None and side.options.backend == "llamacpp":
+            from evalsuite.backends.llamacpp import NO_GENERATION
+
+            raise TaskSkipped(f"{what} generates, and {NO_GENERATION}")
         if side.checkpoint is not None and side.options.stream:
             why = (
                 f" ({side.stream_reason})" if side.stream_reason not in (None, "--stream") else " (--stream)"

@@ -2,7 +2,8 @@
 
 `hf` runs the checkpoint through Transformers as users run it (bf16, or compressed-tensors as Transformers
 executes it); `intref` is the integer W4A8 reference execution; `exl3` runs an EXL3 pack through exllamav3
-on CUDA, or anywhere as its Transformers model with the EXL3 weights decoded. All three run streamed,
+on CUDA, or anywhere as its Transformers model with the EXL3 weights decoded; `llamacpp` runs a GGUF file's
+decoder through llama.cpp (xllamacpp), never streamed. The first three also run streamed,
 one decoder layer resident at a time, for a model larger than memory (`streamed`; `memory` decides when).
 Backends are loaded by the runner for one side at a time and closed before another loads. Before anything
 loads, `check_load_plan` decides from the files whether a backend can load a checkpoint (a checkpoint
@@ -128,6 +129,10 @@ def _load_backend(checkpoint: Checkpoint, options: BackendOptions) -> Backend:
         from evalsuite.backends.exl3 import load_exl3_backend
 
         return load_exl3_backend(checkpoint, options)
+    if options.backend == "llamacpp":
+        from evalsuite.backends.llamacpp import LlamaCppBackend
+
+        return LlamaCppBackend(checkpoint, options)
     options.check()  # raises for an unknown backend
     raise AssertionError(options.backend)
 
@@ -157,6 +162,11 @@ def check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
 def _check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
     from evalsuite.backends.transformers_internals import check_internals
 
+    if options.backend == "llamacpp":
+        from evalsuite.backends.llamacpp import check_llamacpp_load_plan
+
+        check_llamacpp_load_plan(checkpoint, options)
+        return
     check_internals(options, checkpoint.format)
     if options.stream and options.backend in BACKEND_NAMES:
         from evalsuite.backends.streamed import check_streamed_load_plan

@@ -22,6 +22,8 @@ DTYPE_NAMES = {
     "fp32": "float32",
 }
 BACKEND_NAMES = ("hf", "intref", "exl3")
+# Backends of a format's own runtime, which loads the file itself: never streamed by evalsuite.
+RUNTIME_BACKENDS = ("llamacpp",)
 # `auto`: the candidate's format decides (exl3 for an EXL3 pack, hf otherwise), once its files are open.
 AUTO_BACKEND = "auto"
 
@@ -90,9 +92,10 @@ class BackendOptions:
     def check(self) -> BackendOptions:
         """Refuse options that cannot run on this machine, before anything loads; returns the options with
         the dtype spelled canonically."""
-        if self.backend not in (*BACKEND_NAMES, AUTO_BACKEND):
+        if self.backend not in (*BACKEND_NAMES, *RUNTIME_BACKENDS, AUTO_BACKEND):
             raise InputError(
-                f"unknown backend {self.backend!r}; known backends: {', '.join(BACKEND_NAMES)} "
+                f"unknown backend {self.backend!r}; known backends: "
+                f"{', '.join((*BACKEND_NAMES, *RUNTIME_BACKENDS))} "
                 f"(or {AUTO_BACKEND})"
             )
         if self.dtype not in DTYPE_NAMES:

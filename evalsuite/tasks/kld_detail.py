@@ -176,16 +176,13 @@ def _pair_windows(run: _WindowRun) -> list[logit_rows.PairRows]:
     )
     for block_ref, block_ckpt in pairs:
         check_same_shape(block_ref, block_ckpt)
-        bfloat16 = block_ref.dtype == torch.bfloat16
         if scratch is None:
             vocab = block_ref.shape[-1]
             scratch = logit_rows.RowScratch(max(1, FLOAT32_BLOCK_BYTES // (16 * vocab)), vocab)
         x_raw, y_raw = _raw(block_ref), _raw(block_ckpt)
         for i in range(0, len(x_raw), scratch.rows):
             rows = slice(i, i + scratch.rows)
-            out.append(
-                logit_rows.pair_statistics(x_raw[rows], y_raw[rows], bfloat16, TOP_K_AGREEMENT, scratch)
-            )
+            out.append(logit_rows.pair_statistics(x_raw[rows], y_raw[rows], TOP_K_AGREEMENT, scratch))
     return out
 
 

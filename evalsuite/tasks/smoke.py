@@ -19,7 +19,7 @@ from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
-from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, skip_if_streamed, task
+from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, skip_if_cannot_generate, task
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
@@ -198,7 +198,7 @@ class Smoke:
 
     def prepare(self, ref: Side, ckpt: Side) -> Inputs:
         """Prompt ids made once (with the reference tokenizer), hashed; the candidate must agree."""
-        skip_if_streamed(ref, ckpt, "smoke")
+        skip_if_cannot_generate(ref, ckpt, "smoke")
         source = ckpt if ref.is_recorded else ref
         ids = [prompt_ids(source, p.prompt) for p in self.spec.prompts]
         if not ref.is_recorded and ref.checkpoint.tokenizer_sha256 != ckpt.checkpoint.tokenizer_sha256:

@@ -30,7 +30,16 @@ from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
 from evalsuite.side import Side
 from evalsuite.spec import Check, StrictModel, TaskSpec, Threshold, apply_threshold
-from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, TaskSkipped, skip_if_streamed, task
+from evalsuite.task import (
+    Inputs,
+    Need,
+    Progress,
+    RunContext,
+    TaskResult,
+    TaskSkipped,
+    skip_if_cannot_generate,
+    task,
+)
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
@@ -441,7 +450,7 @@ class Vision:
         """Every case's picture or clip, drawn and processed once and fed to both sides; the candidate's
         processor must make the same inputs. The single image must be possible here; another case that is
         not (a video without torchvision) is skipped with the reason."""
-        skip_if_streamed(ref, ckpt, "vision")
+        skip_if_cannot_generate(ref, ckpt, "vision")
         source = ckpt if ref.is_recorded else ref
         config = source.checkpoint.config
         if "vision_config" not in config:

@@ -4,11 +4,13 @@ llama.cpp file type names, and a file whose header cannot be trusted."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
 import pytest
 
+from evalsuite.backends.llamacpp import head_weight
 from evalsuite.errors import InputError
 from evalsuite.formats.gguf import bits_per_weight, claimed_type, nominal_bits, read_gguf
 
@@ -67,3 +69,34 @@ def test_a_truncated_file_is_refused_naming_it(tmp_path, where):
     with pytest.raises(InputError) as caught:
         read_gguf(path)
     assert "a.gguf" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def head_file(path: Path, key: str | None = None, bias: bool = False) -> SimpleNamespace:
+    """A GGUF holding a tied (vocab 8, hidden 4) embedding, with a logit transform key or an output bias."""
+    writer = gguf.GGUFWriter(path, "llama")
+    if key is not None:
+        writer.add_float32(key, 0.5)
+    weight = np.arange(32, dtype=np.float32).reshape(8, 4)
+    writer.add_tensor("token_embd.weight", weight)
+    if bias:
+        writer.add_tensor("output.bias", np.zeros(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return SimpleNamespace(gguf_file=path)
+
+
+def test_the_llamacpp_head_is_the_tied_embedding_read_as_stored(tmp_path):
+    name, type_name, weight = head_weight(head_file(tmp_path / "m.gguf"))  # type: ignore[arg-type]
+    assert (name, type_name) == ("token_embd.weight", "F32")
+    assert np.array_equal(weight, np.arange(32, dtype=np.float32).reshape(8, 4))
+
+
+@pytest.mark.parametrize(
+    ("key", "bias"), [("llama.logit_scale", False), ("llama.final_logit_softcapping", False), (None, True)]
+)
+def test_a_head_with_more_than_a_matmul_is_refused_for_llamacpp_naming_what(tmp_path, key, bias):
+    with pytest.raises(InputError, match="more than a matmul") as caught:
+        head_weight(head_file(tmp_path / "m.gguf", key, bias))  # type: ignore[arg-type]
+    assert (key or "output.bias") in str(caught.value)

@@ -1,0 +1,94 @@
+"""Backend `llamacpp`: a GGUF file's decoder run by llama.cpp (xllamacpp's prebuilt CPU wheel), the head by
+evalsuite. On SmolLM2-135M-Instruct's own Q4_1 file (written by llama.cpp's converter), over two windows:
+`ppl` of the file through llama.cpp against the same file through Transformers' dequantization gives the KLD
+between the two executions; against the BF16 source both executions give nearly the same perplexity; what
+the backend cannot do is refused or skipped with its reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from evalsuite.fixtures.smollm2 import smollm2_gguf_path
+from tests.conftest import FIXTURES, run_cli
+from tests.e2e.test_streamed import TWO_WINDOWS
+
+PPL_SPEC = TWO_WINDOWS + "[thresholds]\nppl_ratio = { max = 1.05 }\n"
+
+
+@pytest.fixture(scope="module")
+def q4_1(smollm2_pair, tmp_path_factory) -> Path:
+    """A folder holding SmolLM2's Q4_1 GGUF file alone (the BF16 fixture is its dequantized copy)."""
+    folder = tmp_path_factory.mktemp("smollm2-q4_1")
+    shutil.copy(smollm2_gguf_path(FIXTURES), folder)
+    return folder
+
+
+def ppl_run(ckpt: Path, ref: Path, backend: str, out: Path, tasks: str = "ppl") -> dict:
+    spec = out.parent / f"{out.name}-ppl.toml"
+    spec.write_text(PPL_SPEC)
+    args = ["run", "--ckpt", ckpt, "--ref", ref, "--tasks", tasks, "--backend", backend]
+    res = run_cli(
+        *args, "--spec", f"ppl={spec}", "--corpus", "python-docs", "--out", out, "--quiet", "--no-plots"
+    )
+    assert res.returncode in (0, 1), res.stderr
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(q4_1, smollm2_pair, tmp_path_factory) -> dict[str, dict]:
+    """The Q4_1 file through llama.cpp against itself through Transformers (with `smoke`, which this backend
+    skips), and through llama.cpp against the BF16 source."""
+    pytest.importorskip("xllamacpp", reason="backend llamacpp needs xllamacpp: pip install -e '.[llamacpp]'")
+    root = tmp_path_factory.mktemp("llamacpp")
+    bf16 = smollm2_pair["smollm2-135m-bf16"]
+    return {
+        "executions": ppl_run(q4_1, q4_1, "llamacpp", root / "executions", "ppl,smoke"),
+        "llamacpp": ppl_run(q4_1, bf16, "llamacpp", root / "llamacpp"),
+    }
+
+
+def test_one_gguf_through_llamacpp_and_transformers_reports_the_kld_between_the_executions(runs):
+    ppl = runs["executions"]["tasks"]["ppl"]
+    m = ppl["metrics"]
+    assert "llama.cpp" in m["ckpt_execution"] and "Transformers" in m["ref_execution"], m
+    # llama.cpp's converter kept SmolLM2's tied embedding in Q8_0: the head evalsuite applies.
+    assert "head (token_embd.weight, Q8_0) applied by evalsuite" in m["ckpt_execution"]
+    assert m["n_scored_tokens"] == 2 * 255
+    # The same weights, two arithmetics: llama.cpp's quantized-activation dot products and f16 KV cache
+    # part from Transformers' dequantized bf16 by a small, non-zero divergence.
+    assert 0 < m["kld_mean"] < 0.02, m["kld_mean"]
+    assert m["same_top_p"] > 0.95
+
+
+def test_both_executions_of_the_gguf_score_the_text_alike(runs):
+    both = runs["executions"]["tasks"]["ppl"]["metrics"]  # ref: Transformers, ckpt: llama.cpp
+    against_bf16 = runs["llamacpp"]["tasks"]["ppl"]["metrics"]
+    # Transformers runs the Q4_1 weights dequantized, as the BF16 copy holds them: the same perplexity.
+    assert abs(both["ppl_ref"] / against_bf16["ppl_ref"] - 1) < 0.005
+    assert both["ppl_ckpt"] == against_bf16["ppl_ckpt"]  # llama.cpp's side, observed twice, is deterministic
+    assert abs(both["ppl_ckpt"] / both["ppl_ref"] - 1) < 0.02, (both["ppl_ref"], both["ppl_ckpt"])
+    assert against_bf16["kld_mean"] > 0
+
+
+def test_the_tasks_that_generate_are_skipped_on_llamacpp_with_the_reason(runs):
+    smoke = runs["executions"]["tasks"]["smoke"]
+    assert smoke["status"] == "skipped"
+    assert "UTF-8 character" in json.dumps(smoke)
+
+
+@pytest.mark.parametrize("case", ["safetensors", "stream"])
+def test_what_llamacpp_cannot_run_is_refused_in_one_line_before_loading(case, q4_1, smollm2_pair, tmp_path):
+    bf16 = smollm2_pair["smollm2-135m-bf16"]
+    ckpt, extra = (bf16, ()) if case == "safetensors" else (q4_1, ("--stream",))
+    res = run_cli(
+        "run", "--ckpt", ckpt, "--ref", bf16, "--tasks", "ppl", "--backend", "llamacpp", *extra,
+        "--out", tmp_path / "out", "--quiet",
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert ("runs GGUF files" if case == "safetensors" else "not streamed") in last, last
+    assert "loading" not in res.stderr
