@@ -170,6 +170,18 @@ def decode_rows(raw: np.ndarray, type_name: str, cols: int) -> np.ndarray:
     return np.asarray(decoded, dtype=np.float32).reshape(raw.shape[0], cols)
 
 
+# llama.cpp quantizes a tensor whose rows are no whole number of 256-weight super-blocks to a fallback type
+# instead of the k-quant asked for (`llama_tensor_get_type` in llama-quant.cpp).
+K_QUANT_FALLBACK = {"Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+SUPER_BLOCK = 256
+
+
+def as_claimed(type_name: str, cols: int, claimed: str) -> bool:
+    """Whether a Linear weight of rows of `cols` stored as `type_name` is what a file of type `claimed`
+    holds: the claimed type, or llama.cpp's fallback for it where rows are no whole super-block."""
+    return type_name == claimed or (cols % SUPER_BLOCK != 0 and K_QUANT_FALLBACK.get(claimed) == type_name)
+
+
 # File types whose name is no ggml type with a size suffix taken off: llama.cpp's quantizer gives their
 # Linear weights this type (`default_type` in llama-quant.cpp), the rest of the mix its own rules.
 MIX_DEFAULT_TYPES = {"IQ3_XS": "IQ3_S", "IQ3_M": "IQ3_S", "IQ2_M": "IQ2_S"}

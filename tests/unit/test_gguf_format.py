@@ -12,7 +12,7 @@ import pytest
 
 from evalsuite.backends.llamacpp import head_weight
 from evalsuite.errors import InputError
-from evalsuite.formats.gguf import bits_per_weight, claimed_type, nominal_bits, read_gguf
+from evalsuite.formats.gguf import as_claimed, bits_per_weight, claimed_type, nominal_bits, read_gguf
 
 
 @pytest.mark.parametrize(
@@ -100,3 +100,22 @@ def test_a_head_with_more_than_a_matmul_is_refused_for_llamacpp_naming_what(tmp_
     with pytest.raises(InputError, match="more than a matmul") as caught:
         head_weight(head_file(tmp_path / "m.gguf", key, bias))  # type: ignore[arg-type]
     assert (key or "output.bias") in str(caught.value)
+
+
+@pytest.mark.parametrize(("type_name", "bound"), [("Q4_K", 0.12), ("Q6_K", 0.03)])
+def test_llama_cpps_own_k_quant_decodes_through_the_gguf_package(type_name, bound):
+    pytest.importorskip("xllamacpp", reason="the k-quant writer is llama.cpp's, from xllamacpp's wheel")
+    from evalsuite.fixtures.ggml_quantize import ggml_quantize
+
+    weights = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)
+    stored = ggml_quantize(weights, type_name)
+    decoded = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType[type_name]).reshape(weights.shape)
+    assert 0 < np.linalg.norm(decoded - weights) / np.linalg.norm(weights) < bound
+    with pytest.raises(ValueError, match="multiple of 256"):
+        ggml_quantize(weights[:, :320], type_name)
+
+
+def test_a_k_quant_files_fallback_rows_count_as_its_claimed_type():
+    assert as_claimed("Q5_0", 576, "Q4_K") and as_claimed("Q4_K", 1536, "Q4_K")
+    assert not as_claimed("Q5_0", 1536, "Q4_K")  # whole super-blocks: llama.cpp would have written Q4_K
+    assert not as_claimed("Q8_0", 576, "Q4_K")
