@@ -138,11 +138,12 @@ class Tensors:
         "quantized_int4": "INT4 weights (compressed-tensors pack-quantized)",
         "quantized_int8": "INT8 weights (compressed-tensors int-quantized)",
         "quantized_other": "weights stored in another format (EXL3 trellises, another float dtype)",
-        "decode_exact": "compressed-tensors' decompressor and evalsuite's own decode agree bit for bit on "
-        "every row both decoded (decode_cross_check says which)",
-        "decode_cross_check": "which rows compressed-tensors' decompressor decoded beside evalsuite's decode "
-        "of every row: `sample` (16 consecutive rows in every 1,024 of each tensor, at least one run per "
-        "tensor, placed by the tensor's name) or `all` (`[decode] library_check` in tasks/tensors.toml)",
+        "decode_exact": "the format's second decoder (compressed-tensors' decompressor, Transformers' FP8 "
+        "dequantization, llama.cpp's ggml decode) and the decode measured agree bit for bit on every row "
+        "both decoded (decode_cross_check says which)",
+        "decode_cross_check": "which rows the second decoder decoded beside the decode of every row: "
+        "`sample` (16 consecutive rows in every 1,024 of each tensor, at least one run per tensor, placed "
+        "by the tensor's name) or `all` (`[decode] library_check` in tasks/tensors.toml)",
         "decode_cross_checked_tensors": "tensors the library decoded rows of, beside evalsuite's decode",
         "decode_cross_checked_weights": "weights both decoded and compared bit for bit",
         "decode_cross_checked_fraction": "decode_cross_checked_weights over the weights evalsuite decoded "

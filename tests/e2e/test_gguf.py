@@ -7,6 +7,7 @@ way llama.cpp's converter writes them); SmolLM2's are in `test_gguf_smollm2.py` 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -111,6 +112,10 @@ def test_every_type_the_gguf_package_writes_passes_with_its_counts_and_bits(
     # The norms, value-equal in F32; in a BF16 file every tensor kept in the source's row order, bytes equal.
     protected = 5 if linear != "BF16" else 17
     assert m["protected_total"] == m["protected_identical"] == protected
+    # llama.cpp's own decode (xllamacpp's library) beside the gguf package's, on a sample of every tensor.
+    if linear != "BF16" and importlib.util.find_spec("xllamacpp") is not None:
+        assert m["decode_exact"] is True and m["decode_cross_check"] == "sample"
+        assert m["decode_cross_checked_tensors"] == 16 and m["decode_cross_checked_weights"] > 0
     import gguf
 
     def bpw(type_name: str) -> float:  # the block's scales included: Q4_0 is 4.5

@@ -105,7 +105,7 @@ def test_a_head_with_more_than_a_matmul_is_refused_for_llamacpp_naming_what(tmp_
 @pytest.mark.parametrize(("type_name", "bound"), [("Q4_K", 0.12), ("Q6_K", 0.03)])
 def test_llama_cpps_own_k_quant_decodes_through_the_gguf_package(type_name, bound):
     pytest.importorskip("xllamacpp", reason="the k-quant writer is llama.cpp's, from xllamacpp's wheel")
-    from evalsuite.fixtures.ggml_quantize import ggml_quantize
+    from evalsuite.formats.ggml_library import ggml_quantize
 
     weights = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)
     stored = ggml_quantize(weights, type_name)

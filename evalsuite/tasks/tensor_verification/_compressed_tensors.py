@@ -63,7 +63,7 @@ def library_runs(name: str, rows: int, align: int, check: LibraryCheck) -> list[
     return runs
 
 
-def _runs_within(runs: list[tuple[int, int]], r0: int, r1: int) -> Iterator[tuple[int, int]]:
+def runs_within(runs: list[tuple[int, int]], r0: int, r1: int) -> Iterator[tuple[int, int]]:
     """The parts of `runs` (in order, disjoint) inside rows r0..r1."""
     for a, b in runs[bisect.bisect_right(runs, r0, key=lambda run: run[1]) :]:
         if a >= r1:
@@ -361,7 +361,7 @@ class CompressedTensorsVerifier:
                     reader.scratch,
                     None if global_scale is None else float(global_scale[0]),
                 )
-            for a, b in _runs_within(runs, r0, r1):
+            for a, b in runs_within(runs, r0, r1):
                 ours = decoded[a - r0 : b - r0]
                 checked += b - a
                 if batched:

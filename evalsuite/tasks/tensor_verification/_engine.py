@@ -546,7 +546,7 @@ def verify_tensors(
     """
     verifier = format_verifier(candidate, library_check)
     if candidate.format == "gguf":  # its tensors under the source's names, as the engine pairs them
-        candidate = (verifier := GgufVerifier(source, candidate)).candidate
+        candidate = (verifier := GgufVerifier(source, candidate, library_check)).candidate
     pairs, unexpected = pair_tensors(
         source.tensors,
         candidate.tensors,

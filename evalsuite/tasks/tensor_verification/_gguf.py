@@ -14,8 +14,10 @@ it value-equal to the source; every other tensor as `<module>.ggml`, with its gg
 byte range in the file, which this verifier decodes. A tensor the map does not name stays under its GGUF
 name: unexpected.
 
-`decode_exact` stays unmeasured: the `gguf` package's `dequantize` is the only decoder of ggml blocks that
-runs here (llama.cpp's, in xllamacpp's wheel, is not exposed), and it is not evalsuite's own.
+Decoding is cross-checked against llama.cpp's own: where xllamacpp's wheel is installed, llama.cpp's
+`dequantize_row_<type>` (`formats.ggml_library`) decodes the rows the spec's `library_check` names (a run of
+rows in every window of rows, or every row) beside the `gguf` package, and the two must agree bit for bit
+(`decode_exact`). Without the wheel it stays unmeasured.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import numpy as np
 from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.errors import InputError
 from evalsuite.formats import BLOCK_ELEMENTS, ShardReader, as_float32
+from evalsuite.formats.ct_decode import first_difference
+from evalsuite.formats.ggml_library import ggml_dequantize, llama_cpp_decodes
 from evalsuite.formats.gguf import (
     FLOAT_TYPES,
     MARKS,
@@ -47,6 +51,7 @@ from evalsuite.formats.gguf import (
     read_gguf,
     row_bytes,
 )
+from evalsuite.tasks.tensor_verification._compressed_tensors import LibraryCheck, library_runs, runs_within
 from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
 from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
 
@@ -197,10 +202,13 @@ class GgufVerifier(OneByOneVerifier):
         if src != dst
     }
 
-    def __init__(self, source: Checkpoint, candidate: Checkpoint) -> None:
+    def __init__(
+        self, source: Checkpoint, candidate: Checkpoint, library_check: LibraryCheck = "sample"
+    ) -> None:
         super().__init__(GgufFormat())
         self.candidate, self.file, self.origins = gguf_view(source, candidate)
         self.source_config = source.config
+        self.library_check = library_check
 
     def before_fork(self) -> None:
         """Import what decoding imports, once, before the workers fork."""
@@ -228,18 +236,37 @@ class GgufVerifier(OneByOneVerifier):
             row.note += ": not decoded"
             return [Problem("decode", source.name, f"the gguf package cannot decode {stored.dtype} ({exc})")]
 
-    @staticmethod
     def _measure_decoded(
-        source: TensorInfo, stored: TensorInfo, origin: GgufTensorView, reader: ShardReader, row: TensorRow
+        self,
+        source: TensorInfo,
+        stored: TensorInfo,
+        origin: GgufTensorView,
+        reader: ShardReader,
+        row: TensorRow,
     ) -> list[Problem]:
         rows, cols = (source.shape[0], source.shape[1]) if len(source.shape) == 2 else (1, source.shape[0])
         block_size, _ = block_shape(stored.dtype)
         stride = row_bytes(stored.dtype, cols)
         errors = ErrorAccumulator()
         block_err, block_sig = [], []
+        # Stored rows llama.cpp decodes too (in the file's order: the comparison is of two decodes).
+        runs = (
+            library_runs(source.name, rows, 1, self.library_check) if llama_cpp_decodes(stored.dtype) else []
+        )
+        checked, mismatch = 0, None
         for r0, r1 in _row_blocks(rows, cols, origin.order):
             raw = reader.tensor_bytes(stored, r0 * stride, (r1 - r0) * stride).reshape(r1 - r0, stride)
             decoded = decode_rows(raw, stored.dtype, cols)
+            for a, b in runs_within(runs, r0, r1):
+                theirs = ggml_dequantize(raw[a - r0 : b - r0], stored.dtype, cols)
+                at = first_difference(decoded[a - r0 : b - r0], theirs)
+                checked += b - a
+                if at is not None and mismatch is None:
+                    ours = decoded[a - r0 + at[0], at[1]]
+                    mismatch = (
+                        f"llama.cpp and the gguf package decode stored row {a + at[0]}, weight {at[1]} "
+                        f"differently: {theirs[at]:.6g} vs {ours:.6g}"
+                    )
             if origin.order is not None:
                 # The source's row r is stored at order[r]; this block holds exactly rows r0..r1 of both.
                 decoded = decoded[origin.order[r0:r1] - r0]
@@ -254,7 +281,12 @@ class GgufVerifier(OneByOneVerifier):
             block_err.append(np.abs(work.reshape(r1 - r0, -1, block_size)).max(axis=-1))
             block_sig.append(np.abs(ref.reshape(r1 - r0, -1, block_size)).max(axis=-1))
         errors.fill(row)
-        return _block_outliers(np.concatenate(block_err), np.concatenate(block_sig), block_size, source, row)
+        row.decode_exact = mismatch is None if checked else None
+        row.library_checked_rows = checked if runs else None
+        problems = [Problem("decode", source.name, mismatch)] if mismatch else []
+        return problems + _block_outliers(
+            np.concatenate(block_err), np.concatenate(block_sig), block_size, source, row
+        )
 
     def check_config(self, rows: list[TensorRow]) -> tuple[list[Problem], dict[str, Any]]:
         """`general.file_type` against the type most Linear weights are stored in; the architecture's
