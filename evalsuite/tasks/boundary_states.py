@@ -17,7 +17,7 @@ layer fed the reference's input, compared with the reference's output.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from evalsuite.observation import Observation
 from evalsuite.run_folder import atomic_target
 from evalsuite.spec import StrictModel
 from evalsuite.task import Inputs, Progress
-from evalsuite.tasks.window_logits import WindowObserver, window_tensor
+from evalsuite.tasks.window_logits import WindowObserver, WindowProtocol, window_tensor
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend, WindowCall
@@ -127,6 +127,18 @@ class FedOptions(StrictModel):
         if k == 1:
             return (0,)
         return tuple(sorted({round(i * (n_windows - 1) / (k - 1)) for i in range(k)}))
+
+
+class FedWindowObserver(WindowObserver):
+    """Base of the observers whose work on the reference's input runs on the windows of `FedOptions`: the
+    protocol and those options are their identity."""
+
+    def __init__(self, protocol: WindowProtocol, fed: FedOptions | None = None) -> None:
+        super().__init__(protocol)
+        self.fed = fed or FedOptions()
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "fed": self.fed.model_dump(mode="json")}
 
 
 class BoundaryStates(WindowObserver):

@@ -36,12 +36,13 @@ from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, task
 from evalsuite.tasks.boundary_states import (
     BoundaryStates,
     FedOptions,
+    FedWindowObserver,
     ReferenceBoundaries,
     check_same_model,
     state_errors,
     summed_errors,
 )
-from evalsuite.tasks.window_logits import WindowObserver, WindowProtocol, prepare_windows, window_tensor
+from evalsuite.tasks.window_logits import WindowProtocol, prepare_windows, window_tensor
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend, WindowCall
@@ -52,18 +53,11 @@ class LayersSpec(TaskSpec):
     fed: FedOptions = FedOptions()
 
 
-class LayerErrors(WindowObserver):
+class LayerErrors(FedWindowObserver):
     """Observer of the candidate: per layer and window, the error sums of its hidden states against the
     reference's (consumed as `inputs["observed"]["ref"]`), on its own prefix and fed the reference's input."""
 
     name = "layer-errors"
-
-    def __init__(self, protocol: WindowProtocol, fed: FedOptions | None = None) -> None:
-        super().__init__(protocol)
-        self.fed = fed or FedOptions()
-
-    def identity(self) -> dict[str, Any]:
-        return {**super().identity(), "fed": self.fed.model_dump(mode="json")}
 
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress

@@ -24,13 +24,14 @@ from evalsuite.run_folder import atomic_target
 from evalsuite.task import Inputs, Progress
 from evalsuite.tasks.boundary_states import (
     FedOptions,
+    FedWindowObserver,
     ReferenceBoundaries,
     boundary_file,
     check_same_model,
     state_errors,
     write_boundary,
 )
-from evalsuite.tasks.window_logits import WindowObserver, WindowProtocol, log_softmax64, window_tensor
+from evalsuite.tasks.window_logits import log_softmax64, window_tensor
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend, WindowCall
@@ -172,19 +173,12 @@ def window_tapped(moe: MoeBlock, taps: list[Tap]) -> Iterator[None]:
     taps.append(Tap([torch.cat(tap.inputs)], [routes]))  # type: ignore[list-item]
 
 
-class MoeReference(WindowObserver):
+class MoeReference(FedWindowObserver):
     """Observer of the reference, streamed: every layer boundary's hidden states and, per MoE layer, the
     block's inputs, the router's outputs, each chosen expert's and the shared expert's outputs (module
     docstring); expert usage as arrays. Rides the side's shared layer pass."""
 
     name = "moe-reference"
-
-    def __init__(self, protocol: WindowProtocol, fed: FedOptions | None = None) -> None:
-        super().__init__(protocol)
-        self.fed = fed or FedOptions()
-
-    def identity(self) -> dict[str, Any]:
-        return {**super().identity(), "fed": self.fed.model_dump(mode="json")}
 
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
@@ -323,19 +317,12 @@ def _read_moe(reference: Observation, layer: int) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-class MoeErrors(WindowObserver):
+class MoeErrors(FedWindowObserver):
     """Observer of the candidate, streamed, consuming the reference's `MoeReference` observation (as
     `inputs["observed"]["ref"]`): routing agreement per MoE layer, window and mode, and per-expert error
     sums (module docstring). Rides the side's shared layer pass."""
 
     name = "moe-errors"
-
-    def __init__(self, protocol: WindowProtocol, fed: FedOptions | None = None) -> None:
-        super().__init__(protocol)
-        self.fed = fed or FedOptions()
-
-    def identity(self) -> dict[str, Any]:
-        return {**super().identity(), "fed": self.fed.model_dump(mode="json")}
 
     def observe(
         self, backend: StreamedBackend, inputs: Inputs, folder: Path, progress: Progress
@@ -414,10 +401,9 @@ class MoeErrorsVisitor(QuietVisitor):
         assert moe is not None
         ref_moe = _read_moe(self.reference, step.index)
         slot = self.moe_layers.index(step.index)
+        fed_taps = dict(zip(self.fed_windows, fed, strict=True))
         for w in range(len(step.calls)):
-            self._routes(moe, ref_moe, w, slot, own[w], self.routing)
-        for j, w in enumerate(self.fed_windows):
-            self._fed_window(moe, ref_moe, w, j, slot, fed[j], self.routing, self.experts, self.shared)
+            self._window(moe, ref_moe, w, slot, own[w], fed_taps.get(w))
 
     def carry(self) -> dict[str, torch.Tensor]:
         return {
@@ -442,52 +428,38 @@ class MoeErrorsVisitor(QuietVisitor):
             arrays={"routing": self.routing, "experts": self.experts, "shared": self.shared},
         )
 
-    @staticmethod
-    def _routes(
-        moe: MoeBlock, ref: dict[str, torch.Tensor], w: int, slot: int, own: Tap, routing: np.ndarray
+    def _window(
+        self, moe: MoeBlock, ref: dict[str, torch.Tensor], w: int, slot: int, own: Tap, fed: Tap | None
     ) -> None:
         """One window of one MoE layer: the routing sums of the candidate on its own prefix and of its router
-        alone on the reference's router input."""
+        alone on the reference's router input; on a fed window (`fed` given), also those of its layer fed the
+        reference's input, and the experts' and the shared expert's error sums on the reference's tokens."""
         x = ref["input"][w].to(_device_of(moe.experts))
         tokens = slice(w * len(x), (w + 1) * len(x))
         ref_logits, ref_index = ref["logits"][tokens], ref["index"][tokens].long()
         with torch.inference_mode():
             alone = moe.router(x)
-        routing[MODES.index("own"), slot, w] = routing_sums(ref_logits, ref_index, own.routes[0])
-        routing[MODES.index("router"), slot, w] = routing_sums(ref_logits, ref_index, alone)
-
-    @staticmethod
-    def _fed_window(
-        moe: MoeBlock,
-        ref: dict[str, torch.Tensor],
-        w: int,
-        j: int,
-        slot: int,
-        fed: Tap,
-        routing: np.ndarray,
-        experts: np.ndarray,
-        shared: np.ndarray,
-    ) -> None:
-        """Window `w`, the `j`-th fed window, of one MoE layer: the routing sums of the candidate's layer fed
-        the reference's input, the experts' and the shared expert's error sums on the reference's tokens."""
-        x = ref["input"][w].to(_device_of(moe.experts))
-        tokens = slice(w * len(x), (w + 1) * len(x))
-        fed_tokens = slice(j * len(x), (j + 1) * len(x))
-        ref_logits, ref_index = ref["logits"][tokens], ref["index"][tokens].long()
-        routing[MODES.index("fed"), slot, w] = routing_sums(ref_logits, ref_index, fed.routes[0])
+        self.routing[MODES.index("own"), slot, w] = routing_sums(ref_logits, ref_index, own.routes[0])
+        self.routing[MODES.index("router"), slot, w] = routing_sums(ref_logits, ref_index, alone)
+        if fed is None:
+            return
+        self.routing[MODES.index("fed"), slot, w] = routing_sums(ref_logits, ref_index, fed.routes[0])
+        # The reference kept its experts' outputs for the fed windows only, in their order.
+        j = self.fed_windows.index(w)
         k = ref_index.shape[1]
-        rows = slice(j * len(x) * k, (j + 1) * len(x) * k)
         cand = chosen_expert_outputs(moe.experts, x, ref_index.to(x.device))
-        experts[slot] += tensor_errors.grouped_error_sums(
-            ref["experts"][rows].float().numpy(),
+        self.experts[slot] += tensor_errors.grouped_error_sums(
+            ref["experts"][j * len(x) * k : (j + 1) * len(x) * k].float().numpy(),
             cand.float().cpu().numpy(),
             ref["weights"][tokens].reshape(-1).numpy(),
             ref_index.reshape(-1).numpy(),
-            experts.shape[1],
+            self.experts.shape[1],
         )
         if moe.shared is not None and "shared" in ref:
             with torch.inference_mode():
-                shared[slot, w] = state_errors(ref["shared"][fed_tokens], moe.shared(x))
+                self.shared[slot, w] = state_errors(
+                    ref["shared"][j * len(x) : (j + 1) * len(x)], moe.shared(x)
+                )
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
