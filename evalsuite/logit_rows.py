@@ -73,7 +73,7 @@ def pair_statistics(raw_x: np.ndarray, raw_y: np.ndarray, k: int, scratch: RowSc
     y = as_float32(raw_y, scratch.y[:n])
     top_ref, top_ckpt = top_ids(x, k), top_ids(y, k)
     mx, my = x.max(axis=1, keepdims=True), y.max(axis=1, keepdims=True)
-    same = _same_top(x, y, mx, my)
+    same = _same_top(x, y, mx, my, top_ref[:, 0], top_ckpt[:, 0])
     hits = metrics.top_k_hits_tied(x, y, top_ref, top_ckpt)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         x -= mx
@@ -100,9 +100,13 @@ def pair_statistics(raw_x: np.ndarray, raw_y: np.ndarray, k: int, scratch: RowSc
     return PairRows(forward, reverse, 1.0 / sx, top_ref, top_ckpt, same, hits)
 
 
-def _same_top(x: np.ndarray, y: np.ndarray, mx: np.ndarray, my: np.ndarray) -> np.ndarray:
-    """`metrics.same_top_tied` on logits: a row's log-probs are its logits less a constant (same ties)."""
-    same = x.argmax(axis=1) == y.argmax(axis=1)
+def _same_top(
+    x: np.ndarray, y: np.ndarray, mx: np.ndarray, my: np.ndarray, first_x: np.ndarray, first_y: np.ndarray
+) -> np.ndarray:
+    """`metrics.same_top_tied` on logits: a row's log-probs are its logits less a constant (same ties).
+    `first_x`, `first_y`: a most probable id of each row of each side (the top-k's first): where they
+    agree, that token is most probable on both; elsewhere the rows' ties decide."""
+    same = first_x == first_y
     rows = np.flatnonzero(~same)
     if rows.size:
         same[rows] = np.any((x[rows] == mx[rows]) & (y[rows] == my[rows]), axis=1)

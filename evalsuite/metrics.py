@@ -450,14 +450,17 @@ def top_k_hits_tied(
     differ = np.flatnonzero(~hits[:, -1])
     if not differ.size:
         return hits
-    va = np.take_along_axis(a[differ], ia[differ], axis=1)
-    vb = np.take_along_axis(b[differ], ib[differ], axis=1)
+    # Fancy indexing copies whole rows of a vocabulary: one copy of each side's differing rows (none when
+    # every row differs, as for most rows of a quantized candidate), not one per use.
+    rows_a, rows_b = (a, b) if differ.size == len(a) else (a[differ], b[differ])
+    va = np.take_along_axis(rows_a, ia[differ], axis=1)
+    vb = np.take_along_axis(rows_b, ib[differ], axis=1)
     lowest_a, lowest_b = va.min(axis=1), vb.min(axis=1)
-    at_or_above_a = a[differ] >= lowest_a[:, None]
-    at_or_above_b = b[differ] >= lowest_b[:, None]
+    at_or_above_a = rows_a >= lowest_a[:, None]
+    at_or_above_b = rows_b >= lowest_b[:, None]
     tied = (
-        (at_or_above_a.sum(axis=1) > k_max)
-        | (at_or_above_b.sum(axis=1) > k_max)
+        (np.count_nonzero(at_or_above_a, axis=1) > k_max)
+        | (np.count_nonzero(at_or_above_b, axis=1) > k_max)
         | (np.sort(va, axis=1)[:, 1:] == np.sort(va, axis=1)[:, :-1]).any(axis=1)
         | (np.sort(vb, axis=1)[:, 1:] == np.sort(vb, axis=1)[:, :-1]).any(axis=1)
     )

@@ -23,11 +23,13 @@ from typing import Any
 from evalsuite.backends import check_load_plan
 from evalsuite.backends.memory import streamed_if_needed
 from evalsuite.backends.options import BackendOptions
+from evalsuite.backends.transformers_internals import check_internals
 from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.registry import get_task, spec_source
 from evalsuite.results import read_results
+from evalsuite.run_cache import RunCache
 from evalsuite.run_folder import RunFolder
 from evalsuite.side import Side, open_side
 from evalsuite.spec import Threshold, flat_metric_tables, load_spec
@@ -369,13 +371,27 @@ def check_load_plan_once(
     side: Side, options: BackendOptions, digests: DigestCache, passed: PassedLoadPlans | None = None
 ) -> None:
     """`check_load_plan` for a side's checkpoint, skipped where a checkpoint with what the check reads
-    passed it under the same options before (in `passed`, by default the process's `PASSED_LOAD_PLANS`)."""
+    passed it under the same options before: in this process (`passed`, by default `PASSED_LOAD_PLANS`) or
+    in an earlier one (`load_plan_cache`, under the same code)."""
     passed = PASSED_LOAD_PLANS if passed is None else passed
     key = (load_plan_key(side, options, digests), options)
     if key in passed:
         return
-    check_load_plan(side.checkpoint, options)
+    on_disk = load_plan_cache(options)
+    disk_key = {"plan": key[0], "options": repr(options)}
+    if on_disk.passed(disk_key):
+        # What the cache cannot vouch for is checked again: the library internals the load will call.
+        check_internals(options, side.checkpoint.format)
+    else:
+        check_load_plan(side.checkpoint, options)
+        on_disk.put_passed(disk_key)
     passed.add(key)
+
+
+def load_plan_cache(options: BackendOptions) -> RunCache:
+    """Where passed load plans are kept between processes (`evalsuite.run_cache`): none for a checkpoint
+    whose own code runs (`trust_remote_code`), which its files' digests do not pin down for every loader."""
+    return RunCache("load-plans", enabled=not options.trust_remote_code)
 
 
 def spec_provenance(task: Task, request: RunRequest) -> dict[str, str]:

@@ -160,9 +160,10 @@ def _detail64(ref: Observation, run: _WindowRun, shared: SharedWork | None) -> T
     )
 
 
-# The float32 detail's four row buffers take this many bytes: a few rows of a 49 k vocabulary, one row of a
-# 248 k one, so that a block's dozen passes stay in a core's cache (`CACHE_BYTES` says more).
-FLOAT32_BLOCK_BYTES = 4 << 20
+# The float32 detail's four row buffers take this many bytes: 20 rows of a 49 k vocabulary, 4 of a 248 k
+# one. One thread alone runs as fast on blocks of a few rows as of a few dozen; two threads share the
+# interpreter between numpy calls, and fewer, larger blocks let them finish sooner (bench/ppl.py).
+FLOAT32_BLOCK_BYTES = 16 << 20
 
 
 def _pair_windows(run: _WindowRun) -> list[logit_rows.PairRows]:

@@ -20,8 +20,10 @@ from pydantic import model_validator
 
 from evalsuite import metrics
 from evalsuite.backends.layer_pass import LayerVisitor, QuietVisitor
+from evalsuite.checkpoint import TOKENIZER_FILES
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
+from evalsuite.run_cache import RunCache
 from evalsuite.spec import StrictModel
 from evalsuite.task import Inputs, Progress, SharedWork
 from evalsuite.tasks.logits_file import LogitsWriter, read_rows, window_file
@@ -104,12 +106,18 @@ def _tokenize(side: Side, corpus: Corpus, protocol: WindowProtocol, shared: Shar
     text, special tokens): `compare` plans every candidate against one reference, and each plan would
     otherwise load its tokenizer and tokenize the text again."""
     checkpoint = side.checkpoint
+    disk_key = _token_cache_key(side, corpus, protocol)
 
     def tokenize() -> np.ndarray:
-        ids = side.tokenizer(corpus.text, add_special_tokens=protocol.add_special_tokens, verbose=False)[
-            "input_ids"
-        ]
-        tokens = np.asarray(ids, dtype=np.int64)
+        cache = RunCache("tokens", enabled=disk_key is not None)
+        tokens = cache.tokens(disk_key) if disk_key is not None else None
+        if tokens is None:
+            ids = side.tokenizer(corpus.text, add_special_tokens=protocol.add_special_tokens, verbose=False)[
+                "input_ids"
+            ]
+            tokens = np.asarray(ids, dtype=np.int64)
+            if disk_key is not None:
+                cache.put_tokens(disk_key, tokens)
         tokens.setflags(write=False)  # shared by every plan that asks: nobody may edit it
         return tokens
 
@@ -124,6 +132,26 @@ def _tokenize(side: Side, corpus: Corpus, protocol: WindowProtocol, shared: Shar
         protocol.add_special_tokens,
     )
     return shared.get(key, tokenize)
+
+
+def _token_cache_key(side: Side, corpus: Corpus, protocol: WindowProtocol) -> dict[str, str] | None:
+    """What a side's ids of the corpus depend on, for the disk cache (`RunCache`): its tokenizer files and
+    config (AutoTokenizer may pick the class from config.json), the text and the special-tokens flag. None
+    where the files do not decide the ids: code from the checkpoint (`trust_remote_code`), a tokenizer read
+    from a GGUF file, a folder without tokenizer files."""
+    checkpoint = side.checkpoint
+    if side.options.trust_remote_code or checkpoint.gguf_file is not None:
+        return None
+    if not any((checkpoint.path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    config = checkpoint.path / "config.json"
+    config_sha = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else ""
+    return {
+        "tokenizer": checkpoint.tokenizer_sha256,
+        "config": config_sha,
+        "corpus": corpus.sha256,
+        "add_special_tokens": str(protocol.add_special_tokens),
+    }
 
 
 def prepare_windows(
@@ -246,18 +274,27 @@ class WindowLogits(WindowObserver):
         for _ in range(len(windows) - len(todo)):
             step()
         expected = (len(positions), backend.vocab_size)
+        # Each window's NLL and top tokens, from its rows while they are in memory (a window a resumed
+        # observation found on disk: from its file).
+        scores: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         try:
             for w, logits in zip(todo, logits_of(todo), strict=True):
                 if tuple(logits.shape) != expected:
                     raise InputError(
                         f"the model returned logits of shape {tuple(logits.shape)}, expected {expected}"
                     )
-                writer.write(w, logits.cpu())
+                rows = logits.cpu()
+                writer.write(w, rows)
+                scores[w] = self._window_scores(_blocks(rows, self.chunk_rows), windows[w], positions)
                 step()
         finally:
             writer.close()
         files = {f"window-{w:04d}": window_file(folder, w) for w in range(len(windows))}
-        nll, top = self._scores(list(files.values()), windows, positions)
+        for w, path in enumerate(files.values()):
+            if w not in scores:
+                scores[w] = self._window_scores(read_rows([path], self.chunk_rows), windows[w], positions)
+        nll = np.concatenate([scores[w][0] for w in range(len(windows))])
+        top = np.concatenate([scores[w][1] for w in range(len(windows))]).astype(np.int64)
         return Observation(
             name=self.name,
             meta=window_logits_meta(backend, inputs),
@@ -265,20 +302,21 @@ class WindowLogits(WindowObserver):
             files=files,
         )
 
-    def _scores(self, paths: list[Path], windows: torch.Tensor, positions: torch.Tensor) -> tuple:
+    @staticmethod
+    def _window_scores(
+        blocks: Iterable[torch.Tensor], window: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[np.ndarray, np.ndarray]:
         """NLL of the true next token (log-softmax in float32, as the forward's own dtype allows) and the top
-        token of every scored position, from the stored logits."""
-        nll, top = [], []
-        for path, window in zip(paths, windows, strict=True):
-            targets = window[positions + 1]
-            offset = 0
-            for block in read_rows([path], self.chunk_rows):
-                lp = torch.log_softmax(block, dim=-1, dtype=torch.float32)
-                rows = targets[offset : offset + len(block)]
-                nll.append(-lp.gather(1, rows[:, None])[:, 0].double().numpy())
-                top.append(lp.argmax(dim=-1).numpy())
-                offset += len(block)
-        return np.concatenate(nll), np.concatenate(top).astype(np.int64)
+        token of every scored position of one window, from its logit rows in successive blocks."""
+        targets = window[positions + 1]
+        nll, top, offset = [], [], 0
+        for block in blocks:
+            lp = torch.log_softmax(block, dim=-1, dtype=torch.float32)
+            rows = targets[offset : offset + len(block)]
+            nll.append(-lp.gather(1, rows[:, None])[:, 0].double().numpy())
+            top.append(lp.argmax(dim=-1).numpy())
+            offset += len(block)
+        return np.concatenate(nll), np.concatenate(top)
 
     def record(self, obs: Observation, folder: Path) -> Observation:
         """The compact form a later comparison needs (no full logits).
@@ -297,6 +335,12 @@ class WindowLogits(WindowObserver):
         arrays.update(nll=obs.arrays["nll"], top=obs.arrays["top"])
         meta = {**obs.meta, "kind": "recorded", "top_k": opts.top_k, "tail_samples": opts.tail_samples}
         return Observation(name=obs.name, key=obs.key, meta=meta, arrays=arrays)
+
+
+def _blocks(rows: torch.Tensor, n_rows: int) -> Iterator[torch.Tensor]:
+    """Rows in the blocks `read_rows` would read them back in: the scores are the same bits either way."""
+    for start in range(0, len(rows), n_rows):
+        yield rows[start : start + n_rows]
 
 
 class WindowLogitsVisitor(QuietVisitor):

@@ -10,15 +10,17 @@ from evalsuite.backends.options import BackendOptions
 from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
 from evalsuite.fixtures import TINY_W4A8
+from evalsuite.run_cache import RunCache
 from evalsuite.side import open_side
 from tests.conftest import copy_checkpoint, edit_tensors, wrong_scale_copy
 
 
 @pytest.fixture
-def checked(monkeypatch):
+def checked(monkeypatch, tmp_path):
     """The checkpoint folders `check_load_plan` was asked about, in order (a folder named `broken*` is
-    refused)."""
+    refused), with this test's own tables of passed plans (in process and on disk)."""
     monkeypatch.setattr(plan, "PASSED_LOAD_PLANS", plan.PassedLoadPlans())
+    monkeypatch.setattr(plan, "load_plan_cache", lambda options: RunCache("load-plans", tmp_path / "cache"))
     asked: list[str] = []
 
     def check(checkpoint, options):
@@ -86,3 +88,23 @@ def test_the_table_of_passed_plans_is_bounded_and_safe_to_share_between_threads(
     assert len(passed._passed) == 8
     passed.add(("structure:last", options))
     assert ("structure:last", options) in passed
+
+
+def test_a_passed_plan_is_kept_on_disk_for_the_next_process_under_the_same_code(
+    tiny_pair, tmp_path, checked, monkeypatch
+):
+    from evalsuite import run_cache
+
+    good = copy_checkpoint(tiny_pair[TINY_W4A8], tmp_path / "good")
+    options = BackendOptions().check()
+
+    def once_in_a_new_process() -> None:
+        monkeypatch.setattr(plan, "PASSED_LOAD_PLANS", plan.PassedLoadPlans())
+        plan.check_load_plan_once(open_side("ckpt", str(good), options), options, DigestCache())
+
+    once_in_a_new_process()
+    once_in_a_new_process()
+    assert checked == ["good"]
+    monkeypatch.setattr(run_cache, "code_versions", lambda: "another evalsuite or Transformers")
+    once_in_a_new_process()
+    assert checked == ["good", "good"]
