@@ -41,7 +41,9 @@ if TYPE_CHECKING:
 # Names of `evalsuite.safetensors_files` that callers have always imported from here.
 __all__ = ["DTYPE_SIZES", "FLOAT_DTYPES", "INDEX_FILE", "Checkpoint", "CheckpointFormat", "TensorInfo"]
 
-CheckpointFormat = Literal["bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf", "gptq", "awq", "fp8"]
+CheckpointFormat = Literal[
+    "bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf", "gptq", "awq", "fp8", "mlx"
+]
 
 CONFIG_FILE = "config.json"
 EXL3_CONFIG_FILE = "quantization_config.json"
@@ -353,6 +355,8 @@ def _detect_format(
     if gguf_file is not None:
         return "gguf"
     method = (config.get("quantization_config") or {}).get("quant_method")
+    if method is None and _is_mlx(config):
+        return "mlx"
     if method is None and _is_exl3_storage(folder / EXL3_CONFIG_FILE):
         method = "exl3"
     if method is not None:
@@ -380,6 +384,19 @@ def _detect_format(
             folder,
         )
     return _FORMAT_OF_FLOAT_DTYPE[dominant]
+
+
+def mlx_quantization(config: dict[str, Any]) -> dict[str, Any] | None:
+    """config.json's `quantization` when it is mlx-lm's (a `group_size` and a `bits`; `evalsuite.formats.mlx`
+    reads the rest), else None."""
+    q = config.get("quantization")
+    if isinstance(q, dict) and isinstance(q.get("group_size"), int) and isinstance(q.get("bits"), int):
+        return q
+    return None
+
+
+def _is_mlx(config: dict[str, Any]) -> bool:
+    return mlx_quantization(config) is not None
 
 
 def _is_exl3_storage(path: Path) -> bool:

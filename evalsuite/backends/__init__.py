@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from evalsuite.backends.load_lock import MODEL_LOADS
 from evalsuite.backends.options import BACKEND_NAMES, BackendOptions
+from evalsuite.errors import InputError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -117,6 +118,10 @@ def _load_backend(checkpoint: Checkpoint, options: BackendOptions) -> Backend:
         from evalsuite.backends.streamed import StreamedBackend
 
         return StreamedBackend(checkpoint, options)
+    if options.backend == "hf" and checkpoint.format == "mlx":
+        from evalsuite.backends.mlx_decoded import DecodedMlxBackend
+
+        return DecodedMlxBackend(checkpoint, options)
     if options.backend == "hf":
         from evalsuite.backends.hf import HFBackend
 
@@ -162,6 +167,17 @@ def check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
 def _check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
     from evalsuite.backends.transformers_internals import check_internals
 
+    if checkpoint.format == "mlx":
+        if options.backend != "hf":
+            raise InputError(
+                f"an MLX pack runs from its decoded weights on backend hf, not {options.backend}",
+                checkpoint.path,
+            )
+        from evalsuite.backends.mlx_decoded import check_mlx_load_plan
+
+        check_internals(options, checkpoint.format)
+        check_mlx_load_plan(checkpoint, options)
+        return
     if options.backend == "llamacpp":
         from evalsuite.backends.llamacpp import check_llamacpp_load_plan
 

@@ -44,6 +44,7 @@ from evalsuite.backends.hf import (
 )
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.skeleton import (
+    fill_slot,
     fused_experts,
     ignored_on_load,
     named_tensors,
@@ -219,22 +220,12 @@ class DecodedSkeleton:
                 fused[name][target.index, target.rows] = value
                 return
             fp32 = any(re.search(rf"(^|\.){re.escape(k)}(\.|$)", target) for k in keep_fp32)
-            owner, kind, placeholder = self.slots[target]
+            placeholder = self.slots[target][2]
             if target.endswith(".bias") and value.shape[0] != placeholder.shape[0]:
                 value = value[: placeholder.shape[0]]  # exllamav3 stores a Linear's bias padded
-            if tuple(value.shape) != tuple(placeholder.shape):
-                raise InputError(
-                    f"tensor for {target} has shape {tuple(value.shape)}; the model expects "
-                    f"{tuple(placeholder.shape)}",
-                    self.checkpoint.path,
-                )
             if value.is_floating_point():
                 value = value.to(torch.float32 if fp32 else self.dtype)
-            leaf = target.rpartition(".")[2]
-            if kind == "parameter":
-                owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
-            else:
-                owner._buffers[leaf] = value
+            fill_slot(self.slots, target, value, self.checkpoint)
 
         def wanted(name: str) -> bool:
             return names is None or name in names

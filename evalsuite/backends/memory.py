@@ -84,6 +84,10 @@ def loaded_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
     per_weight = _DTYPE_BYTES[options.dtype]
     if options.backend == "exl3" or checkpoint.format == "exl3":
         return exl3_decoded_bytes(checkpoint, per_weight)
+    if checkpoint.format == "mlx":
+        from evalsuite.formats.mlx import decoded_numel
+
+        return decoded_numel(checkpoint) * per_weight  # decoded into the compute dtype (`mlx_decoded`)
     if checkpoint.gguf_file is not None:
         from evalsuite.formats.gguf import read_gguf
 

@@ -1,6 +1,6 @@
 """What the backends that build a model on the meta device and fill it from the files share: the model's
 tensor slots by state-dict name, Transformers' fused experts, the tensors its class ignores on load, and the
-refusal of files that do not match the model (`intref`, `exl3`, `streamed`)."""
+refusal of files that do not match the model (`intref`, `exl3`, `streamed`, `mlx_decoded`)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,27 @@ def tensor_slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tens
             if buf is not None and leaf not in module._non_persistent_buffers_set:
                 slots[prefix + leaf] = (module, "buffer", buf)
     return slots
+
+
+def fill_slot(
+    slots: dict[str, tuple[nn.Module, str, torch.Tensor]],
+    name: str,
+    value: torch.Tensor,
+    checkpoint: Checkpoint,
+) -> None:
+    """Put `value` into the model's parameter or persistent buffer `name` (a `tensor_slots` entry), refusing
+    a value whose shape is not the model's."""
+    owner, kind, placeholder = slots[name]
+    if tuple(value.shape) != tuple(placeholder.shape):
+        raise InputError(
+            f"tensor for {name} has shape {tuple(value.shape)}; the model expects {tuple(placeholder.shape)}",
+            checkpoint.path,
+        )
+    leaf = name.rpartition(".")[2]
+    if kind == "parameter":
+        owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[leaf] = value
 
 
 def refuse_mismatch(checkpoint: Checkpoint, missing: list[str], unexpected: list[str]) -> None:

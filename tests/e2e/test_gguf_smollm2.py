@@ -79,23 +79,36 @@ def test_a_flipped_byte_in_one_smollm2_block_fails_naming_the_tensor(where, smol
     assert f"row {row}, weights {32 * block}..{32 * block + 31}" in blocks[DOWN]
 
 
-def test_compare_of_smollm2_against_two_ggufs_a_compressed_tensors_pack_and_the_exl3_pack(
+def test_compare_of_smollm2_against_two_ggufs_a_compressed_tensors_pack_the_exl3_pack_and_an_mlx_pack(
     smollm2_ggufs, smollm2_pair, smollm2_exl3_pair, tmp_path
 ):
-    """One `compare` run: `ppl` through Transformers' dequantization of each GGUF (backend `hf`), `tensors`
-    for the bits per weight of every candidate; one table, one KLD-vs-bpw plot."""
+    """One `compare` run: `ppl` through Transformers' dequantization of each GGUF (backend `hf`) and the MLX
+    pack's decoded weights, `tensors` for the bits per weight of every candidate (one convention: every
+    stored bit over the source's weights); one table, one KLD-vs-bpw plot."""
+    pytest.importorskip(
+        "mlx.core", reason="the MLX pack is written by MLX's quantizer: pip install 'mlx[cpu]'"
+    )
     from evalsuite.fixtures import SMOLLM2_EXL3, SMOLLM2_W4A8
+    from evalsuite.fixtures.names import SMOLLM2_MLX
     from tests.conftest import run_cli
 
     source, packs = smollm2_ggufs
-    ckpts = [packs / "q4_0", packs / "q8_0", smollm2_pair[SMOLLM2_W4A8], smollm2_exl3_pair[SMOLLM2_EXL3]]
+    mlx_pack = build_fixtures(FIXTURES, [SMOLLM2_MLX])[SMOLLM2_MLX]
+    ckpts = [
+        packs / "q4_0",
+        packs / "q8_0",
+        smollm2_pair[SMOLLM2_W4A8],
+        smollm2_exl3_pair[SMOLLM2_EXL3],
+        mlx_pack,
+    ]
     out = tmp_path / "cmp"
     args = ["compare", "--ref", source, "--tasks", "ppl,tensors", "--corpus", "python-docs", "--out", out]
     done = run_cli(*args, *[a for c in ckpts for a in ("--ckpt", c)], "--quiet")
     assert done.returncode in (0, 1), done.stderr
     doc = json.loads((out / "compare.json").read_text(encoding="utf-8"))
     rows = {r["name"]: r for r in doc["candidates"]}
-    assert set(rows) == {"q4_0", "q8_0", SMOLLM2_W4A8, SMOLLM2_EXL3}, list(rows)
+    assert set(rows) == {"q4_0", "q8_0", SMOLLM2_W4A8, SMOLLM2_EXL3, SMOLLM2_MLX}, list(rows)
+    assert rows[SMOLLM2_MLX]["bits_per_weight"] == pytest.approx(4.5, abs=0.01)
     for row in rows.values():
         assert row["kld_mean"] > 0 and row["bits_per_weight_from"] == "tensors", row
     # more bits, less divergence: Q8_0 (8.5 bpw) against Q4_0 (4.5 bpw, its embedding Q8_0)

@@ -36,7 +36,7 @@ from evalsuite.fixtures import (
     smollm2_gguf_path,
     write_w4a8_copy,
 )
-from evalsuite.fixtures.names import GGUF_FIXTURE_NAMES, LLMC_FIXTURE_NAMES
+from evalsuite.fixtures.names import GGUF_FIXTURE_NAMES, LLMC_FIXTURE_NAMES, MLX_FIXTURE_NAMES
 from evalsuite.multimodal import minicpmv_inputs
 from tests.conftest import FIXTURES
 from tests.images import tiny_test_image
@@ -80,7 +80,13 @@ def _file_digests(folder: Path) -> dict[str, str]:
 def test_building_a_fixture_by_name_builds_exactly_it_after_its_source(
     name: str, expected: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    everything = (*FIXTURE_NAMES, *BENCH_FIXTURE_NAMES, *LLMC_FIXTURE_NAMES, *GGUF_FIXTURE_NAMES)
+    everything = (
+        *FIXTURE_NAMES,
+        *BENCH_FIXTURE_NAMES,
+        *LLMC_FIXTURE_NAMES,
+        *GGUF_FIXTURE_NAMES,
+        *MLX_FIXTURE_NAMES,
+    )
     assert set(catalogue.CATALOGUE) == set(everything)
     fetched_file = tmp_path / "fetched.gguf"
     calls: list[tuple[str, Path | None]] = []

@@ -30,6 +30,7 @@ from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
 from evalsuite.tasks.tensor_verification._fp8_block import Fp8BlockVerifier
 from evalsuite.tasks.tensor_verification._gguf import GgufVerifier
 from evalsuite.tasks.tensor_verification._gptq import GptqVerifier
+from evalsuite.tasks.tensor_verification._mlx import MlxFormat, MlxVerifier
 from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection, skeleton_modules
 from evalsuite.tasks.tensor_verification._outliers import (
     channel_detail,
@@ -64,8 +65,7 @@ class FormatVerifier(Protocol):
         ...
 
     def check_config(self, rows: list[TensorRow]) -> tuple[list[Problem], dict[str, Any]]:
-        """The config's claims against the tensors (the row of every source tensor), and the claims
-        themselves."""
+        """The config's claims against the tensors (every source tensor's row), and the claims themselves."""
         ...
 
     def before_fork(self) -> None:
@@ -80,8 +80,7 @@ class FormatVerifier(Protocol):
 
 def format_verifier(candidate: Checkpoint, library_check: LibraryCheck = "sample") -> FormatVerifier | None:
     """How a candidate's quantized format is verified; None for a dense (unquantized) candidate.
-    `library_check`: which rows compressed-tensors' decompressor decodes beside evalsuite's decode
-    (`_compressed_tensors.library_runs`)."""
+    `library_check`: which rows a second decoder decodes too (`_compressed_tensors.library_runs`)."""
     if candidate.format == "compressed-tensors":
         return CompressedTensorsVerifier(
             CompressedTensors(candidate), skeleton_modules(candidate), library_check
@@ -92,7 +91,7 @@ def format_verifier(candidate: Checkpoint, library_check: LibraryCheck = "sample
         return GptqVerifier(GptqFormat(candidate))
     if candidate.format == FP8_BLOCK_METHOD:
         return Fp8BlockVerifier(Fp8BlockFormat(candidate))
-    return None
+    return MlxVerifier(MlxFormat(candidate)) if candidate.format == "mlx" else None
 
 
 @dataclass(frozen=True)
@@ -559,7 +558,8 @@ def verify_tensors(
     pairs.sort(key=lambda p: where[p.tied_to or p.source])
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = workers or min(4, usable or 1)
-    kind = worker_kind or default_worker_kind(workers)
+    threads_only = getattr(verifier, "threads_only", False)  # its second decoder cannot run forked (MLX)
+    kind = worker_kind or ("thread" if threads_only else default_worker_kind(workers))
     rows: list[TensorRow] = []
     problems: list[Problem] = []
     measure = _measured_in_processes if kind == "process" else _measured_in_threads

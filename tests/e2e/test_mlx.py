@@ -1,0 +1,109 @@
+"""MLX packs (mlx-lm's layout): the tiny Llama quantized by MLX's own `mx.quantize` (4 bits, groups of 64),
+written as mlx-lm writes it (fixture `tiny-llama-mlx`), is detected, and `tensors` passes with every weight
+decoded by evalsuite and by MLX's `mx.dequantize` bit for bit; a scale multiplied in one group and a flipped
+code word each fail, naming the tensor; `ppl` runs the pack's decoded weights through Transformers, the
+execution named in the report; a pack short of a tensor is refused in one line before any model loads."""
+
+# ruff: noqa: F811  (pytest fixtures named as the session fixture they take)
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from evalsuite.checkpoint import Checkpoint
+from evalsuite.fixtures import build_fixtures
+from evalsuite.fixtures.names import TINY_LLAMA_MLX
+from tests.conftest import FIXTURES, run_cli
+from tests.e2e.test_gguf import TINY_LLAMA, tiny_llama  # noqa: F401 (the session fixture)
+from tests.e2e.test_tensors import failed_checks, named, run_tensors
+
+pytest.importorskip("mlx.core", reason="MLX packs are written with MLX's CPU wheel: pip install 'mlx[cpu]'")
+Q_PROJ = "model.layers.1.self_attn.q_proj"
+DOWN_PROJ = "model.layers.1.mlp.down_proj"
+
+
+@pytest.fixture(scope="module")
+def mlx_pack(tiny_llama) -> Path:
+    """The tiny Llama's MLX pack (read-only: copy before changing)."""
+    return build_fixtures(FIXTURES, [TINY_LLAMA_MLX])[TINY_LLAMA_MLX]
+
+
+def corrupted(pack: Path, dst: Path, tensor: str, change) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(pack, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    change(tensors[tensor])
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "mlx"})
+    return dst
+
+
+def test_an_mlx_pack_is_detected_and_every_weight_decodes_as_mlx_decodes_it(mlx_pack, tiny_llama, tmp_path):
+    from evalsuite.backends.memory import loaded_bytes
+    from evalsuite.backends.options import BackendOptions
+
+    pack = Checkpoint.open(mlx_pack)
+    assert pack.format == "mlx"
+    # The memory plan counts the decoded model: the source's shapes in the run's dtype.
+    assert loaded_bytes(pack, BackendOptions()) == loaded_bytes(Checkpoint.open(tiny_llama), BackendOptions())
+    code, entry, err = run_tensors(mlx_pack, tiny_llama, tmp_path / "run")
+    assert code == 0, (err, entry.get("details"))
+    m = entry["metrics"]
+    # 2 layers × 7 projections, the embedding and the untied head; 5 norms kept.
+    assert (m["quantized_other"], m["protected_total"], m["protected_identical"]) == (16, 5, 5)
+    assert (m["missing"], m["unexpected"], m["config_mismatches"]) == (0, 0, 0)
+    assert m["decode_exact"] is True and m["decode_cross_checked_tensors"] == 16
+    assert m["avg_bits_per_weight"] == 4 + 8 * (2 + 2) / 64  # bf16 scales and biases per group of 64
+    assert 0 < m["worst_rel_err"] < 0.2
+
+
+@pytest.mark.parametrize("where", ["scale", "code"])
+def test_a_corrupted_scale_or_code_word_fails_naming_the_tensor(where, mlx_pack, tiny_llama, tmp_path):
+    if where == "scale":
+        pack = corrupted(mlx_pack, tmp_path / "pack", f"{Q_PROJ}.scales", lambda s: s[3, 1].mul_(8))
+        tensor = f"{Q_PROJ}.weight"
+    else:  # the high bits of two codes of one word
+        pack = corrupted(
+            mlx_pack, tmp_path / "pack", f"{DOWN_PROJ}.weight", lambda w: w[5, 2].bitwise_xor_(0xF0F00000)
+        )
+        tensor = f"{DOWN_PROJ}.weight"
+    code, entry, err = run_tensors(pack, tiny_llama, tmp_path / "run")
+    assert code == 1, (err, entry.get("details"))
+    assert "outlier_channels" in failed_checks(entry)
+    assert list(named(entry, "outlier")) == [tensor]
+
+
+def test_ppl_runs_the_decoded_pack_and_names_the_execution(mlx_pack, tiny_llama, tmp_path):
+    out = tmp_path / "run"
+    res = run_cli(
+        "run", "--ckpt", mlx_pack, "--ref", tiny_llama, "--tasks", "ppl", "--corpus", "python-docs",
+        "--out", out, "--quiet",
+    )  # fmt: skip
+    assert res.returncode in (0, 1), res.stderr
+    m = json.loads((out / "results.json").read_text())["tasks"]["ppl"]["metrics"]
+    assert m["ckpt_execution"].startswith("MLX decoded on the CPU by evalsuite as mx.dequantize decodes it")
+    assert "MLX not run" in m["ckpt_execution"]
+    assert 0 < m["kld_mean"] < 0.01  # 4-bit groups of 64 on a random model: near, not equal
+
+
+def test_a_pack_short_of_a_tensor_is_refused_in_one_line_before_any_model_loads(
+    mlx_pack, tiny_llama, tmp_path
+):
+    from safetensors.torch import load_file, save_file
+
+    pack = tmp_path / "pack"
+    shutil.copytree(mlx_pack, pack)
+    tensors = load_file(str(pack / "model.safetensors"))
+    del tensors[f"{Q_PROJ}.biases"]
+    save_file(tensors, str(pack / "model.safetensors"), metadata={"format": "mlx"})
+    res = run_cli(
+        "run", "--ckpt", pack, "--ref", tiny_llama, "--tasks", "ppl", "--corpus", "python-docs",
+        "--out", tmp_path / "o", "--quiet",
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert f"MLX module {Q_PROJ}: biases missing beside its scales" in last, last
+    assert not (tmp_path / "o" / "observations").exists()
