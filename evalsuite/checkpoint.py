@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["DTYPE_SIZES", "FLOAT_DTYPES", "INDEX_FILE", "Checkpoint", "CheckpointFormat", "TensorInfo"]
 
 CheckpointFormat = Literal[
-    "bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf", "gptq", "awq", "fp8", "mlx"
+    "bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf", "gptq", "awq", "fp8", "mlx", "mxfp4"
 ]
 
 CONFIG_FILE = "config.json"
@@ -59,6 +59,7 @@ _QUANT_METHODS: dict[str, CheckpointFormat] = {
     "gptq": "gptq",
     "awq": "awq",
     "fp8": "fp8",
+    "mxfp4": "mxfp4",
 }
 
 # Files that hold what a tokenizer does; two checkpoints whose files are byte-identical tokenize alike.

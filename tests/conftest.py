@@ -151,6 +151,29 @@ def edit_tensors(folder: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
     save_file(tensors, str(shard), metadata=metadata)
 
 
+def tensor_edited_copy(src: Path, dst: Path, tensor: str, change: Callable[[Any], Any]) -> Path:
+    """A copy of a checkpoint with `change` applied in place to one stored tensor (a corrupted byte, a
+    scale off by a factor)."""
+    edit_tensors(copy_checkpoint(src, dst), lambda tensors: change(tensors[tensor]))
+    return dst
+
+
+def run_tasks(ref: Path, ckpt: Path, tasks: str, out: Path, *extra: str | Path) -> tuple[int, dict[str, Any]]:
+    """`evalsuite run` of `tasks` on the offline corpus in a process of its own: the exit code (a run may fail
+    a threshold; it must not fail otherwise) and results.json's tasks."""
+    import json
+
+    args = ["--tasks", tasks, "--corpus", "python-docs", *extra, "--out", out, "--quiet"]
+    res = run_cli("run", "--ref", ref, "--ckpt", ckpt, *args)
+    assert res.returncode in (0, 1), res.stderr
+    return res.returncode, json.loads((out / "results.json").read_text())["tasks"]
+
+
+def ppl_metrics(ckpt: Path, ref: Path, out: Path) -> dict[str, Any]:
+    """`ppl` of a candidate against its reference (`run_tasks`): results.json's ppl metrics."""
+    return run_tasks(ref, ckpt, "ppl", out)[1]["ppl"]["metrics"]
+
+
 def wrong_scale_copy(src: Path, dst: Path, factor: float = 4.0) -> Path:
     """A copy of a compressed-tensors checkpoint with every `weight_scale` multiplied by `factor`."""
     copy_checkpoint(src, dst)

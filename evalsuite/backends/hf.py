@@ -364,6 +364,9 @@ class HFBackend:
         if self.checkpoint.format == "fp8" and not getattr(self.model, "is_quantized", True):
             # Without a GPU Transformers runs no FP8: it dequantized the pack at load, which the report says.
             execution += f"; FP8 weights dequantized to {self.options.dtype} at load by Transformers"
+        if self.checkpoint.format == "mxfp4" and not getattr(self.model, "is_quantized", True):
+            # No MXFP4 kernels (Triton) here: Transformers decodes the experts at load.
+            execution += f"; MXFP4 experts dequantized to {self.options.dtype} at load by Transformers"
         return {"backend": "hf", "execution": execution, "format": self.checkpoint.format}
 
     def load_model(self, kwargs: dict[str, Any]) -> Any:

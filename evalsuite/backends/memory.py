@@ -98,6 +98,10 @@ def loaded_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
     for name, info in checkpoint.tensors.items():
         if name.endswith(".weight_shape"):
             continue  # compressed-tensors' record of the logical shape, not a weight
+        if checkpoint.format == "mxfp4" and name.endswith(("_blocks", "_scales")):
+            # gpt-oss's experts: two FP4 codes a byte, decoded into the compute dtype; the scales fold in.
+            total += info.nbytes * 2 * per_weight if name.endswith("_blocks") else 0
+            continue
         if name.endswith(".weight_packed"):
             # Packed weights of `bits` each (INT4 eight to an int32 word, NVFP4/MXFP4 two to a byte),
             # decompressed into the compute dtype.

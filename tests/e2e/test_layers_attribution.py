@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import copy_checkpoint, edit_tensors, run_cli
+from tests.conftest import run_tasks as run
 
 BF16 = "tiny-minicpmv47-bf16"
 PROTOCOL = """
@@ -52,26 +53,6 @@ def scaled_copy(src: Path, dst: Path, factor: float) -> Path:
         lambda t: t.update({k: (v.float() * factor).to(v.dtype) for k, v in t.items() if SHARED_EXPERT in k}),
     )
     return dst
-
-
-def run(ref: Path, ckpt: Path, tasks: str, out: Path, *extra: str) -> tuple[int, dict]:
-    res = run_cli(
-        "run",
-        "--ref",
-        ref,
-        "--ckpt",
-        ckpt,
-        "--tasks",
-        tasks,
-        "--corpus",
-        "python-docs",
-        *extra,
-        "--out",
-        out,
-        "--quiet",
-    )
-    assert res.returncode in (0, 1), res.stderr
-    return res.returncode, json.loads((out / "results.json").read_text())["tasks"]
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ execution named in the report; a pack short of a tensor is refused in one line b
 # ruff: noqa: F811  (pytest fixtures named as the session fixture they take)
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import pytest
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.names import TINY_LLAMA_MLX
-from tests.conftest import FIXTURES, run_cli
+from tests.conftest import FIXTURES, copy_checkpoint, edit_tensors, ppl_metrics, run_cli, tensor_edited_copy
 from tests.e2e.test_gguf import TINY_LLAMA, tiny_llama  # noqa: F401 (the session fixture)
 from tests.e2e.test_tensors import failed_checks, named, run_tensors
 
@@ -29,16 +27,6 @@ DOWN_PROJ = "model.layers.1.mlp.down_proj"
 def mlx_pack(tiny_llama) -> Path:
     """The tiny Llama's MLX pack (read-only: copy before changing)."""
     return build_fixtures(FIXTURES, [TINY_LLAMA_MLX])[TINY_LLAMA_MLX]
-
-
-def corrupted(pack: Path, dst: Path, tensor: str, change) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(pack, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    change(tensors[tensor])
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "mlx"})
-    return dst
 
 
 def test_an_mlx_pack_is_detected_and_every_weight_decodes_as_mlx_decodes_it(mlx_pack, tiny_llama, tmp_path):
@@ -63,10 +51,10 @@ def test_an_mlx_pack_is_detected_and_every_weight_decodes_as_mlx_decodes_it(mlx_
 @pytest.mark.parametrize("where", ["scale", "code"])
 def test_a_corrupted_scale_or_code_word_fails_naming_the_tensor(where, mlx_pack, tiny_llama, tmp_path):
     if where == "scale":
-        pack = corrupted(mlx_pack, tmp_path / "pack", f"{Q_PROJ}.scales", lambda s: s[3, 1].mul_(8))
+        pack = tensor_edited_copy(mlx_pack, tmp_path / "pack", f"{Q_PROJ}.scales", lambda s: s[3, 1].mul_(8))
         tensor = f"{Q_PROJ}.weight"
     else:  # the high bits of two codes of one word
-        pack = corrupted(
+        pack = tensor_edited_copy(
             mlx_pack, tmp_path / "pack", f"{DOWN_PROJ}.weight", lambda w: w[5, 2].bitwise_xor_(0xF0F00000)
         )
         tensor = f"{DOWN_PROJ}.weight"
@@ -77,13 +65,7 @@ def test_a_corrupted_scale_or_code_word_fails_naming_the_tensor(where, mlx_pack,
 
 
 def test_ppl_runs_the_decoded_pack_and_names_the_execution(mlx_pack, tiny_llama, tmp_path):
-    out = tmp_path / "run"
-    res = run_cli(
-        "run", "--ckpt", mlx_pack, "--ref", tiny_llama, "--tasks", "ppl", "--corpus", "python-docs",
-        "--out", out, "--quiet",
-    )  # fmt: skip
-    assert res.returncode in (0, 1), res.stderr
-    m = json.loads((out / "results.json").read_text())["tasks"]["ppl"]["metrics"]
+    m = ppl_metrics(mlx_pack, tiny_llama, tmp_path / "run")
     assert m["ckpt_execution"].startswith("MLX decoded on the CPU by evalsuite as mx.dequantize decodes it")
     assert "MLX not run" in m["ckpt_execution"]
     assert 0 < m["kld_mean"] < 0.01  # 4-bit groups of 64 on a random model: near, not equal
@@ -92,13 +74,8 @@ def test_ppl_runs_the_decoded_pack_and_names_the_execution(mlx_pack, tiny_llama,
 def test_a_pack_short_of_a_tensor_is_refused_in_one_line_before_any_model_loads(
     mlx_pack, tiny_llama, tmp_path
 ):
-    from safetensors.torch import load_file, save_file
-
-    pack = tmp_path / "pack"
-    shutil.copytree(mlx_pack, pack)
-    tensors = load_file(str(pack / "model.safetensors"))
-    del tensors[f"{Q_PROJ}.biases"]
-    save_file(tensors, str(pack / "model.safetensors"), metadata={"format": "mlx"})
+    pack = copy_checkpoint(mlx_pack, tmp_path / "pack")
+    edit_tensors(pack, lambda tensors: tensors.pop(f"{Q_PROJ}.biases"))
     res = run_cli(
         "run", "--ckpt", pack, "--ref", tiny_llama, "--tasks", "ppl", "--corpus", "python-docs",
         "--out", tmp_path / "o", "--quiet",

@@ -4,14 +4,13 @@ embedding quantized as mlx-lm quantizes it): `tensors` passes with every weight 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from evalsuite.fixtures import SMOLLM2_BF16, build_fixtures
 from evalsuite.fixtures.names import SMOLLM2_MLX
-from tests.conftest import FIXTURES, run_cli
+from tests.conftest import FIXTURES, ppl_metrics
 from tests.e2e.test_tensors import run_tensors
 
 pytestmark = pytest.mark.slow
@@ -40,12 +39,6 @@ def test_the_smollm2_mlx_pack_passes_tensors_with_every_weight_decoded_as_mlx_de
 
 def test_ppl_runs_the_decoded_smollm2_pack(smollm2_mlx, tmp_path):
     source, pack = smollm2_mlx
-    out = tmp_path / "run"
-    res = run_cli(
-        "run", "--ckpt", pack, "--ref", source, "--tasks", "ppl", "--corpus", "python-docs", "--out", out,
-        "--quiet",
-    )  # fmt: skip
-    assert res.returncode in (0, 1), res.stderr
-    m = json.loads((out / "results.json").read_text())["tasks"]["ppl"]["metrics"]
+    m = ppl_metrics(pack, source, tmp_path / "run")
     assert "MLX decoded on the CPU by evalsuite" in m["ckpt_execution"]
     assert m["n_scored_tokens"] == 2040 and 0 < m["kld_mean"] < 1

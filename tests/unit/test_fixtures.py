@@ -36,7 +36,12 @@ from evalsuite.fixtures import (
     smollm2_gguf_path,
     write_w4a8_copy,
 )
-from evalsuite.fixtures.names import GGUF_FIXTURE_NAMES, LLMC_FIXTURE_NAMES, MLX_FIXTURE_NAMES
+from evalsuite.fixtures.names import (
+    GGUF_FIXTURE_NAMES,
+    LLMC_FIXTURE_NAMES,
+    MLX_FIXTURE_NAMES,
+    MXFP4_FIXTURE_NAMES,
+)
 from evalsuite.multimodal import minicpmv_inputs
 from tests.conftest import FIXTURES
 from tests.images import tiny_test_image
@@ -86,6 +91,7 @@ def test_building_a_fixture_by_name_builds_exactly_it_after_its_source(
         *LLMC_FIXTURE_NAMES,
         *GGUF_FIXTURE_NAMES,
         *MLX_FIXTURE_NAMES,
+        *MXFP4_FIXTURE_NAMES,
     )
     assert set(catalogue.CATALOGUE) == set(everything)
     fetched_file = tmp_path / "fetched.gguf"

@@ -21,14 +21,13 @@ skeleton targets are matched on), `_rows` holds the typed rows of tensors.json, 
 from evalsuite.tasks.tensor_verification._compressed_tensors import LibraryCheck, library_runs
 from evalsuite.tasks.tensor_verification._engine import (
     FormatVerifier,
-    Pair,
     Verification,
     format_verifier,
-    pair_tensors,
     verify_tensors,
 )
 from evalsuite.tasks.tensor_verification._gguf import check_gguf_source
 from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection
+from evalsuite.tasks.tensor_verification._pairing import Pair, pair_tensors
 from evalsuite.tasks.tensor_verification._rows import (
     ErrorAccumulator,
     Problem,

@@ -12,7 +12,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from evalsuite.checkpoint import Checkpoint, TensorInfo
@@ -32,12 +32,14 @@ from evalsuite.tasks.tensor_verification._gguf import GgufVerifier
 from evalsuite.tasks.tensor_verification._gptq import GptqVerifier
 from evalsuite.tasks.tensor_verification._mlx import MlxFormat, MlxVerifier
 from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection, skeleton_modules
+from evalsuite.tasks.tensor_verification._mxfp4 import Mxfp4Format, Mxfp4Verifier
 from evalsuite.tasks.tensor_verification._outliers import (
     channel_detail,
     is_sibling_outlier,
     sibling_detail,
     sibling_outliers,
 )
+from evalsuite.tasks.tensor_verification._pairing import Pair, pair_tensors, tied_head
 from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow, UnexpectedRow
 from evalsuite.tasks.tensor_verification._same import compare_same
 
@@ -91,73 +93,9 @@ def format_verifier(candidate: Checkpoint, library_check: LibraryCheck = "sample
         return GptqVerifier(GptqFormat(candidate))
     if candidate.format == FP8_BLOCK_METHOD:
         return Fp8BlockVerifier(Fp8BlockFormat(candidate))
+    if candidate.format == "mxfp4":
+        return Mxfp4Verifier(Mxfp4Format(candidate))
     return MlxVerifier(MlxFormat(candidate)) if candidate.format == "mlx" else None
-
-
-@dataclass(frozen=True)
-class Pair:
-    """A source tensor and the candidate tensors it pairs with.
-
-    `how` is `same` (`candidate` = {"": the tensor of the same name}), `quantized` (`candidate` maps each
-    stored parameter of the module, e.g. "weight_packed", to its tensor) or `missing` (no candidate tensor).
-    `tied_to` names the source tensor that stands for `source` when the source ties it to another and does
-    not store it (an exllamav3 pack stores its own head even where the source ties it to the embedding).
-    """
-
-    source: str
-    module: str
-    how: Literal["same", "quantized", "missing"]
-    candidate: dict[str, str] = field(default_factory=dict)
-    tied_to: str | None = None
-
-
-def tied_head(source: dict[str, TensorInfo], config: dict[str, Any]) -> dict[str, str]:
-    """{"lm_head.weight": the input embedding} when the source ties its head to the embedding and stores
-    the embedding only (config `tie_word_embeddings`, at the top or in `text_config`, not false); else {}."""
-    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    tie = config.get("tie_word_embeddings", text_config.get("tie_word_embeddings"))
-    embeddings = [name for name in source if name.endswith("embed_tokens.weight")]
-    if tie is False or "lm_head.weight" in source or len(embeddings) != 1:
-        return {}
-    return {"lm_head.weight": embeddings[0]}
-
-
-def pair_tensors(
-    source: dict[str, TensorInfo],
-    candidate: dict[str, TensorInfo],
-    format: QuantizedFormat | None,
-    tied: dict[str, str] | None = None,
-) -> tuple[list[Pair], list[str]]:
-    """Pair every source tensor (in source order) and list the candidate tensors that pair with nothing.
-
-    `tied` maps a weight the source does not store to the source tensor it is tied to: a candidate that
-    quantizes that weight's module pairs it with that tensor (see `tied_head`).
-    """
-    quantized: dict[str, dict[str, str]] = {}
-    if format is not None:
-        by_module: dict[str, dict[str, str]] = {}
-        for name in candidate:
-            module, _, param = name.rpartition(".")
-            if param in format.params:
-                by_module.setdefault(module, {})[param] = name
-        quantized = {m: params for m, params in by_module.items() if format.marks & params.keys()}
-    pairs, used = [], set()
-    for weight, target in (tied or {}).items():
-        module = weight.removesuffix(".weight")
-        if weight not in source and target in source and module in quantized:
-            pairs.append(Pair(weight, module, "quantized", quantized[module], tied_to=target))
-            used.update(quantized[module].values())
-    for name in source:
-        module = name.rpartition(".")[0]
-        if name.endswith(".weight") and module in quantized:
-            pairs.append(Pair(name, module, "quantized", quantized[module]))
-            used.update(quantized[module].values())
-        elif name in candidate:
-            pairs.append(Pair(name, module, "same", {"": name}))
-            used.add(name)
-        else:
-            pairs.append(Pair(name, module, "missing"))
-    return pairs, [name for name in candidate if name not in used]
 
 
 @dataclass
