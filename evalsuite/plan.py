@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evalsuite.backends import check_load_plan
+from evalsuite.backends import check_load_internals, check_load_plan
 from evalsuite.backends.memory import streamed_if_needed
 from evalsuite.backends.options import BackendOptions
-from evalsuite.backends.transformers_internals import check_internals
 from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
@@ -381,7 +380,7 @@ def check_load_plan_once(
     disk_key = {"plan": key[0], "options": repr(options)}
     if on_disk.passed(disk_key):
         # What the cache cannot vouch for is checked again: the library internals the load will call.
-        check_internals(options, side.checkpoint.format)
+        check_load_internals(side.checkpoint, options)
     else:
         check_load_plan(side.checkpoint, options)
         on_disk.put_passed(disk_key)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from evalsuite.backends.load_lock import MODEL_LOADS
-from evalsuite.backends.options import BACKEND_NAMES, BackendOptions
+from evalsuite.backends.options import BACKEND_NAMES, RUNTIME_BACKENDS, BackendOptions
 from evalsuite.errors import InputError
 
 if TYPE_CHECKING:
@@ -164,9 +164,22 @@ def check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
         _check_load_plan(checkpoint, options)
 
 
-def _check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
+def check_load_internals(checkpoint: Checkpoint, options: BackendOptions) -> None:
+    """Refuse a load whose library internals are not there (DependencyError): the part of `check_load_plan`
+    that depends on the installed libraries, not on the files. None for a format's own runtime (llamacpp)."""
     from evalsuite.backends.transformers_internals import check_internals
 
+    if options.backend not in RUNTIME_BACKENDS:
+        check_internals(options, checkpoint.format)
+
+
+def _check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
+    if options.backend == "llamacpp":
+        from evalsuite.backends.llamacpp import check_llamacpp_load_plan
+
+        check_llamacpp_load_plan(checkpoint, options)
+        return
+    check_load_internals(checkpoint, options)
     if checkpoint.format == "mlx":
         if options.backend != "hf":
             raise InputError(
@@ -175,15 +188,8 @@ def _check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
             )
         from evalsuite.backends.mlx_decoded import check_mlx_load_plan
 
-        check_internals(options, checkpoint.format)
         check_mlx_load_plan(checkpoint, options)
         return
-    if options.backend == "llamacpp":
-        from evalsuite.backends.llamacpp import check_llamacpp_load_plan
-
-        check_llamacpp_load_plan(checkpoint, options)
-        return
-    check_internals(options, checkpoint.format)
     if options.stream and options.backend in BACKEND_NAMES:
         from evalsuite.backends.streamed import check_streamed_load_plan
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -29,8 +28,7 @@ from evalsuite.backends.skeleton import (
 )
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
-from evalsuite.formats import as_float32
-from evalsuite.formats.mlx import MlxFormat, decode
+from evalsuite.formats.mlx import MlxFormat, decode, layout_problems
 
 QUANTIZED_PARTS = ("weight", "scales", "biases")
 
@@ -58,6 +56,20 @@ class MlxSkeleton:
             for part in QUANTIZED_PARTS
             if f"{module}.{part}" not in names
         ]
+        if not self.problems:
+            self.problems = [p for module in self.quantized for p in self._layout_problems(module)]
+
+    def _layout_problems(self, module: str) -> list[str]:
+        """What keeps a module's stored parts from decoding into its slot (`formats.mlx.layout_problems`,
+        from headers); a module the model lacks, or the config leaves in float, is refused elsewhere."""
+        slot, scheme = self.slots.get(f"{module}.weight"), self.format.scheme(module)
+        if slot is None or slot[2].dim() != 2 or scheme is None:
+            return []
+        infos = [self.checkpoint.tensors[f"{module}.{part}"] for part in QUANTIZED_PARTS]
+        found = layout_problems(tuple(slot[2].shape), *infos, *scheme)
+        if infos[2].dtype != infos[1].dtype:  # decoded in the scales' dtype, as mx.dequantize requires
+            found.append(f"biases are {infos[2].dtype}, the scales {infos[1].dtype}")
+        return [f"{module}: {problem}" for problem in found]
 
     def refuse_problems(self) -> None:
         """InputError naming what makes the files unloadable; nothing when they load faithfully."""
@@ -89,40 +101,20 @@ class MlxSkeleton:
         return self.model.to(device) if device != "cpu" else self.model
 
     def _decoded(self, module: str) -> torch.Tensor:
-        """A quantized module's weight decoded as MLX decodes it (values of the scales' dtype)."""
-        group, bits = self.format.scheme(module) or (self.format.group_size, self.format.bits)
-        infos = {part: self.checkpoint.tensors[f"{module}.{part}"] for part in QUANTIZED_PARTS}
-        scales_dtype = infos["scales"].dtype
-        if scales_dtype not in ("F32", "F16", "BF16") or infos["biases"].dtype != scales_dtype:
-            raise InputError(
-                f"{module}: scales {scales_dtype} and biases {infos['biases'].dtype} are not one float dtype",
-                self.checkpoint.path,
-            )
-        packed = self.checkpoint.read_tensor(infos["weight"].name)
-        if packed.dtype != torch.uint32 or packed.dim() != 2:
-            raise InputError(f"{module}.weight is {packed.dtype}, not uint32 codes", self.checkpoint.path)
-        scales, biases = (
-            as_float32(_raw(self.checkpoint.read_tensor(infos[part].name)), scales_dtype)
-            for part in ("scales", "biases")
-        )
-        if packed.shape[1] * 32 != scales.shape[1] * group * bits or scales.shape != biases.shape:
-            raise InputError(
-                f"{module}: {packed.shape[1]} words per row do not hold {scales.shape[1]} groups of {group} "
-                f"{bits}-bit codes",
-                self.checkpoint.path,
-            )
-        weight = decode(packed.numpy(), scales, biases, scales_dtype, group, bits)
+        """A quantized module's weight decoded as MLX decodes it (values of the scales' dtype); its layout
+        was checked from the headers (`_layout_problems`)."""
+        scheme = self.format.scheme(module)
+        assert scheme is not None, module  # `refuse_problems` refused a quantized module left in float
+        group, bits = scheme
+        packed, scales, biases = (self.checkpoint.read_tensor(f"{module}.{part}") for part in QUANTIZED_PARTS)
+        dtype = self.checkpoint.tensors[f"{module}.scales"].dtype
+        weight = decode(packed.numpy(), scales.float().numpy(), biases.float().numpy(), dtype, group, bits)
         return torch.from_numpy(weight).to(self.dtype)
 
     def _place(self, name: str, value: torch.Tensor) -> None:
         fill_slot(
             self.slots, name, value.to(self.dtype) if value.is_floating_point() else value, self.checkpoint
         )
-
-
-def _raw(tensor: torch.Tensor) -> np.ndarray:
-    """A stored float tensor as `as_float32` takes it (bf16 as its 16 bits)."""
-    return (tensor.view(torch.uint16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def check_mlx_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:

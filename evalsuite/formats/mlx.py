@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from evalsuite.checkpoint import Checkpoint, mlx_quantization
+from evalsuite.checkpoint import Checkpoint, TensorInfo, mlx_quantization
 from evalsuite.errors import InputError
 
 METHOD = "mlx"
@@ -118,3 +118,33 @@ def library_decode(
 
 
 _MLX_CALLS = threading.Lock()
+
+
+# Bytes of a scale or bias by stored dtype: the float dtypes MLX stores them in.
+SCALE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def layout_problems(
+    shape: tuple[int, ...],
+    weight: TensorInfo | None,
+    scales: TensorInfo | None,
+    biases: TensorInfo | None,
+    group: int,
+    bits: int,
+) -> list[str]:
+    """What keeps a module's stored `weight`, `scales` and `biases` from being an MLX-quantized weight of
+    `shape` (out, in) in groups of `group` `bits`-bit codes; empty when they are one. Read from headers."""
+    if weight is None or scales is None or biases is None:
+        return ["scales without a packed weight and biases beside them"]
+    out_features, in_features = shape
+    if bits not in BITS or in_features % group:
+        return [f"{bits}-bit codes in groups of {group} cannot hold rows of {in_features} weights"]
+    found = []
+    words = in_features * bits // 32
+    if weight.dtype != "U32" or tuple(weight.shape) != (out_features, words):
+        found.append(f"weight is {weight.dtype} {list(weight.shape)}, not U32 {[out_features, words]}")
+    grid = (out_features, in_features // group)
+    for name, info in (("scales", scales), ("biases", biases)):
+        if info.dtype not in SCALE_BYTES or tuple(info.shape) != grid:
+            found.append(f"{name} is {info.dtype} {list(info.shape)}, not a float {list(grid)}")
+    return found

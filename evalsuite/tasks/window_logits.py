@@ -109,15 +109,14 @@ def _tokenize(side: Side, corpus: Corpus, protocol: WindowProtocol, shared: Shar
     disk_key = _token_cache_key(side, corpus, protocol)
 
     def tokenize() -> np.ndarray:
-        cache = RunCache("tokens", enabled=disk_key is not None)
-        tokens = cache.tokens(disk_key) if disk_key is not None else None
+        cache = RunCache("tokens", enabled=disk_key is not None)  # disabled: reads and keeps nothing
+        tokens = cache.tokens(disk_key or {})
         if tokens is None:
             ids = side.tokenizer(corpus.text, add_special_tokens=protocol.add_special_tokens, verbose=False)[
                 "input_ids"
             ]
             tokens = np.asarray(ids, dtype=np.int64)
-            if disk_key is not None:
-                cache.put_tokens(disk_key, tokens)
+            cache.put_tokens(disk_key or {}, tokens)
         tokens.setflags(write=False)  # shared by every plan that asks: nobody may edit it
         return tokens
 
@@ -285,7 +284,7 @@ class WindowLogits(WindowObserver):
                     )
                 rows = logits.cpu()
                 writer.write(w, rows)
-                scores[w] = self._window_scores(_blocks(rows, self.chunk_rows), windows[w], positions)
+                scores[w] = self._window_scores(rows.split(self.chunk_rows), windows[w], positions)
                 step()
         finally:
             writer.close()
@@ -335,12 +334,6 @@ class WindowLogits(WindowObserver):
         arrays.update(nll=obs.arrays["nll"], top=obs.arrays["top"])
         meta = {**obs.meta, "kind": "recorded", "top_k": opts.top_k, "tail_samples": opts.tail_samples}
         return Observation(name=obs.name, key=obs.key, meta=meta, arrays=arrays)
-
-
-def _blocks(rows: torch.Tensor, n_rows: int) -> Iterator[torch.Tensor]:
-    """Rows in the blocks `read_rows` would read them back in: the scores are the same bits either way."""
-    for start in range(0, len(rows), n_rows):
-        yield rows[start : start + n_rows]
 
 
 class WindowLogitsVisitor(QuietVisitor):

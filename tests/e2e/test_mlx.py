@@ -71,16 +71,30 @@ def test_ppl_runs_the_decoded_pack_and_names_the_execution(mlx_pack, tiny_llama,
     assert 0 < m["kld_mean"] < 0.01  # 4-bit groups of 64 on a random model: near, not equal
 
 
-def test_a_pack_short_of_a_tensor_is_refused_in_one_line_before_any_model_loads(
-    mlx_pack, tiny_llama, tmp_path
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda t: t.pop(f"{Q_PROJ}.biases"), "biases missing beside its scales"),
+        # one group's scales and biases dropped from every row: the headers no longer fit the weight
+        (
+            lambda t: t.update(
+                {f"{Q_PROJ}.{p}": t[f"{Q_PROJ}.{p}"][:, :-1].clone() for p in ("scales", "biases")}
+            ),
+            "scales is BF16",
+        ),
+    ],
+    ids=["missing", "grid"],
+)
+def test_a_pack_that_cannot_fill_its_model_is_refused_in_one_line_before_any_model_loads(
+    edit, said, mlx_pack, tiny_llama, tmp_path
 ):
     pack = copy_checkpoint(mlx_pack, tmp_path / "pack")
-    edit_tensors(pack, lambda tensors: tensors.pop(f"{Q_PROJ}.biases"))
+    edit_tensors(pack, edit)
     res = run_cli(
         "run", "--ckpt", pack, "--ref", tiny_llama, "--tasks", "ppl", "--corpus", "python-docs",
         "--out", tmp_path / "o", "--quiet",
     )  # fmt: skip
     assert res.returncode == 2, res.stderr
     last = res.stderr.strip().splitlines()[-1]
-    assert f"MLX module {Q_PROJ}: biases missing beside its scales" in last, last
+    assert f"MLX module {Q_PROJ}: {said}" in last, last
     assert not (tmp_path / "o" / "observations").exists()

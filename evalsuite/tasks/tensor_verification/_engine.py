@@ -95,7 +95,9 @@ def format_verifier(candidate: Checkpoint, library_check: LibraryCheck = "sample
         return Fp8BlockVerifier(Fp8BlockFormat(candidate))
     if candidate.format == "mxfp4":
         return Mxfp4Verifier(Mxfp4Format(candidate))
-    return MlxVerifier(MlxFormat(candidate)) if candidate.format == "mlx" else None
+    if candidate.format == "mlx":
+        return MlxVerifier(MlxFormat(candidate))
+    return None
 
 
 @dataclass

@@ -12,11 +12,9 @@ import numpy as np
 from evalsuite.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader, as_float32, row_blocks
 from evalsuite.formats.ct_decode import first_difference
-from evalsuite.formats.mlx import BITS, MlxFormat, decode, library_decode
+from evalsuite.formats.mlx import BITS, SCALE_BYTES, MlxFormat, decode, layout_problems, library_decode
 from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
 from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
-
-FLOAT_SCALES = {"F32": 4, "F16": 2, "BF16": 2}
 
 
 class MlxVerifier(OneByOneVerifier):
@@ -39,7 +37,11 @@ class MlxVerifier(OneByOneVerifier):
         if scheme is None:
             return [Problem("config", source.name, "quantized, but config.json's `quantization` says false")]
         group, bits = scheme
-        found = _layout_problems(source, weight, scales, biases, group, bits)
+        found = (
+            layout_problems(tuple(source.shape), weight, scales, biases, group, bits)
+            if len(source.shape) == 2
+            else [f"scales for a {len(source.shape)}-D source tensor"]
+        )
         if found or weight is None or scales is None or biases is None:
             row.note = (
                 "not decoded: its stored tensors do not form an MLX-quantized weight of the source's shape"
@@ -48,7 +50,7 @@ class MlxVerifier(OneByOneVerifier):
         out_features, in_features = source.shape
         row.group = str(group)
         row.bits = bits
-        row.bits_per_weight = bits + 8 * (FLOAT_SCALES[scales.dtype] + FLOAT_SCALES[biases.dtype]) / group
+        row.bits_per_weight = bits + 8 * (SCALE_BYTES[scales.dtype] + SCALE_BYTES[biases.dtype]) / group
         errors, mismatch, checked = ErrorAccumulator(), None, 0
         for r0, r1 in row_blocks(out_features, in_features):
             packed = reader.rows(weight, r0, r1, "weight").view(np.uint32).reshape(r1 - r0, -1)
@@ -84,29 +86,3 @@ class MlxVerifier(OneByOneVerifier):
         if self.format.overrides:
             claims["overrides"] = len(self.format.overrides)
         return problems, claims
-
-
-def _layout_problems(
-    source: TensorInfo,
-    weight: TensorInfo | None,
-    scales: TensorInfo | None,
-    biases: TensorInfo | None,
-    group: int,
-    bits: int,
-) -> list[str]:
-    if len(source.shape) != 2:
-        return [f"scales for a {len(source.shape)}-D source tensor"]
-    if weight is None or scales is None or biases is None:
-        return ["scales without a packed weight and biases beside them"]
-    out_features, in_features = source.shape
-    if bits not in BITS or in_features % group:
-        return [f"{bits}-bit codes in groups of {group} cannot hold rows of {in_features} weights"]
-    found = []
-    words = in_features * bits // 32
-    if weight.dtype != "U32" or tuple(weight.shape) != (out_features, words):
-        found.append(f"weight is {weight.dtype} {list(weight.shape)}, not U32 {[out_features, words]}")
-    grid = (out_features, in_features // group)
-    for name, info in (("scales", scales), ("biases", biases)):
-        if info.dtype not in FLOAT_SCALES or tuple(info.shape) != grid:
-            found.append(f"{name} is {info.dtype} {list(info.shape)}, not a float {list(grid)}")
-    return found
