@@ -17,8 +17,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from evalsuite.backends.load_lock import MODEL_LOADS
-from evalsuite.backends.options import BACKEND_NAMES, RUNTIME_BACKENDS, BackendOptions
-from evalsuite.errors import InputError
+from evalsuite.backends.options import BACKEND_NAMES, DECODED_FORMATS, RUNTIME_BACKENDS, BackendOptions
 
 if TYPE_CHECKING:
     import numpy as np
@@ -118,10 +117,10 @@ def _load_backend(checkpoint: Checkpoint, options: BackendOptions) -> Backend:
         from evalsuite.backends.streamed import StreamedBackend
 
         return StreamedBackend(checkpoint, options)
-    if options.backend == "hf" and checkpoint.format == "mlx":
-        from evalsuite.backends.mlx_decoded import DecodedMlxBackend
+    if options.backend == "hf" and checkpoint.format in DECODED_FORMATS:
+        from evalsuite.backends.decoded import DecodedBackend
 
-        return DecodedMlxBackend(checkpoint, options)
+        return DecodedBackend(checkpoint, options)
     if options.backend == "hf":
         from evalsuite.backends.hf import HFBackend
 
@@ -180,15 +179,10 @@ def _check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
         check_llamacpp_load_plan(checkpoint, options)
         return
     check_load_internals(checkpoint, options)
-    if checkpoint.format == "mlx":
-        if options.backend != "hf":
-            raise InputError(
-                f"an MLX pack runs from its decoded weights on backend hf, not {options.backend}",
-                checkpoint.path,
-            )
-        from evalsuite.backends.mlx_decoded import check_mlx_load_plan
+    if checkpoint.format in DECODED_FORMATS:
+        from evalsuite.backends.decoded import check_decoded_load_plan
 
-        check_mlx_load_plan(checkpoint, options)
+        check_decoded_load_plan(checkpoint, options)
         return
     if options.stream and options.backend in BACKEND_NAMES:
         from evalsuite.backends.streamed import check_streamed_load_plan

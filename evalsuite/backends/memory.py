@@ -87,7 +87,11 @@ def loaded_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
     if checkpoint.format == "mlx":
         from evalsuite.formats.mlx import decoded_numel
 
-        return decoded_numel(checkpoint) * per_weight  # decoded into the compute dtype (`mlx_decoded`)
+        return decoded_numel(checkpoint) * per_weight  # decoded into the compute dtype (`backends.decoded`)
+    if checkpoint.format in ("gptq", "awq"):
+        from evalsuite.formats.gptq import decoded_numel as gptq_numel
+
+        return gptq_numel(checkpoint) * per_weight  # decoded into the compute dtype (`backends.decoded`)
     if checkpoint.gguf_file is not None:
         from evalsuite.formats.gguf import read_gguf
 

@@ -1,6 +1,6 @@
 """What the backends that build a model on the meta device and fill it from the files share: the model's
 tensor slots by state-dict name, Transformers' fused experts, the tensors its class ignores on load, and the
-refusal of files that do not match the model (`intref`, `exl3`, `streamed`, `mlx_decoded`)."""
+refusal of files that do not match the model (`intref`, `exl3`, `streamed`, `decoded`)."""
 
 from __future__ import annotations
 

@@ -108,3 +108,48 @@ def decode(
 
 def _group(fmt: GptqFormat, cols: int) -> int:
     return cols if fmt.group_size <= 0 else fmt.group_size
+
+
+def layout_problems(fmt: GptqFormat, shape: tuple[int, ...], tensors: dict[str, TensorInfo]) -> list[str]:
+    """What keeps a module's stored tensors (by part: `qweight`, `qzeros`, `scales`, `g_idx`) from being a
+    `fmt` Linear of `shape` (out, in); empty when they are one. Read from headers."""
+    missing = sorted({"qweight", "qzeros", "scales"} - tensors.keys())
+    if missing:
+        return [f"no {', '.join(missing)} beside its qweight"]
+    out_features, in_features = shape
+    if stored_shape(fmt.method, fmt.bits, tensors) != (out_features, in_features):
+        return [
+            f"qweight {tensors['qweight'].dtype} {list(tensors['qweight'].shape)} does not hold "
+            f"INT{fmt.bits} weights of the source's shape {[out_features, in_features]}"
+        ]
+    group = fmt.group_size if fmt.group_size > 0 else in_features
+    groups = -(-in_features // group)
+    expected = {
+        "scales": ("F16", (groups, out_features)),
+        "qzeros": ("I32", (groups, -(-out_features * fmt.bits // 32))),
+    }
+    if "g_idx" in tensors or (fmt.method == "gptq" and fmt.desc_act):
+        expected["g_idx"] = ("I32", (in_features,))
+    found = []
+    for param, (dtype, want) in expected.items():
+        info = tensors.get(param)
+        if info is None or info.dtype != dtype or tuple(info.shape) != want:
+            got = "none" if info is None else f"{info.dtype} {list(info.shape)}"
+            found.append(f"{param} is {got}, not {dtype} {list(want)} (group size {fmt.group_size})")
+    return found
+
+
+def decoded_numel(checkpoint: Checkpoint) -> int:
+    """How many values the pack holds once decoded: each quantized module's `out × in` weights (qzeros,
+    scales and g_idx fold into them), every other tensor as stored: what the memory plan multiplies by the
+    run's dtype."""
+    fmt = GptqFormat(checkpoint)
+    total = 0
+    for name, info in checkpoint.tensors.items():
+        module, _, part = name.rpartition(".")
+        if part not in PARAMS or f"{module}.qweight" not in checkpoint.tensors:
+            total += info.numel
+        elif part == "qweight":
+            shape = stored_shape(fmt.method, fmt.bits, {"qweight": info})
+            total += shape[0] * shape[1] if shape else info.numel
+    return total

@@ -1,7 +1,8 @@
 """GPTQ and AWQ packs written by auto-round's exporters (in a virtual environment of its own): detected from
 config.json, decoded bit for bit as the writer's own code dequantizes them, `tensors` passes them and fails,
-naming the tensor and channel, copies with one word of packed codes or one scale damaged. Every test here
-needs auto-round's environment: the slow tier."""
+naming the tensor and channel, copies with one word of packed codes or one scale damaged; `ppl` runs each
+pack from its decoded weights exactly as the writer's dequantization runs. Every test here needs auto-round's
+environment: the slow tier."""
 
 from __future__ import annotations
 
@@ -10,19 +11,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
+from safetensors.torch import load_file as load_torch_file
 
+from evalsuite.backends.memory import loaded_bytes
+from evalsuite.backends.options import BackendOptions
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.fixtures.autoround_packs import AUTOROUND_PACKS
 from evalsuite.fixtures.llmcompressor_packs import DEQUANTIZED_SUFFIX
 from evalsuite.formats.gptq import GptqFormat, decode
-from tests.conftest import copy_checkpoint, edit_tensors
+from tests.conftest import copy_checkpoint, edit_tensors, run_cli, run_tasks
 from tests.e2e.test_tensors import failed_checks, named, run_tensors
 
 pytestmark = pytest.mark.slow
 
 SOURCE, PACKS = "tiny-llama-bf16", "tiny-llama-autoround"
 MODULE = "model.layers.1.mlp.down_proj"
+PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
 
 
 def pack(built: dict[str, Path], name: str) -> Path:
@@ -35,8 +39,13 @@ def test_every_weight_decodes_as_its_writer_dequantizes_it(autoround_tiny, name)
     checkpoint = Checkpoint.open(folder)
     assert checkpoint.format == name.split("-")[0]
     fmt = GptqFormat(checkpoint)
-    stored = load_file(str(folder / "model.safetensors"))
-    writer = load_file(str(folder.with_name(name + DEQUANTIZED_SUFFIX) / "model.safetensors"))
+    stored = {
+        k: v.numpy()
+        for k, v in load_torch_file(str(folder / "model.safetensors")).items()
+        if k.endswith(PARTS)
+    }
+    # Both files keep what the writer left unquantized in bf16, which numpy has no dtype for.
+    writer = load_torch_file(str(folder.with_name(name + DEQUANTIZED_SUFFIX) / "model.safetensors"))
     modules = [n.removesuffix(".qweight") for n in stored if n.endswith(".qweight")]
     assert len(modules) == 14
     for module in modules:
@@ -47,7 +56,7 @@ def test_every_weight_decodes_as_its_writer_dequantizes_it(autoround_tiny, name)
             stored[f"{module}.scales"],
             stored.get(f"{module}.g_idx"),
         )
-        assert np.array_equal(ours, writer[f"{module}.weight"]), module
+        assert np.array_equal(ours, writer[f"{module}.weight"].numpy()), module
 
 
 @pytest.mark.parametrize("name", list(AUTOROUND_PACKS))
@@ -57,7 +66,8 @@ def test_tensors_passes_the_writers_pack(autoround_tiny, name, tmp_path):
     m = entry["metrics"]
     assert (m["config_mismatches"], m["missing"], m["unexpected"], m["assets_changed"]) == (0, 0, 0, 0)
     assert m["quantized_other"] == 14 and m["avg_bits_per_weight"] == 4.0
-    # auto-round stores the embedding, head and norms float32: value-equal to the BF16 source, not bytes.
+    # The embedding, head and norms auto-round leaves unquantized: identical to the BF16 source (value-equal
+    # where a writer's version widens them to float32).
     assert m["protected_total"] == m["protected_identical"] == 7
     assert 0 < m["worst_rel_err"] < 0.3 and m["outlier_channels"] == 0
     assert m.get("decode_exact") is None  # no decoder of the format imports here: the test above checks it
@@ -90,3 +100,40 @@ def test_a_wrong_scale_fails_naming_the_channel(autoround_tiny, name, tmp_path):
     assert code == 1
     assert "worst_channel_gain_err" in failed_checks(entry)
     assert list(named(entry, "worst_channel_gain_err")) == [f"{MODULE}.weight (output channel 7)"]
+
+
+@pytest.mark.parametrize("name", list(AUTOROUND_PACKS))
+def test_ppl_runs_the_decoded_pack_exactly_as_the_writers_dequantization(autoround_tiny, name, tmp_path):
+    # In float32 the decoded float16 values are held exactly: the pack's logits are the writer's own.
+    folder = pack(autoround_tiny, name)
+    writer = folder.with_name(name + DEQUANTIZED_SUFFIX)
+    _, tasks = run_tasks(writer, folder, "ppl", tmp_path / "run", "--dtype", "float32", "--no-plots")
+    m = tasks["ppl"]["metrics"]
+    assert (m["ppl_ratio"], m["kld_max"], m["same_top_p"]) == (1.0, 0.0, 1.0)
+    label = name.split("-")[0].upper()
+    assert m["ckpt_execution"].startswith(f"{label} decoded on the CPU by evalsuite"), m["ckpt_execution"]
+    assert (
+        "float16 values held exactly" in m["ckpt_execution"]
+        and f"{label} runtime not run" in m["ckpt_execution"]
+    )
+    options = BackendOptions()
+    # The memory plan counts the decoded weights: as many values as the source holds.
+    assert loaded_bytes(Checkpoint.open(folder), options) == loaded_bytes(
+        Checkpoint.open(autoround_tiny[SOURCE]), options
+    )
+
+
+@pytest.mark.parametrize("name", list(AUTOROUND_PACKS))
+def test_a_pack_that_cannot_fill_its_model_is_refused_in_one_line_before_any_model_loads(
+    autoround_tiny, name, tmp_path
+):
+    candidate = copy_checkpoint(pack(autoround_tiny, name), tmp_path / "ckpt")
+    edit_tensors(candidate, lambda t: t.pop(f"{MODULE}.qzeros"))
+    res = run_cli(
+        "run", "--ckpt", candidate, "--ref", autoround_tiny[SOURCE], "--tasks", "ppl", "--corpus",
+        "python-docs", "--out", tmp_path / "o", "--quiet",
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert f"{name.split('-')[0].upper()} module {MODULE}: qzeros missing beside its qweight" in last, last
+    assert not (tmp_path / "o" / "observations").exists()

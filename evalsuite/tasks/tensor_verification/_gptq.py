@@ -14,7 +14,7 @@ import numpy as np
 
 from evalsuite.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader, as_float32
-from evalsuite.formats.gptq import GptqFormat, decode, stored_shape, unpack_words
+from evalsuite.formats.gptq import GptqFormat, decode, layout_problems, unpack_words
 from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
 from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
 
@@ -73,33 +73,9 @@ class GptqVerifier(OneByOneVerifier):
         return found
 
     def _layout_problems(self, source: TensorInfo, tensors: dict[str, TensorInfo]) -> list[str]:
-        fmt = self.format
         if len(source.shape) != 2:
             return [f"a qweight for a {len(source.shape)}-D source tensor"]
-        missing = sorted({"qweight", "qzeros", "scales"} - tensors.keys())
-        if missing:
-            return [f"no {', '.join(missing)} beside its qweight"]
-        out_features, in_features = source.shape
-        if stored_shape(fmt.method, fmt.bits, tensors) != (out_features, in_features):
-            return [
-                f"qweight {tensors['qweight'].dtype} {list(tensors['qweight'].shape)} does not hold "
-                f"INT{fmt.bits} weights of the source's shape {[out_features, in_features]}"
-            ]
-        group = fmt.group_size if fmt.group_size > 0 else in_features
-        groups = -(-in_features // group)
-        expected = {
-            "scales": ("F16", (groups, out_features)),
-            "qzeros": ("I32", (groups, -(-out_features * fmt.bits // 32))),
-        }
-        if "g_idx" in tensors or (fmt.method == "gptq" and fmt.desc_act):
-            expected["g_idx"] = ("I32", (in_features,))
-        found = []
-        for param, (dtype, shape) in expected.items():
-            info = tensors.get(param)
-            if info is None or info.dtype != dtype or tuple(info.shape) != shape:
-                got = "none" if info is None else f"{info.dtype} {list(info.shape)}"
-                found.append(f"{param} is {got}, not {dtype} {list(shape)} (group size {fmt.group_size})")
-        return found
+        return layout_problems(self.format, tuple(source.shape), tensors)
 
     def check_config(self, rows: list[TensorRow]) -> tuple[list[Problem], dict[str, Any]]:
         """The claimed bits against every quantized row's; the claims themselves."""
