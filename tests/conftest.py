@@ -35,6 +35,13 @@ from evalsuite.fixtures import (
     build_fixtures,
 )
 from evalsuite.fixtures.cache import build_lock, write_json
+from tests.format_evidence import (  # noqa: F401 (hooks: the evidence behind docs/formats.md's table)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+)
 
 FIXTURES = Path(
     os.environ.get("EVALSUITE_TEST_FIXTURES", Path.home() / ".cache" / "evalsuite" / "test-fixtures")

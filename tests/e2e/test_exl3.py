@@ -18,6 +18,8 @@ from evalsuite.fixtures import MANIFEST_NAME, TINY_EXL3_POLICY, Exl3Policy, read
 from evalsuite.formats.exl3_decode import decode_weight, padded
 from tests.conftest import Models, copy_checkpoint, demo_thresholds, edit_tensors, rerun, run_cli
 
+pytestmark = pytest.mark.format_evidence(format="exl3", writer="evalsuite's encoder of exllamav3's layout")
+
 TINY_BF16, TINY_EXL3 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-exl3"
 SMOLLM2_BF16, SMOLLM2_EXL3 = "smollm2-135m-bf16", "smollm2-135m-exl3"
 EXPERT_GATE = "model.language_model.layers.0.mlp.experts.0.gate_proj"  # K=2 in the tiny pack
@@ -59,6 +61,7 @@ def tiny_run(tiny_exl3_pair, tiny_run, tmp_path_factory):
     return res, results(out), out
 
 
+@pytest.mark.format_evidence(claim="ppl")
 def test_an_exl3_pack_runs_on_the_decoded_cpu_path_by_default(tiny_run):
     res, doc, _ = tiny_run
     # The random tiny model names no shapes in the vision answer, on either side; and its 2-bit tensors move
@@ -95,6 +98,7 @@ def test_every_observation_of_the_pack_says_which_path_ran(tiny_run):
     assert (ckpt["path"], ckpt["exl3_linears"], ckpt["bits"]) == ("decoded", 38, [2, 3, 4, 5, 6])
 
 
+@pytest.mark.format_evidence(claim="tensors")
 def test_tensors_on_the_tiny_pack_pass_with_the_counts_its_recipe_wrote(tiny_exl3_pair, tiny_run):
     _, doc, out = tiny_run
     entry = doc["tasks"]["tensors"]
@@ -154,6 +158,7 @@ def cli(capsys, *args) -> tuple[int, list[str]]:
     return stop.value.code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 
+@pytest.mark.format_evidence(claim="code")
 def test_trellis_words_flipped_in_one_tensor_fail_tensors_naming_it(tiny_exl3_pair, tiny_run, tmp_path):
     """One trellis word flipped in every tile of the K=2 expert gate takes it past the bound; the same word
     flipped in a single tile of a K=4 projection is measured (its error rises) but stays within the
@@ -251,6 +256,7 @@ def broken_packs(tiny_exl3_pair, tmp_path_factory):
         ),
     ],
 )
+@pytest.mark.format_evidence(claim="refused")
 def test_a_broken_pack_is_refused_in_one_line_before_any_model(
     capsys, monkeypatch, tiny_exl3_pair, broken_packs, tmp_path, pack, fragments
 ):

@@ -13,10 +13,13 @@ from tests.conftest import copy_checkpoint, edit_tensors
 from tests.e2e.test_llmcompressor_packs import run_task
 from tests.e2e.test_tensors import failed_checks, named, run_tensors
 
+pytestmark = pytest.mark.format_evidence(format="fp8", writer="Transformers' Fp8Quantize")
+
 SOURCE, PACK = "tiny-llama-bf16", "tiny-llama-fp8-block"
 MODULE = "model.layers.1.mlp.down_proj"
 
 
+@pytest.mark.format_evidence(claim=["tensors", "decode"])
 def test_tensors_passes_the_pack_with_transformers_decode_agreeing(fp8_block_tiny, tmp_path):
     assert Checkpoint.open(fp8_block_tiny[PACK]).format == "fp8"
     code, entry, err = run_tensors(fp8_block_tiny[PACK], fp8_block_tiny[SOURCE], tmp_path)
@@ -28,6 +31,7 @@ def test_tensors_passes_the_pack_with_transformers_decode_agreeing(fp8_block_tin
     assert 0 < m["worst_rel_err"] < 0.1 and m["outlier_channels"] == 0
 
 
+@pytest.mark.format_evidence(claim="code")
 def test_an_fp8_byte_made_nan_fails_naming_the_tensor(fp8_block_tiny, tmp_path):
     def nan(tensors):
         tensors[f"{MODULE}.weight"].view(torch.uint8)[2, 9] |= 0x7F  # S.1111.111: E4M3's NaN
@@ -39,6 +43,7 @@ def test_an_fp8_byte_made_nan_fails_naming_the_tensor(fp8_block_tiny, tmp_path):
     assert f"{MODULE}.weight" in (entry["metrics"]["worst_rel_err_tensor"], *named(entry, "worst_rel_err"))
 
 
+@pytest.mark.format_evidence(claim="scale")
 def test_a_wrong_block_factor_fails_naming_the_tensor(fp8_block_tiny, tmp_path):
     def scale_one_block(tensors):
         tensors[f"{MODULE}.weight_scale_inv"][1, 2] *= 4  # outputs 64..127, inputs 128..191
@@ -55,6 +60,7 @@ def test_a_wrong_block_factor_fails_naming_the_tensor(fp8_block_tiny, tmp_path):
 
 
 @pytest.mark.slow  # two executions of the tiny Llama
+@pytest.mark.format_evidence(claim="ppl")
 def test_ppl_runs_the_pack_as_transformers_dequantizes_it(fp8_block_tiny, tmp_path):
     code, tasks = run_task(fp8_block_tiny[PACK], fp8_block_tiny[SOURCE], tmp_path / "run", "ppl")
     assert code in (0, 1) and tasks["ppl"]["status"] in ("pass", "fail"), tasks

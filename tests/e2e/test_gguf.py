@@ -20,6 +20,10 @@ from evalsuite.fixtures.gguf_packs import write_llama_gguf
 from tests.conftest import FIXTURES, run_cli
 from tests.e2e.test_tensors import failed_checks, named, run_tensors
 
+pytestmark = pytest.mark.format_evidence(format="gguf", writer="the gguf package (llama.cpp's gguf-py)")
+# A corrupted scale and a corrupted code word: each a claim of docs/formats.md's table.
+WHERE = [pytest.param(w, marks=pytest.mark.format_evidence(claim=w)) for w in ("scale", "code")]
+
 TINY_LLAMA = "tiny-llama-bf16"
 # The packs written for the default tier: name → (Linear type, embedding type).
 PACKS = {
@@ -96,6 +100,7 @@ def flip_block_byte(path: Path, gguf_name: str, row: int, block: int, where: str
 
 
 @pytest.mark.parametrize("pack", PACKS)
+@pytest.mark.format_evidence(claim="tensors")
 def test_every_type_the_gguf_package_writes_passes_with_its_counts_and_bits(
     pack, tiny_llama, tiny_ggufs, tmp_path
 ):
@@ -162,7 +167,7 @@ def test_read_without_undoing_the_permutation_the_query_and_key_projections_fail
 
 
 @pytest.mark.parametrize("pack", ["q4_0", "q8_0"])
-@pytest.mark.parametrize("where", ["scale", "code"])
+@pytest.mark.parametrize("where", WHERE)
 def test_a_flipped_byte_in_one_block_fails_naming_the_tensor_and_the_block(
     pack, where, tiny_llama, tiny_ggufs, tmp_path
 ):
@@ -209,6 +214,7 @@ def test_a_hyperparameter_the_source_does_not_have_fails(tiny_llama, tmp_path):
     )
 
 
+@pytest.mark.format_evidence(claim="refused")
 def test_a_truncated_gguf_is_refused_in_one_line_naming_the_file(tiny_llama, tiny_ggufs, tmp_path):
     folder, path = gguf_copy(tiny_ggufs["q8_0"], tmp_path / "pack")
     with path.open("r+b") as f:

@@ -22,18 +22,23 @@ from evalsuite.formats.gptq import GptqFormat, decode
 from tests.conftest import copy_checkpoint, edit_tensors, run_cli, run_tasks
 from tests.e2e.test_tensors import failed_checks, named, run_tensors
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.format_evidence(writer="auto-round 0.14.2")]
 
 SOURCE, PACKS = "tiny-llama-bf16", "tiny-llama-autoround"
 MODULE = "model.layers.1.mlp.down_proj"
 PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
+PACK_PARAMS = [
+    pytest.param(name, marks=pytest.mark.format_evidence(format=name.split("-")[0]))
+    for name in AUTOROUND_PACKS
+]
 
 
 def pack(built: dict[str, Path], name: str) -> Path:
     return built[PACKS] / name
 
 
-@pytest.mark.parametrize("name", list(AUTOROUND_PACKS))
+@pytest.mark.parametrize("name", PACK_PARAMS)
+@pytest.mark.format_evidence(claim="decode")
 def test_every_weight_decodes_as_its_writer_dequantizes_it(autoround_tiny, name):
     folder = pack(autoround_tiny, name)
     checkpoint = Checkpoint.open(folder)
@@ -59,7 +64,8 @@ def test_every_weight_decodes_as_its_writer_dequantizes_it(autoround_tiny, name)
         assert np.array_equal(ours, writer[f"{module}.weight"].numpy()), module
 
 
-@pytest.mark.parametrize("name", list(AUTOROUND_PACKS))
+@pytest.mark.parametrize("name", PACK_PARAMS)
+@pytest.mark.format_evidence(claim="tensors")
 def test_tensors_passes_the_writers_pack(autoround_tiny, name, tmp_path):
     code, entry, err = run_tensors(pack(autoround_tiny, name), autoround_tiny[SOURCE], tmp_path)
     assert code == 0, (err, entry.get("details"))
@@ -73,7 +79,8 @@ def test_tensors_passes_the_writers_pack(autoround_tiny, name, tmp_path):
     assert m.get("decode_exact") is None  # no decoder of the format imports here: the test above checks it
 
 
-@pytest.mark.parametrize("name", list(AUTOROUND_PACKS))
+@pytest.mark.parametrize("name", PACK_PARAMS)
+@pytest.mark.format_evidence(claim="code")
 def test_a_damaged_word_of_codes_fails_naming_tensor_and_channel(autoround_tiny, name, tmp_path):
     def flip(tensors):
         # Every code of one word moved by 8 levels (the top bit of each nibble): a word of GPTQ's qweight is
@@ -89,7 +96,8 @@ def test_a_damaged_word_of_codes_fails_naming_tensor_and_channel(autoround_tiny,
     assert entry["metrics"]["worst_channel_z_tensor"].startswith(f"{MODULE}.weight (output channel ")
 
 
-@pytest.mark.parametrize("name", list(AUTOROUND_PACKS))
+@pytest.mark.parametrize("name", PACK_PARAMS)
+@pytest.mark.format_evidence(claim="scale")
 def test_a_wrong_scale_fails_naming_the_channel(autoround_tiny, name, tmp_path):
     def scale_one_group(tensors):
         tensors[f"{MODULE}.scales"][1, 7] *= 4  # group 1 of output channel 7
@@ -102,7 +110,8 @@ def test_a_wrong_scale_fails_naming_the_channel(autoround_tiny, name, tmp_path):
     assert list(named(entry, "worst_channel_gain_err")) == [f"{MODULE}.weight (output channel 7)"]
 
 
-@pytest.mark.parametrize("name", list(AUTOROUND_PACKS))
+@pytest.mark.parametrize("name", PACK_PARAMS)
+@pytest.mark.format_evidence(claim="ppl")
 def test_ppl_runs_the_decoded_pack_exactly_as_the_writers_dequantization(autoround_tiny, name, tmp_path):
     # In float32 the decoded float16 values are held exactly: the pack's logits are the writer's own.
     folder = pack(autoround_tiny, name)
@@ -123,7 +132,8 @@ def test_ppl_runs_the_decoded_pack_exactly_as_the_writers_dequantization(autorou
     )
 
 
-@pytest.mark.parametrize("name", list(AUTOROUND_PACKS))
+@pytest.mark.parametrize("name", PACK_PARAMS)
+@pytest.mark.format_evidence(claim="refused")
 def test_a_pack_that_cannot_fill_its_model_is_refused_in_one_line_before_any_model_loads(
     autoround_tiny, name, tmp_path
 ):

@@ -51,6 +51,7 @@ def runs(q4_1, smollm2_pair, tmp_path_factory) -> dict[str, dict]:
     }
 
 
+@pytest.mark.format_evidence(format="gguf", claim="ppl", writer="llama.cpp (SmolLM2's published GGUF)")
 def test_one_gguf_through_llamacpp_and_transformers_reports_the_kld_between_the_executions(runs):
     ppl = runs["executions"]["tasks"]["ppl"]
     m = ppl["metrics"]

@@ -17,6 +17,8 @@ from evalsuite.fixtures.llmcompressor_packs import INTEGER_PACKS, LLMC_PACKS
 from tests.conftest import copy_checkpoint, demo_thresholds, edit_tensors, run_cli
 from tests.e2e.test_tensors import failed_checks, named, run_tensors
 
+pytestmark = pytest.mark.format_evidence(format="compressed-tensors", writer="llm-compressor 0.14.0.1")
+
 SOURCE, PACKS = "tiny-llama-bf16", "tiny-llama-llmc"
 FOUR_BIT = ("w4a8-gptq", "w4a8-g64", "w4a16-asym-g64", "nvfp4a16", "mxfp4a16")
 MODULE = "model.layers.1.mlp.down_proj"
@@ -28,6 +30,7 @@ def pack(llmc: dict[str, Path], name: str) -> Path:
 
 
 @pytest.mark.parametrize("scheme", list(LLMC_PACKS))
+@pytest.mark.format_evidence(claim=["tensors", "decode"])
 def test_every_llmcompressor_scheme_passes_tensors(llmc_tiny, scheme, tmp_path):
     code, entry, err = run_tensors(pack(llmc_tiny, scheme), llmc_tiny[SOURCE], tmp_path)
     assert code == 0, (err, entry.get("details"))
@@ -49,6 +52,7 @@ def corrupt(packs: Path, scheme: str, dst: Path, edit) -> Path:
     return dst
 
 
+@pytest.mark.format_evidence(claim="code")
 def test_a_flipped_byte_of_int4_values_in_int8_storage_fails_naming_the_tensor(llmc_pair, tmp_path):
     source, packs = llmc_pair
 
@@ -62,6 +66,7 @@ def test_a_flipped_byte_of_int4_values_in_int8_storage_fails_naming_the_tensor(l
     assert "outside the int4 range -8..7" in named(entry, "config")[f"{MODULE}.weight"]
 
 
+@pytest.mark.format_evidence(claim="scale")
 def test_a_wrong_group_scale_fails_naming_the_channel(llmc_pair, tmp_path):
     source, packs = llmc_pair
     # One group moves its channel's gain by (factor − 1) × its share of the channel's energy: ×4 on one of the
@@ -252,6 +257,7 @@ def dequantized_copy(pack_dir: Path, dst: Path) -> Path:
 
 
 @pytest.mark.slow  # two executions of each model
+@pytest.mark.format_evidence(claim="ppl")
 def test_the_asymmetric_pack_runs_under_hf_exactly_as_its_dequantized_weights(llmc_pair, tmp_path):
     # Stock Transformers 5.24 refuses this pack (compressed-tensors' meta skeleton has unpacked zero points);
     # evalsuite's load gives the skeleton the stored shape, and must then run what the files say, bit for bit.

@@ -18,6 +18,10 @@ from tests.conftest import FIXTURES, copy_checkpoint, edit_tensors, ppl_metrics,
 from tests.e2e.test_gguf import TINY_LLAMA, tiny_llama  # noqa: F401 (the session fixture)
 from tests.e2e.test_tensors import failed_checks, named, run_tensors
 
+pytestmark = pytest.mark.format_evidence(format="mlx", writer="MLX's mx.quantize")
+# A corrupted scale and a corrupted code word: each a claim of docs/formats.md's table.
+WHERE = [pytest.param(w, marks=pytest.mark.format_evidence(claim=w)) for w in ("scale", "code")]
+
 pytest.importorskip("mlx.core", reason="MLX packs are written with MLX's CPU wheel: pip install 'mlx[cpu]'")
 Q_PROJ = "model.layers.1.self_attn.q_proj"
 DOWN_PROJ = "model.layers.1.mlp.down_proj"
@@ -29,6 +33,7 @@ def mlx_pack(tiny_llama) -> Path:
     return build_fixtures(FIXTURES, [TINY_LLAMA_MLX])[TINY_LLAMA_MLX]
 
 
+@pytest.mark.format_evidence(claim=["tensors", "decode"])
 def test_an_mlx_pack_is_detected_and_every_weight_decodes_as_mlx_decodes_it(mlx_pack, tiny_llama, tmp_path):
     from evalsuite.backends.memory import loaded_bytes
     from evalsuite.backends.options import BackendOptions
@@ -48,7 +53,7 @@ def test_an_mlx_pack_is_detected_and_every_weight_decodes_as_mlx_decodes_it(mlx_
     assert 0 < m["worst_rel_err"] < 0.2
 
 
-@pytest.mark.parametrize("where", ["scale", "code"])
+@pytest.mark.parametrize("where", WHERE)
 def test_a_corrupted_scale_or_code_word_fails_naming_the_tensor(where, mlx_pack, tiny_llama, tmp_path):
     if where == "scale":
         pack = tensor_edited_copy(mlx_pack, tmp_path / "pack", f"{Q_PROJ}.scales", lambda s: s[3, 1].mul_(8))
@@ -64,6 +69,7 @@ def test_a_corrupted_scale_or_code_word_fails_naming_the_tensor(where, mlx_pack,
     assert list(named(entry, "outlier")) == [tensor]
 
 
+@pytest.mark.format_evidence(claim="ppl")
 def test_ppl_runs_the_decoded_pack_and_names_the_execution(mlx_pack, tiny_llama, tmp_path):
     m = ppl_metrics(mlx_pack, tiny_llama, tmp_path / "run")
     assert m["ckpt_execution"].startswith("MLX decoded on the CPU by evalsuite as mx.dequantize decodes it")
@@ -85,6 +91,7 @@ def test_ppl_runs_the_decoded_pack_and_names_the_execution(mlx_pack, tiny_llama,
     ],
     ids=["missing", "grid"],
 )
+@pytest.mark.format_evidence(claim="refused")
 def test_a_pack_that_cannot_fill_its_model_is_refused_in_one_line_before_any_model_loads(
     edit, said, mlx_pack, tiny_llama, tmp_path
 ):

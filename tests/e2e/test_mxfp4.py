@@ -18,6 +18,10 @@ from evalsuite.fixtures.names import TINY_GPT_OSS_BF16, TINY_GPT_OSS_MXFP4
 from tests.conftest import FIXTURES, ppl_metrics, tensor_edited_copy
 from tests.e2e.test_tensors import failed_checks, named, run_tensors
 
+pytestmark = pytest.mark.format_evidence(format="mxfp4", writer="evalsuite's encoder (OCP MX rule)")
+# A corrupted scale and a corrupted code word: each a claim of docs/formats.md's table.
+WHERE = [pytest.param(w, marks=pytest.mark.format_evidence(claim=w)) for w in ("scale", "code")]
+
 GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
 
 
@@ -28,6 +32,7 @@ def gpt_oss() -> tuple[Path, Path]:
     return built[TINY_GPT_OSS_BF16], built[TINY_GPT_OSS_MXFP4]
 
 
+@pytest.mark.format_evidence(claim=["tensors", "decode"])
 def test_an_mxfp4_pack_is_detected_and_every_expert_decodes_as_transformers_decodes_it(gpt_oss, tmp_path):
     source, pack = gpt_oss
     assert Checkpoint.open(pack).format == "mxfp4"
@@ -54,7 +59,7 @@ def flip_largest_sign(blocks) -> None:
     row[at // 2] ^= 0x08 << (4 * (at % 2))
 
 
-@pytest.mark.parametrize("where", ["scale", "code"])
+@pytest.mark.parametrize("where", WHERE)
 def test_a_corrupted_scale_or_code_fails_naming_the_tensor(where, gpt_oss, tmp_path):
     source, pack = gpt_oss
     if where == "scale":  # one block's exponent three steps up: its 32 weights 8× too large
@@ -67,6 +72,7 @@ def test_a_corrupted_scale_or_code_fails_naming_the_tensor(where, gpt_oss, tmp_p
     assert list(named(entry, "outlier")) == [GATE_UP]
 
 
+@pytest.mark.format_evidence(claim="ppl")
 def test_ppl_runs_the_pack_as_transformers_loads_it_on_a_cpu(gpt_oss, tmp_path):
     source, pack = gpt_oss
     m = ppl_metrics(pack, source, tmp_path / "run")

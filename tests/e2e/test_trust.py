@@ -151,6 +151,11 @@ def test_a_baseline_without_a_task_of_the_run_is_refused_before_any_model(
     assert models.loads == []
 
 
+@pytest.mark.format_evidence(
+    format="compressed-tensors",
+    claim="refused",
+    writer="evalsuite's W4A8 writer (compressed-tensors' compressors)",
+)
 def test_a_candidate_loaded_with_random_weights_is_refused_before_the_reference(tiny_pair, models, tmp_path):
     """The vision tower's q_proj targeted by a config group but stored in BF16: Transformers would fill it at
     random. Refused from the meta-device load plan, before the reference is observed."""

@@ -9,6 +9,7 @@ scripts/render_benchmarks.py) and must equal what generates them, byte for byte.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -163,3 +164,71 @@ def test_the_tour_block_keeps_the_output_and_drops_progress_and_timings() -> Non
     ]  # fmt: skip
     readme = f"# t\n\nbefore\n{tour.START}\nold\n{tour.END}\nafter\n"
     assert tour.with_tour(readme, block) == f"# t\n\nbefore\n{block}\nafter\n"
+
+
+def test_the_formats_table_regenerates_from_the_committed_evidence() -> None:
+    render = script("render_formats")
+    evidence = json.loads(render.EVIDENCE.read_text(encoding="utf-8"))
+    page = render.PAGE.read_text(encoding="utf-8")
+    assert render.render(page, evidence) == page, "docs/formats.md is stale: run scripts/render_formats.py"
+    assert render.stale_tests(evidence) == [], "docs/format-evidence.json is stale: run it with --run"
+
+
+def test_every_quantized_format_evalsuite_detects_has_passing_evidence_for_tensors_corruption_and_ppl() -> (
+    None
+):
+    from typing import get_args
+
+    from evalsuite.checkpoint import CheckpointFormat
+
+    render = script("render_formats")
+    tests = json.loads(render.EVIDENCE.read_text(encoding="utf-8"))["tests"]
+    for fmt in sorted(set(get_args(CheckpointFormat)) - {"bf16", "fp16", "fp32"}):
+        for claim in ("tensors", "code", "ppl"):
+            shown = [t["outcome"] for t in tests if t["format"] == fmt and claim in t["claim"]]
+            assert shown and set(shown) == {"passed"}, (fmt, claim, shown)
+
+
+def test_a_failed_test_makes_its_cell_fail_and_an_unshown_claim_a_dash() -> None:
+    render = script("render_formats")
+    evidence = json.loads(render.EVIDENCE.read_text(encoding="utf-8"))
+    mlx = [t for t in evidence["tests"] if t["format"] == "mlx"]
+    ppl = next(t for t in mlx if "ppl" in t["claim"])
+    ppl["outcome"] = "failed"
+    evidence["tests"] = mlx
+    table = render.render_table(evidence)
+    row = next(line for line in table.splitlines() if line.startswith("| MLX |"))
+    cells = [c.strip() for c in row.strip("|").split("|")][2:]
+    by_claim = dict(zip(render.CLAIMS, cells, strict=True))
+    assert by_claim["ppl"].startswith("FAIL") and by_claim["tensors"] == "pass"
+    evidence["tests"] = [t for t in mlx if "refused" not in t["claim"]]
+    row = next(line for line in render.render_table(evidence).splitlines() if line.startswith("| MLX |"))
+    assert [c.strip() for c in row.strip("|").split("|")][-1] == "—"
+
+
+def test_the_evidence_plugin_records_what_each_claimed_test_did_and_runs_nothing_else(tmp_path: Path) -> None:
+    (tmp_path / "test_claims.py").write_text(
+        "import pytest\n"
+        "pytestmark = pytest.mark.format_evidence(format='mlx', writer='w')\n"
+        "@pytest.mark.format_evidence(claim='tensors')\n"
+        "def test_passes(): pass\n"
+        "@pytest.mark.format_evidence(claim=['code', 'scale'])\n"
+        "def test_fails(): assert False\n"
+        "@pytest.mark.format_evidence(claim='ppl')\n"
+        "def test_skips(): pytest.skip('no writer here')\n"
+        "def test_unclaimed(): assert False\n"
+    )
+    out = tmp_path / "evidence.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.format_evidence", "-o", "addopts=", "-p",
+         "no:cacheprovider", "--format-evidence", str(out), str(tmp_path / "test_claims.py")],
+        capture_output=True, text=True, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert res.returncode == 1, res.stdout + res.stderr  # the failing claim, not the unclaimed test
+    records = {r["test"].rpartition("::")[2]: r for r in json.loads(out.read_text())["tests"]}
+    assert {k: (r["outcome"], r["claim"]) for k, r in records.items()} == {
+        "test_passes": ("passed", ["tensors"]),
+        "test_fails": ("failed", ["code", "scale"]),
+        "test_skips": ("skipped", ["ppl"]),
+    }
+    assert records["test_passes"]["format"] == "mlx" and records["test_passes"]["writer"] == "w"
