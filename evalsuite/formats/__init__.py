@@ -78,6 +78,17 @@ class QuantizedFormat(Protocol):
     params: frozenset[str]
     marks: frozenset[str]
 
+    def split(self, name: str) -> tuple[str, str] | None:
+        """A stored tensor's name as (module, param); None where it is none of the format's
+        (`split_at_last_dot` for every format whose params follow the module's name after a dot)."""
+        ...
+
+
+def split_at_last_dot(name: str) -> tuple[str, str] | None:
+    """`X.param` as (`X`, `param`): how most formats name what a module stores."""
+    module, _, param = name.rpartition(".")
+    return module, param
+
 
 class ShardReader:
     """Byte ranges of tensors read from their shards, one open file per shard, into reused buffers.

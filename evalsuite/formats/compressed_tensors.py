@@ -22,7 +22,7 @@ import numpy as np
 
 from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.errors import InputError
-from evalsuite.formats import ModuleKind, ShardReader, as_float32, rows_and_cols
+from evalsuite.formats import ModuleKind, ShardReader, as_float32, rows_and_cols, split_at_last_dot
 
 # Every tensor compressed-tensors may store for a quantized module (int-quantized keeps the name `weight`).
 PARAMS = frozenset(
@@ -358,6 +358,7 @@ class CompressedTensors:
     name = "compressed-tensors"
     params = PARAMS
     marks = MARKS
+    split = staticmethod(split_at_last_dot)
 
     def __init__(self, candidate: Checkpoint) -> None:
         self.lookup = SchemeLookup(candidate.quantization_config or {}, candidate.path / "config.json")

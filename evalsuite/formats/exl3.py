@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from evalsuite.checkpoint import EXL3_CONFIG_FILE, Checkpoint, TensorInfo
+from evalsuite.formats import split_at_last_dot
 from evalsuite.formats.exl3_decode import (
     BLOCK_ELEMENTS,
     CODEBOOK_MULTIPLIERS,
@@ -74,6 +75,7 @@ class Exl3:
     name = "exl3"
     params = PARAMS
     marks = MARKS
+    split = staticmethod(split_at_last_dot)
 
     def __init__(self, candidate: Checkpoint) -> None:
         self.candidate = candidate

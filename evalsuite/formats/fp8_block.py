@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from evalsuite.checkpoint import Checkpoint
-from evalsuite.formats import FP8_E4M3_VALUES
+from evalsuite.formats import FP8_E4M3_VALUES, split_at_last_dot
 
 METHOD = "fp8"
 PARAMS = frozenset({"weight", "weight_scale_inv", "input_scale"})
@@ -30,6 +30,7 @@ class Fp8BlockFormat:
     name = METHOD
     params = PARAMS
     marks = MARKS
+    split = staticmethod(split_at_last_dot)
 
     def __init__(self, candidate: Checkpoint) -> None:
         self.candidate = candidate

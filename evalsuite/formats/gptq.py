@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from evalsuite.checkpoint import Checkpoint, TensorInfo
+from evalsuite.formats import split_at_last_dot
 
 METHODS = ("gptq", "awq")
 PARAMS = frozenset({"qweight", "qzeros", "scales", "g_idx"})
@@ -41,6 +42,7 @@ class GptqFormat:
 
     params = PARAMS
     marks = MARKS
+    split = staticmethod(split_at_last_dot)
 
     def __init__(self, candidate: Checkpoint) -> None:
         self.candidate = candidate

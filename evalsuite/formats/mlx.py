@@ -19,6 +19,7 @@ import numpy as np
 
 from evalsuite.checkpoint import Checkpoint, TensorInfo, mlx_quantization
 from evalsuite.errors import InputError
+from evalsuite.formats import split_at_last_dot
 
 METHOD = "mlx"
 PARAMS = frozenset({"weight", "scales", "biases"})
@@ -33,6 +34,7 @@ class MlxFormat:
     name = METHOD
     params = PARAMS
     marks = MARKS
+    split = staticmethod(split_at_last_dot)
 
     def __init__(self, candidate: Checkpoint) -> None:
         self.candidate = candidate

@@ -167,6 +167,8 @@ def _difference(
 class CompressedTensorsVerifier:
     """How a compressed-tensors candidate is verified (see `FormatVerifier`)."""
 
+    threads_only = False
+
     def __init__(
         self,
         format: CompressedTensors,

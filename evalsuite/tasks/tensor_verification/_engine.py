@@ -53,6 +53,10 @@ class FormatVerifier(Protocol):
     """How the candidate's quantized format is verified: what a quantized module's stored tensors say against
     its source weight, and what the config claims against every row."""
 
+    # Whether its modules are measured in threads only: a decoder that cannot run in a forked process
+    # (MLX's, once the parent has run MLX).
+    threads_only: bool
+
     @property
     def format(self) -> QuantizedFormat:
         """The format whose stored tensors pair with the source's quantized modules."""
@@ -498,7 +502,7 @@ def verify_tensors(
     pairs.sort(key=lambda p: where[p.tied_to or p.source])
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = workers or min(4, usable or 1)
-    threads_only = getattr(verifier, "threads_only", False)  # its second decoder cannot run forked (MLX)
+    threads_only = verifier is not None and verifier.threads_only
     kind = worker_kind or ("thread" if threads_only else default_worker_kind(workers))
     rows: list[TensorRow] = []
     problems: list[Problem] = []

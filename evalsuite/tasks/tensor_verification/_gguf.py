@@ -31,7 +31,7 @@ import numpy as np
 
 from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.errors import InputError
-from evalsuite.formats import BLOCK_ELEMENTS, ShardReader, as_float32
+from evalsuite.formats import BLOCK_ELEMENTS, ShardReader, as_float32, split_at_last_dot
 from evalsuite.formats.ct_decode import first_difference
 from evalsuite.formats.ggml_library import ggml_dequantize, llama_cpp_decodes
 from evalsuite.formats.gguf import (
@@ -74,6 +74,11 @@ class GgufFormat:
     name: str = "gguf"
     params: frozenset[str] = PARAMS
     marks: frozenset[str] = MARKS
+
+    @staticmethod
+    def split(name: str) -> tuple[str, str] | None:
+        """`X.ggml` as (`X`, `ggml`)."""
+        return split_at_last_dot(name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,8 @@ from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow
 class OneByOneVerifier:
     """A `FormatVerifier` whose `measure_many` is its `measure` of each module in turn."""
 
+    threads_only = False
+
     def __init__(self, format: Any) -> None:
         self.format = format
         self.module_matches: dict[Any, Any] = {}  # nothing of `measure_many` is asked again in check_config

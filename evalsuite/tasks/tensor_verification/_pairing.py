@@ -51,10 +51,9 @@ def pair_tensors(
     """
     quantized: dict[str, dict[str, str]] = {}
     if format is not None:
-        split = getattr(format, "split", None)
         by_module: dict[str, dict[str, str]] = {}
         for name in candidate:
-            module, param = (split(name) or ("", "")) if split else name.rpartition(".")[::2]
+            module, param = format.split(name) or ("", "")
             if param in format.params:
                 by_module.setdefault(module, {})[param] = name
         quantized = {m: params for m, params in by_module.items() if format.marks & params.keys()}
