@@ -47,13 +47,19 @@ def release_freed_memory() -> None:
 
 
 @contextlib.contextmanager
-def tensors_mapped_while_loading() -> Iterator[None]:
+def tensors_mapped_while_loading(map_large: bool = True) -> Iterator[None]:
     """For the duration of a model's load, tensors of 1 MiB or more mapped (and unmapped when freed); then
-    the threshold back to the process's running one (`map_large_allocations`) and the heaps trimmed."""
+    the threshold back to the process's running one (`map_large_allocations`) and the heaps trimmed.
+
+    `map_large=False` serves the load from the heaps instead (the threshold at its ceiling), for a load that
+    decompresses: dequantizing each expert allocates temporaries of the same sizes as the per-expert tensors
+    and frees them at once, so mapping them pays a page fault for every page of every temporary, and it
+    saves nothing at the peak (bench/real_shape.py and the wide W4A8 load, mapped or not: the same peak).
+    The heaps are trimmed afterwards all the same."""
     if _LIBC is None:
         yield
         return
-    _LIBC.mallopt(_M_MMAP_THRESHOLD, LOADING_MMAP_THRESHOLD)
+    _LIBC.mallopt(_M_MMAP_THRESHOLD, LOADING_MMAP_THRESHOLD if map_large else RUNNING_MMAP_THRESHOLD)
     try:
         yield
     finally:

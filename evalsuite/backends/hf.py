@@ -231,7 +231,12 @@ def from_pretrained_with_report(
         with quiet_transformers(), fix, tensors_read_when_converted():
             if by_handles:
                 settings = {k: v for k, v in kwargs.items() if k not in ("config", "trust_remote_code")}
-                with tensors_mapped_while_loading(), checkpoint.open_tensors(checkpoint.tensors) as handles:
+                # Only a load of float tensors as stored is mapped (see `tensors_mapped_while_loading`).
+                as_stored = checkpoint.format in ("bf16", "fp16", "fp32")
+                with (
+                    tensors_mapped_while_loading(map_large=as_stored),
+                    checkpoint.open_tensors(checkpoint.tensors) as handles,
+                ):
                     model, info = model_class.from_pretrained(
                         None,
                         config=config,
