@@ -155,8 +155,8 @@ def main() -> None:
     # Both checkpoints' files read once before any timing: the first command timed would otherwise read them
     # from the disk and the others from the page cache (on the wide pair, 13 GB of files, the first pair's
     # ratio stood far above the later pairs').
-    for folder in (ref_path, ckpt_path):
-        for path in sorted(p for p in Path(folder).iterdir() if p.is_file()):
+    for checkpoint_folder in (ref_path, ckpt_path):
+        for path in sorted(p for p in Path(checkpoint_folder).iterdir() if p.is_file()):
             with path.open("rb") as fh:
                 while fh.read(64 << 20):
                     pass
