@@ -42,7 +42,18 @@ if TYPE_CHECKING:
 __all__ = ["DTYPE_SIZES", "FLOAT_DTYPES", "INDEX_FILE", "Checkpoint", "CheckpointFormat", "TensorInfo"]
 
 CheckpointFormat = Literal[
-    "bf16", "fp16", "fp32", "compressed-tensors", "exl3", "gguf", "gptq", "awq", "fp8", "mlx", "mxfp4"
+    "bf16",
+    "fp16",
+    "fp32",
+    "compressed-tensors",
+    "exl3",
+    "gguf",
+    "gptq",
+    "awq",
+    "fp8",
+    "mlx",
+    "mxfp4",
+    "modelopt",
 ]
 
 CONFIG_FILE = "config.json"
@@ -60,6 +71,7 @@ _QUANT_METHODS: dict[str, CheckpointFormat] = {
     "awq": "awq",
     "fp8": "fp8",
     "mxfp4": "mxfp4",
+    "modelopt": "modelopt",
 }
 
 # Files that hold what a tokenizer does; two checkpoints whose files are byte-identical tokenize alike.
@@ -399,6 +411,8 @@ def _detect_format(
         return "mlx"
     if method is None and _is_exl3_storage(folder / EXL3_CONFIG_FILE):
         method = "exl3"
+    if method is None and _is_modelopt_export(folder / "hf_quant_config.json"):
+        method = "modelopt"  # ModelOpt's older exports say so only beside config.json
     if method is not None:
         if not isinstance(method, str) or method not in _QUANT_METHODS:
             raise InputError(
@@ -433,6 +447,15 @@ def mlx_quantization(config: dict[str, Any]) -> dict[str, Any] | None:
     if isinstance(q, dict) and isinstance(q.get("group_size"), int) and isinstance(q.get("bits"), int):
         return q
     return None
+
+
+def _is_modelopt_export(path: Path) -> bool:
+    """Whether `path` is ModelOpt's hf_quant_config.json (its `producer` named `modelopt`)."""
+    if not path.is_file():
+        return False
+    content = read_json(path)
+    producer = content.get("producer") if isinstance(content, dict) else None
+    return isinstance(producer, dict) and producer.get("name") == "modelopt"
 
 
 def _is_mlx(config: dict[str, Any]) -> bool:

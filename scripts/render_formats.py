@@ -38,6 +38,7 @@ FORMATS = {
     "fp8": "block-wise FP8",
     "mlx": "MLX",
     "mxfp4": "MXFP4 (gpt-oss)",
+    "modelopt": "ModelOpt FP8 / NVFP4",
 }
 
 

@@ -393,7 +393,7 @@ def _llmc_fixtures(names: list[str]) -> dict[str, Path]:
     try:
         return build_fixtures(FIXTURES, names)
     except DependencyError as exc:
-        pytest.skip(f"llm-compressor packs cannot be built here: {exc}")
+        pytest.skip(f"packs of a writer in its own environment cannot be built here: {exc}")
 
 
 @pytest.fixture(scope="session")
@@ -420,6 +420,13 @@ def autoround_tiny() -> dict[str, Path]:
     """The tiny Llama (BF16) and auto-round's GPTQ and AWQ packs of it, each with the writer's own
     dequantization beside it (read-only)."""
     return _llmc_fixtures(["tiny-llama-bf16", "tiny-llama-autoround"])
+
+
+@pytest.fixture(scope="session")
+def modelopt_tiny() -> dict[str, Path]:
+    """The tiny Llama (BF16) and ModelOpt's FP8 and NVFP4 packs of it, each with the writer's own
+    dequantization beside it (read-only)."""
+    return _llmc_fixtures(["tiny-llama-bf16", "tiny-llama-modelopt"])
 
 
 @pytest.fixture(scope="session")

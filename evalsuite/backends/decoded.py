@@ -1,12 +1,12 @@
 """A pack whose runtime does not run on this machine, run from its decoded weights by Transformers: the `hf`
-backend's path for the formats in `DECODED_FORMATS` (MLX, GPTQ, AWQ).
+backend's path for the formats in `DECODED_FORMATS` (MLX, GPTQ, AWQ, ModelOpt).
 
 Their users run these packs in runtimes evalsuite cannot call on a Linux CPU (mlx-lm on Apple machines;
-GPTQModel's and AutoAWQ's CUDA kernels). What runs instead is the issue's fallback, named in every report:
-every quantized weight decoded by evalsuite's decode of the format (the one `tensors` checks bit for bit
-against the format's own dequantization), every other tensor as stored, into the Transformers model of the
-source architecture built from the pack's config.json on the meta device. What the files must hold is
-decided from the headers before anything loads (`check_decoded_load_plan`).
+GPTQModel's and AutoAWQ's CUDA kernels; TensorRT-LLM or vLLM for ModelOpt's). What runs instead, named in
+every report: every quantized weight decoded by evalsuite's decode of the format (the one `tensors` checks
+bit for bit against the format's own dequantization), every other tensor as stored, into the Transformers
+model of the source architecture built from the pack's config.json on the meta device. What the files must
+hold is decided from the headers before anything loads (`check_decoded_load_plan`).
 
 A format plugs in as a `WeightDecoding`: which modules it stores quantized, what each stores, what keeps
 those tensors from decoding into a slot, and the decode itself.
@@ -32,6 +32,8 @@ from evalsuite.backends.skeleton import (
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
 
+# The stored dtypes a float slot takes as values (FP8 and integers are codes: they need decoding).
+LOADABLE_FLOATS = frozenset({"BF16", "F16", "F32", "F64"})
 __all__ = ["DECODED_FORMATS", "DecodedBackend", "WeightDecoding", "check_decoded_load_plan"]
 
 
@@ -73,6 +75,10 @@ def weight_decoding(checkpoint: Checkpoint) -> WeightDecoding:
         from evalsuite.backends.gptq_decoded import GptqDecoding
 
         return GptqDecoding(checkpoint)
+    if checkpoint.format == "modelopt":
+        from evalsuite.backends.modelopt_decoded import ModeloptDecoding
+
+        return ModeloptDecoding(checkpoint)
     raise AssertionError(f"no decoded path for format {checkpoint.format}")
 
 
@@ -100,6 +106,20 @@ class DecodedSkeleton:
         ]
         if not self.problems:
             self.problems = [p for module in self.quantized for p in self._layout_problems(module)]
+        self.problems += self._undecoded_codes()
+
+    def _undecoded_codes(self) -> list[str]:
+        """Codes stored without what decodes them (a `weight` of FP8 or packed integers whose module lacks
+        its marker): loading them as they are would give the model the codes, not the weights."""
+        found = []
+        for name in self.dense:
+            info, slot = self.checkpoint.tensors[name], self.slots.get(name)
+            if slot is not None and slot[2].is_floating_point() and info.dtype not in LOADABLE_FLOATS:
+                module, _, part = name.rpartition(".")
+                found.append(
+                    f"{module}: {info.dtype} {part} stored without the {self.decoding.marker} to decode it"
+                )
+        return found
 
     def _layout_problems(self, module: str) -> list[str]:
         """What keeps a module's stored parts from decoding into its slot; a module the model lacks is

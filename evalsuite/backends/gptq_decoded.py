@@ -11,11 +11,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from evalsuite.backends.skeleton import MarkedModules
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.formats.gptq import GptqFormat, decode, layout_problems
 
 
-class GptqDecoding:
+class GptqDecoding(MarkedModules):
     """GPTQ's or AWQ's quantized Linear layers as a `WeightDecoding`: `qweight`, `qzeros`, `scales`, and
     GPTQ's `g_idx`."""
 
@@ -25,25 +26,13 @@ class GptqDecoding:
     value_dtype = "float16"
 
     def __init__(self, checkpoint: Checkpoint) -> None:
-        self.checkpoint = checkpoint
+        super().__init__(checkpoint)
         self.format = GptqFormat(checkpoint)
         self.label = self.format.method.upper()
-        self._modules = sorted(
-            n.removesuffix(f".{self.marker}") for n in checkpoint.tensors if n.endswith(f".{self.marker}")
-        )
-
-    def modules(self) -> list[str]:
-        """Every module stored with a `qweight`."""
-        return self._modules
 
     def problems(self, module: str, shape: tuple[int, ...]) -> list[str]:
         """`formats.gptq.layout_problems` of the module's stored tensors against the slot's shape."""
-        stored = {
-            part: self.checkpoint.tensors[f"{module}.{part}"]
-            for part in self.parts + self.optional_parts
-            if f"{module}.{part}" in self.checkpoint.tensors
-        }
-        return layout_problems(self.format, shape, stored)
+        return layout_problems(self.format, shape, self.stored(module))
 
     def decode(self, module: str) -> torch.Tensor:
         """The weight (out, in) as the writers dequantize it; its layout was checked from the headers."""

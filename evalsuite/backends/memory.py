@@ -92,6 +92,10 @@ def loaded_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
         from evalsuite.formats.gptq import decoded_numel as gptq_numel
 
         return gptq_numel(checkpoint) * per_weight  # decoded into the compute dtype (`backends.decoded`)
+    if checkpoint.format == "modelopt":
+        from evalsuite.formats.modelopt import decoded_numel as modelopt_numel
+
+        return modelopt_numel(checkpoint) * per_weight  # decoded into the compute dtype (`backends.decoded`)
     if checkpoint.gguf_file is not None:
         from evalsuite.formats.gguf import read_gguf
 

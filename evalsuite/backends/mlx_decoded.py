@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from evalsuite.backends.skeleton import MarkedModules
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.formats.mlx import MlxFormat, decode, layout_problems
 
@@ -16,7 +17,7 @@ from evalsuite.formats.mlx import MlxFormat, decode, layout_problems
 VALUE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
-class MlxDecoding:
+class MlxDecoding(MarkedModules):
     """mlx-lm's quantized modules as a `WeightDecoding`: `weight` (packed codes), `scales`, `biases`."""
 
     label = "MLX"
@@ -25,18 +26,11 @@ class MlxDecoding:
     optional_parts = ()
 
     def __init__(self, checkpoint: Checkpoint) -> None:
-        self.checkpoint = checkpoint
+        super().__init__(checkpoint)
         self.format = MlxFormat(checkpoint)
-        self._modules = sorted(
-            n.removesuffix(f".{self.marker}") for n in checkpoint.tensors if n.endswith(f".{self.marker}")
-        )
         stored = {checkpoint.tensors[f"{m}.scales"].dtype for m in self._modules}
         # A pack whose scales mix dtypes has values exact only in float32.
         self.value_dtype = VALUE_DTYPES.get(stored.pop(), "float32") if len(stored) == 1 else "float32"
-
-    def modules(self) -> list[str]:
-        """Every module stored with `scales`."""
-        return self._modules
 
     def problems(self, module: str, shape: tuple[int, ...]) -> list[str]:
         """`formats.mlx.layout_problems`, biases in the scales' dtype (as `mx.dequantize` requires), and a

@@ -25,7 +25,7 @@ BACKEND_NAMES = ("hf", "intref", "exl3")
 # Backends of a format's own runtime, which loads the file itself: never streamed by evalsuite.
 RUNTIME_BACKENDS = ("llamacpp",)
 # Formats whose runtime does not run here, run by `hf` from their decoded weights (`backends.decoded`).
-DECODED_FORMATS = frozenset({"mlx", "gptq", "awq"})
+DECODED_FORMATS = frozenset({"mlx", "gptq", "awq", "modelopt"})
 # `auto`: the candidate's format decides (exl3 for an EXL3 pack, hf otherwise), once its files are open.
 AUTO_BACKEND = "auto"
 

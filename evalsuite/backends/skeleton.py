@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.errors import InputError
 
 
@@ -127,3 +127,26 @@ def set_generation_config(model: nn.Module, checkpoint: Checkpoint) -> None:
     if (checkpoint.path / "generation_config.json").is_file():
         with contextlib.suppress(Exception):
             model.generation_config = GenerationConfig.from_pretrained(str(checkpoint.path))
+
+
+class MarkedModules:
+    """What the `WeightDecoding`s share: the modules stored quantized, found by their `marker` part, and the
+    parts each stores."""
+
+    parts: tuple[str, ...]
+    marker: str
+    optional_parts: tuple[str, ...]
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+        suffix = f".{self.marker}"
+        self._modules = sorted(n.removesuffix(suffix) for n in checkpoint.tensors if n.endswith(suffix))
+
+    def modules(self) -> list[str]:
+        """Every module stored with the marker part."""
+        return self._modules
+
+    def stored(self, module: str) -> dict[str, TensorInfo]:
+        """The parts `module` stores, by part."""
+        names = {part: f"{module}.{part}" for part in self.parts + self.optional_parts}
+        return {part: self.checkpoint.tensors[n] for part, n in names.items() if n in self.checkpoint.tensors}

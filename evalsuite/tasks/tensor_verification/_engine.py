@@ -31,6 +31,7 @@ from evalsuite.tasks.tensor_verification._fp8_block import Fp8BlockVerifier
 from evalsuite.tasks.tensor_verification._gguf import GgufVerifier
 from evalsuite.tasks.tensor_verification._gptq import GptqVerifier
 from evalsuite.tasks.tensor_verification._mlx import MlxFormat, MlxVerifier
+from evalsuite.tasks.tensor_verification._modelopt import ModeloptFormat, ModeloptVerifier
 from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection, skeleton_modules
 from evalsuite.tasks.tensor_verification._mxfp4 import Mxfp4Format, Mxfp4Verifier
 from evalsuite.tasks.tensor_verification._outliers import (
@@ -101,6 +102,8 @@ def format_verifier(candidate: Checkpoint, library_check: LibraryCheck = "sample
         return Mxfp4Verifier(Mxfp4Format(candidate))
     if candidate.format == "mlx":
         return MlxVerifier(MlxFormat(candidate))
+    if candidate.format == "modelopt":
+        return ModeloptVerifier(ModeloptFormat(candidate))
     return None
 
 
