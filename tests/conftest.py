@@ -146,7 +146,10 @@ def weights_only(quantization_config: dict[str, Any]) -> None:
 
 
 def edit_tensors(folder: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
-    """Rewrite a checkpoint's one shard with `edit(tensors)` applied to the name → tensor dict (in place)."""
+    """Rewrite a checkpoint's one shard with `edit(tensors)` applied to the name → tensor dict (in place); a
+    shard index beside it (mlx-lm writes one for a single shard) is rewritten to name what the shard holds."""
+    import json
+
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
@@ -156,6 +159,11 @@ def edit_tensors(folder: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
     tensors = load_file(str(shard))
     edit(tensors)
     save_file(tensors, str(shard), metadata=metadata)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        content = json.loads(index.read_text())
+        content["weight_map"] = dict.fromkeys(sorted(tensors), shard.name)
+        index.write_text(json.dumps(content, indent=2))
 
 
 def tensor_edited_copy(src: Path, dst: Path, tensor: str, change: Callable[[Any], Any]) -> Path:

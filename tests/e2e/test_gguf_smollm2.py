@@ -86,7 +86,7 @@ def test_compare_of_smollm2_against_two_ggufs_a_compressed_tensors_pack_the_exl3
     pack's decoded weights, `tensors` for the bits per weight of every candidate (one convention: every
     stored bit over the source's weights); one table, one KLD-vs-bpw plot."""
     pytest.importorskip(
-        "mlx.core", reason="the MLX pack is written by MLX's quantizer: pip install 'mlx[cpu]'"
+        "mlx_lm", reason="the MLX pack is written by mlx-lm's converter: pip install 'mlx-lm[cpu]'"
     )
     from evalsuite.fixtures import SMOLLM2_EXL3, SMOLLM2_W4A8
     from evalsuite.fixtures.names import SMOLLM2_MLX

@@ -1,5 +1,5 @@
-"""MLX packs (mlx-lm's layout): the tiny Llama quantized by MLX's own `mx.quantize` (4 bits, groups of 64),
-written as mlx-lm writes it (fixture `tiny-llama-mlx`), is detected, and `tensors` passes with every weight
+"""MLX packs: the tiny Llama converted by mlx-lm's own converter (`mlx_lm.convert -q`: 4 bits, groups of 64;
+fixture `tiny-llama-mlx`) is detected, and `tensors` passes with every weight
 decoded by evalsuite and by MLX's `mx.dequantize` bit for bit; a scale multiplied in one group and a flipped
 code word each fail, naming the tensor; `ppl` runs the pack's decoded weights through Transformers, the
 execution named in the report; a pack short of a tensor is refused in one line before any model loads."""
@@ -18,11 +18,11 @@ from tests.conftest import FIXTURES, copy_checkpoint, edit_tensors, ppl_metrics,
 from tests.e2e.test_gguf import TINY_LLAMA, tiny_llama  # noqa: F401 (the session fixture)
 from tests.e2e.test_tensors import failed_checks, named, run_tensors
 
-pytestmark = pytest.mark.format_evidence(format="mlx", writer="MLX's mx.quantize")
+pytestmark = pytest.mark.format_evidence(format="mlx", writer="mlx-lm's converter (mlx_lm.convert)")
 # A corrupted scale and a corrupted code word: each a claim of docs/formats.md's table.
 WHERE = [pytest.param(w, marks=pytest.mark.format_evidence(claim=w)) for w in ("scale", "code")]
 
-pytest.importorskip("mlx.core", reason="MLX packs are written with MLX's CPU wheel: pip install 'mlx[cpu]'")
+pytest.importorskip("mlx_lm", reason="MLX packs are written by mlx-lm's converter: pip install 'mlx-lm[cpu]'")
 Q_PROJ = "model.layers.1.self_attn.q_proj"
 DOWN_PROJ = "model.layers.1.mlp.down_proj"
 

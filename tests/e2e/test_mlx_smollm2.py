@@ -1,5 +1,5 @@
-"""SmolLM2-135M-Instruct as an MLX pack written by MLX's own quantizer (4 bits, groups of 64, the tied
-embedding quantized as mlx-lm quantizes it): `tensors` passes with every weight decoded bit for bit as
+"""SmolLM2-135M-Instruct as an MLX pack written by mlx-lm's own converter (4 bits, groups of 64, the tied
+embedding quantized): `tensors` passes with every weight decoded bit for bit as
 `mx.dequantize` decodes it, and `ppl` runs the decoded pack. Slow tier: the SmolLM2 fixture."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.conftest import FIXTURES, ppl_metrics
 from tests.e2e.test_tensors import run_tensors
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("mlx.core", reason="MLX packs are written with MLX's CPU wheel: pip install 'mlx[cpu]'")
+pytest.importorskip("mlx_lm", reason="MLX packs are written by mlx-lm's converter: pip install 'mlx-lm[cpu]'")
 
 
 @pytest.fixture(scope="session")
