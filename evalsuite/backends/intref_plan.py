@@ -101,7 +101,7 @@ def integer_modules(checkpoint: Checkpoint) -> dict[str, QuantizedModule]:
     if checkpoint.format != "compressed-tensors":
         raise InputError(
             f"intref executes compressed-tensors integer checkpoints; this one is {checkpoint.format}, "
-            "which has no integer weights to execute",
+            "whose files the integer path does not read",
             checkpoint.path,
         )
     qc = checkpoint.quantization_config or {}
