@@ -33,16 +33,12 @@ class MlxDecoding(MarkedModules):
         self.value_dtype = VALUE_DTYPES.get(stored.pop(), "float32") if len(stored) == 1 else "float32"
 
     def problems(self, module: str, shape: tuple[int, ...]) -> list[str]:
-        """`formats.mlx.layout_problems`, biases in the scales' dtype (as `mx.dequantize` requires), and a
-        config that leaves the module in float."""
+        """`formats.mlx.layout_problems`, and a config that leaves the module in float."""
         scheme = self.format.scheme(module)
         if scheme is None:
             return ["stored quantized, but config.json's `quantization` leaves it in float"]
         infos = [self.checkpoint.tensors[f"{module}.{part}"] for part in self.parts]
-        found = layout_problems(shape, *infos, *scheme)
-        if infos[2].dtype != infos[1].dtype:
-            found.append(f"biases are {infos[2].dtype}, the scales {infos[1].dtype}")
-        return found
+        return layout_problems(shape, *infos, *scheme)
 
     def decode(self, module: str) -> torch.Tensor:
         """The weight as MLX decodes it; its layout was checked from the headers (`problems`)."""

@@ -149,4 +149,6 @@ def layout_problems(
     for name, info in (("scales", scales), ("biases", biases)):
         if info.dtype not in SCALE_BYTES or tuple(info.shape) != grid:
             found.append(f"{name} is {info.dtype} {list(info.shape)}, not a float {list(grid)}")
+    if not found and biases.dtype != scales.dtype:  # mx.dequantize computes in one dtype, the scales'
+        found.append(f"biases are {biases.dtype}, the scales {scales.dtype}")
     return found

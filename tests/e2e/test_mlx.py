@@ -105,3 +105,15 @@ def test_a_pack_that_cannot_fill_its_model_is_refused_in_one_line_before_any_mod
     last = res.stderr.strip().splitlines()[-1]
     assert f"MLX module {Q_PROJ}: {said}" in last, last
     assert not (tmp_path / "o" / "observations").exists()
+
+
+def test_biases_in_another_dtype_than_the_scales_fail_tensors_naming_the_module(
+    mlx_pack, tiny_llama, tmp_path
+):
+    # mx.dequantize computes in the scales' dtype: biases stored wider would be decoded as some other value.
+    pack = copy_checkpoint(mlx_pack, tmp_path / "pack")
+    edit_tensors(pack, lambda t: t.update({f"{Q_PROJ}.biases": t[f"{Q_PROJ}.biases"].float()}))
+    code, entry, _ = run_tensors(pack, tiny_llama, tmp_path / "run")
+    assert code == 1
+    said = [d for d in entry["details"] if "biases are F32, the scales BF16" in str(d)]
+    assert said and Q_PROJ in str(said[0]), entry["details"]
