@@ -179,7 +179,7 @@ def _check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
         check_llamacpp_load_plan(checkpoint, options)
         return
     check_load_internals(checkpoint, options)
-    if checkpoint.format in DECODED_FORMATS:
+    if checkpoint.format in DECODED_FORMATS and options.backend != "intref":
         from evalsuite.backends.decoded import check_decoded_load_plan
 
         check_decoded_load_plan(checkpoint, options)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from evalsuite.backends.hf import DTYPES, HFBackend, meta_model, package_version, transformers_config
-from evalsuite.backends.options import DECODED_FORMATS, BackendOptions
+from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION, DECODED_FORMATS, BackendOptions
 from evalsuite.backends.skeleton import (
     fill_slot,
     named_tensors,
@@ -90,6 +90,8 @@ class DecodedSkeleton:
         self.checkpoint = checkpoint
         self.decoding = weight_decoding(checkpoint)
         self.dtype = DTYPES[options.dtype]
+        # Added by `fake_quantized_activations` on the decoded modules, not by a quantization config.
+        self.add_activation_quantization = bool(options.convention_map.get(ADD_ACTIVATION_QUANTIZATION))
         self.config, _ = transformers_config(checkpoint, options)
         self.model = meta_model(self.config, self.dtype, checkpoint)
         self.slots = tensor_slots(self.model)
@@ -150,12 +152,31 @@ class DecodedSkeleton:
         leftover = sorted(n for n, t in named_tensors(self.model) if t.is_meta)
         refuse_mismatch(self.checkpoint, leftover, [])
         set_generation_config(self.model, self.checkpoint)
+        if self.add_activation_quantization:
+            fake_quantized_activations(self.model, self.quantized)
         return self.model.to(device) if device != "cpu" else self.model
 
     def _place(self, name: str, value: torch.Tensor) -> None:
         fill_slot(
             self.slots, name, value.to(self.dtype) if value.is_floating_point() else value, self.checkpoint
         )
+
+
+def fake_quantized_activations(model: nn.Module, modules: list[str]) -> None:
+    """The input of each of `modules` quantized per token to INT8 and back, as intref quantizes it
+    (`ActivationQuant`'s defaults: compressed-tensors' dynamic symmetric INT8): how backend `intref`'s
+    comparison runs a weight-only pack under `hf`, so that the two are two executions of one model."""
+    from evalsuite.backends._intlinear import ActivationQuant, quantize_activations
+
+    act = ActivationQuant()
+
+    def quantized_input(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x = args[0]
+        q, scale = quantize_activations(x.reshape(-1, x.shape[-1]), act)
+        return ((q.float() * scale[:, None]).to(x.dtype).reshape(x.shape), *args[1:])
+
+    for name in modules:
+        model.get_submodule(name).register_forward_pre_hook(quantized_input)
 
 
 def check_decoded_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
@@ -186,6 +207,12 @@ class DecodedBackend(HFBackend):
         """The decoded path: what was decoded, the Transformers model that runs it, and whether the run's
         dtype holds the decoded values exactly."""
         dtype, exact_in = self.options.dtype, self.decoding.value_dtype
+        added = (
+            "; activations quantized per token to INT8 and back as intref quantizes them (the pack stores "
+            "none)"
+            if self.options.convention_map.get(ADD_ACTIVATION_QUANTIZATION)
+            else ""
+        )
         held = (
             f"the {exact_in} values held exactly"
             if dtype in ("float32", exact_in)
@@ -198,7 +225,7 @@ class DecodedBackend(HFBackend):
             "execution": (
                 f"{self.decoding.execution()} into Transformers {package_version('transformers')} "
                 f"({type(self.model).__name__}) in {dtype}, {held}; "
-                f"{self.decoding.label} runtime not run"
+                f"{self.decoding.label} runtime not run{added}"
             ),
             "format": self.checkpoint.format,
         }

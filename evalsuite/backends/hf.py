@@ -18,7 +18,12 @@ from evalsuite.backends.c_heap import tensors_mapped_while_loading
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
 from evalsuite.backends.intref_plan import DYNAMIC_INT8_PER_TOKEN
 from evalsuite.backends.load_lock import MODEL_LOADS, tensors_read_when_converted
-from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION, DTYPE_NAMES, BackendOptions
+from evalsuite.backends.options import (
+    ADD_ACTIVATION_QUANTIZATION,
+    DECODED_FORMATS,
+    DTYPE_NAMES,
+    BackendOptions,
+)
 from evalsuite.backends.packed_zero_points import zero_points_packed_on_meta
 from evalsuite.backends.skeleton import set_generation_config
 from evalsuite.backends.token_chunks import mlp_in_chunks
@@ -129,7 +134,8 @@ def transformers_config(checkpoint: Checkpoint, options: BackendOptions) -> tupl
         config = AutoConfig.from_pretrained(str(checkpoint.path), **kwargs)
     except Exception as exc:
         raise InputError(f"Transformers cannot read the config: {first_line(exc)}", checkpoint.path) from None
-    if options.convention_map.get(ADD_ACTIVATION_QUANTIZATION):
+    # A pack run from its decoded weights has it added on the decoded modules (`backends.decoded`).
+    if options.convention_map.get(ADD_ACTIVATION_QUANTIZATION) and checkpoint.format not in DECODED_FORMATS:
         config.quantization_config = with_activation_quantization(
             getattr(config, "quantization_config", None), checkpoint
         )

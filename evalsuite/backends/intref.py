@@ -37,6 +37,7 @@ from evalsuite.backends.hf import (
     meta_model,
     transformers_config,
 )
+from evalsuite.backends.intref_gptq import integer_names, integer_tensors
 from evalsuite.backends.intref_plan import ActivationConvention, QuantizedModule, integer_modules
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.skeleton import (
@@ -50,6 +51,7 @@ from evalsuite.backends.skeleton import (
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
 from evalsuite.formats.compressed_tensors import SchemeLookup
+from evalsuite.formats.gptq import METHODS as GPTQ_METHODS
 
 
 class IntegerSkeleton:
@@ -74,11 +76,14 @@ class IntegerSkeleton:
         """(missing, unexpected): tensors the model needs that the files lack, and the reverse, by name, from
         the safetensors headers; a tied target the files do not store is filled from its source."""
         slots = tensor_slots(self.model)
-        stored = {
-            name
-            for name in self.checkpoint.tensors
-            if not (name.endswith(".weight_shape") and name.removesuffix(".weight_shape") in self.plan)
-        }
+        if self.checkpoint.format in GPTQ_METHODS:
+            stored = integer_names(self.checkpoint, self.plan)
+        else:
+            stored = {
+                name
+                for name in self.checkpoint.tensors
+                if not (name.endswith(".weight_shape") and name.removesuffix(".weight_shape") in self.plan)
+            }
         tied = getattr(self.model, "all_tied_weights_keys", None) or {}
         missing = sorted(n for n in slots if n not in stored and not (n in tied and tied[n] in stored))
         unexpected = sorted(n for n in stored if n not in slots)
@@ -90,7 +95,12 @@ class IntegerSkeleton:
         """Replace the quantized Linear layers and the fused experts (which must be quantized)."""
         claimed: set[str] = set()
         replacements: dict[str, nn.Module] = {}
-        lookup = SchemeLookup(self.checkpoint.quantization_config or {}, self.checkpoint.path / "config.json")
+        # A GPTQ or AWQ config targets no modules by name: what its files store quantized is what runs so.
+        lookup = (
+            None
+            if self.checkpoint.format in GPTQ_METHODS
+            else SchemeLookup(self.checkpoint.quantization_config or {}, self.checkpoint.path / "config.json")
+        )
         for name, module in model.named_modules():
             if fused_experts(module):
                 first = f"{name}.0.gate_proj"
@@ -117,7 +127,7 @@ class IntegerSkeleton:
                 shape = (module.out_features, module.in_features)
                 replacements[name] = self._int_linear(plan, name, shape, module.bias is not None, dtype)
                 claimed.add(name)
-            elif isinstance(module, nn.Linear | nn.Embedding):
+            elif lookup is not None and isinstance(module, nn.Linear | nn.Embedding):
                 # A layer the config quantizes but the files store dense would run dense here, silently.
                 kind = "linear" if isinstance(module, nn.Linear) else "embedding"
                 coverage = lookup.covering(name, kind)
@@ -195,7 +205,12 @@ class IntegerSkeleton:
         keep_fp32 = list(model._get_dtype_plan(dtype)) if hasattr(model, "_get_dtype_plan") else []
         slots = tensor_slots(model)
         unexpected: list[str] = []
-        for name, tensor in self.checkpoint.iter_tensors(names):
+        read = (
+            integer_tensors(self.checkpoint, plan, names)
+            if self.checkpoint.format in GPTQ_METHODS
+            else self.checkpoint.iter_tensors(names)
+        )
+        for name, tensor in read:
             module_name, _, leaf = name.rpartition(".")
             if leaf == "weight_shape" and module_name in plan:
                 continue  # checked against the model's layer by integer_modules and _int_linear

@@ -9,7 +9,9 @@ needs nothing; `actorder: "group"` scatters a group's columns and stores `weight
 path then uses to gather each group (per group only: a per-channel scale spans every column). Activations
 dynamic symmetric per-token INT8, or none (a weight-only W4A16 / W8A16 scheme, whose activations the integer
 path then quantizes per token itself, and says so). The files and the config must agree on every quantized
-module, as compressed-tensors resolves it. FP8 and FP4 weights have no integer path.
+module, as compressed-tensors resolves it. FP8 and FP4 weights have no integer path. GPTQ and AWQ packs
+(INT4 / INT8 codes with zero points, weight-only) are planned from their own headers (`_gptq_modules`) and
+handed to the integer path in compressed-tensors' int-quantized layout (`backends.intref_gptq`).
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ def integer_modules(checkpoint: Checkpoint) -> dict[str, QuantizedModule]:
     that is not integer W4A8/W8A8 with dynamic symmetric per-token INT8 activations and symmetric per-channel
     INT4 (`pack-quantized`) or INT8 (`int-quantized`) weights.
     """
+    if checkpoint.format in ("gptq", "awq"):
+        return _gptq_modules(checkpoint)
     if checkpoint.format != "compressed-tensors":
         raise InputError(
             f"intref executes compressed-tensors integer checkpoints; this one is {checkpoint.format}, "
@@ -215,6 +219,51 @@ def integer_modules(checkpoint: Checkpoint) -> dict[str, QuantizedModule]:
             weight_only=coverage.scheme.input_activations is None,
             g_idx=g_idx is not None,
         )
+    return modules
+
+
+def _gptq_modules(checkpoint: Checkpoint) -> dict[str, QuantizedModule]:
+    """Every `qweight` module of a GPTQ or AWQ pack, read as the integer path reads compressed-tensors'
+    int-quantized layout (`backends.intref_gptq` hands it the tensors so): INT4 or INT8 codes with integer
+    zero points, per group or per channel, GPTQ's `g_idx` followed; weight-only, so the integer path
+    quantizes the activations itself."""
+    from evalsuite.formats.gptq import GptqFormat, layout_problems, stored_shape
+
+    fmt = GptqFormat(checkpoint)
+    if fmt.bits not in (4, 8):
+        raise InputError(f"{fmt.method} packs of {fmt.bits}-bit codes have no integer path", checkpoint.path)
+    modules: dict[str, QuantizedModule] = {}
+    for name in sorted(n for n in checkpoint.tensors if n.endswith(".qweight")):
+        module = name.removesuffix(".qweight")
+        parts = {
+            part: info
+            for part in ("qweight", "qzeros", "scales", "g_idx")
+            if (info := checkpoint.tensors.get(f"{module}.{part}")) is not None
+        }
+        shape = stored_shape(fmt.method, fmt.bits, parts)
+        problems = layout_problems(fmt, shape, parts) if shape else ["qweight is not a 2-D int32 tensor"]
+        if problems:
+            raise InputError(f"{module}: {problems[0]}", checkpoint.path)
+        assert shape is not None
+        out_features, in_features = shape
+        if in_features > MAX_IN_FEATURES:
+            raise InputError(
+                f"{module}: {in_features} inputs could overflow INT32 accumulation", checkpoint.path
+            )
+        group_size = fmt.group_size if 0 < fmt.group_size < in_features else None
+        modules[module] = QuantizedModule(
+            module,
+            fmt.bits,
+            out_features,
+            in_features,
+            storage="int8",
+            group_size=group_size,
+            zero_point=not fmt.symmetric,
+            weight_only=True,
+            g_idx="g_idx" in parts and group_size is not None,
+        )
+    if not modules:
+        raise InputError("no quantized module in the files (no qweight tensor)", checkpoint.path)
     return modules
 
 

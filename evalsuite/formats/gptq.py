@@ -80,7 +80,7 @@ def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
     return codes.reshape(words.shape[0], words.shape[1] * per_word)
 
 
-def _awq_columns(codes: np.ndarray, bits: int) -> np.ndarray:
+def awq_columns(codes: np.ndarray, bits: int) -> np.ndarray:
     """AWQ's interleaved codes (…, out) put back in column order."""
     per_word = 32 // bits
     order = np.array(AWQ_ORDER) if bits == 4 else np.arange(per_word)
@@ -100,8 +100,8 @@ def decode(
         cols = q.shape[0]
         groups = g_idx.astype(np.int64) if g_idx is not None else np.arange(cols) // _group(fmt, cols)
     else:
-        q = _awq_columns(unpack_words(qweight, bits, axis=1), bits)  # (in, out)
-        zeros = _awq_columns(unpack_words(qzeros, bits, axis=1), bits)[:, : scales.shape[1]]
+        q = awq_columns(unpack_words(qweight, bits, axis=1), bits)  # (in, out)
+        zeros = awq_columns(unpack_words(qzeros, bits, axis=1), bits)[:, : scales.shape[1]]
         cols = q.shape[0]
         groups = np.arange(cols) // _group(fmt, cols)
     exact = (q.astype(np.float32) - zeros[groups].astype(np.float32)) * scales32[groups]

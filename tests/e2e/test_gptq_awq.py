@@ -147,3 +147,39 @@ def test_a_pack_that_cannot_fill_its_model_is_refused_in_one_line_before_any_mod
     last = res.stderr.strip().splitlines()[-1]
     assert f"{name.split('-')[0].upper()} module {MODULE}: qzeros missing beside its qweight" in last, last
     assert not (tmp_path / "o" / "observations").exists()
+
+
+@pytest.mark.parametrize("name", PACK_PARAMS)
+def test_intref_runs_the_pack_in_integers_as_its_decoded_execution_and_its_writers_dequantization(
+    autoround_tiny, name, tmp_path
+):
+    folder = pack(autoround_tiny, name)
+    _, tasks = run_tasks(autoround_tiny[SOURCE], folder, "intref", tmp_path / "intref", "--no-plots")
+    entry = tasks["intref"]
+    assert entry["status"] == "pass", entry
+    m = entry["metrics"]
+    assert m["int_layers"] == m["int_layers_total"] == 14
+    # auto-round's GPTQ pack is symmetric (zero points all 8: none passed), its AWQ pack asymmetric.
+    convention = "W4 group 64 g_idx" if name.startswith("gptq") else "W4 group 64 asymmetric"
+    assert m["int_convention"].startswith(f"{convention} × A8 per token"), m["int_convention"]
+    assert "activations quantized per token to INT8 and back" in m["hf_convention"]
+    assert m["kld_int_vs_hf"] < 1e-3  # the bound every integer pack of the tiny Llama meets
+    # The whole model in integers against the writer's own dequantized copy run by Transformers.
+    writer = folder.with_name(name + DEQUANTIZED_SUFFIX)
+    _, tasks = run_tasks(writer, folder, "ppl", tmp_path / "ppl", "--backend", "intref", "--no-plots")
+    m = tasks["ppl"]["metrics"]
+    assert m["ckpt_execution"].startswith("evalsuite integer reference"), m["ckpt_execution"]
+    assert m["kld_mean"] < 1e-3
+
+
+def test_a_symmetric_pack_whose_zero_points_are_not_centred_is_refused_by_intref(autoround_tiny, tmp_path):
+    candidate = copy_checkpoint(pack(autoround_tiny, "gptq-w4g64"), tmp_path / "ckpt")
+    # Stored minus one (GPTQ v1): 0x77777777 is eight zero points of 8; one nibble made 9.
+    edit_tensors(candidate, lambda t: t[f"{MODULE}.qzeros"][0, 0].add_(1))
+    res = run_cli(
+        "run", "--ckpt", candidate, "--ref", autoround_tiny[SOURCE], "--tasks", "ppl", "--backend", "intref",
+        "--corpus", "python-docs", "--out", tmp_path / "o", "--quiet",
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert f"{MODULE}: zero points other than 8 in a symmetric gptq pack" in last, last

@@ -284,7 +284,9 @@ def test_every_smollm2_llmcompressor_pack_passes_tensors_and_runs(llmc_smollm2, 
     assert code == 0, (err, entry.get("details"))
     m = entry["metrics"]
     assert (m["config_mismatches"], m["assets_changed"], m["missing"], m["unexpected"]) == (0, 0, 0, 0)
-    assert isinstance(m["worst_rel_err"], float) and m["decode_exact"] is True
+    # MXFP4 has no decode of evalsuite's own to cross-check the library's (as in the tiny test above).
+    assert isinstance(m["worst_rel_err"], float)
+    assert m["decode_exact"] is (None if scheme == "mxfp4a16" else True)
     assert (m["outlier_channels"], m["outlier_tensors"]) == (0, 0)  # GPTQ's included
     assert m["avg_bits_per_weight"] == (4.0 if scheme in FOUR_BIT else 8.0)
     assert m["quantized_int4"] + m["quantized_int8"] + m["quantized_other"] == 30 * 7
