@@ -56,6 +56,9 @@ CheckpointFormat = Literal[
     "modelopt",
 ]
 
+# The formats that store a model's tensors as floats, as they are: a source, never a quantized pack.
+SOURCE_FORMATS: tuple[CheckpointFormat, ...] = ("bf16", "fp16", "fp32")
+
 CONFIG_FILE = "config.json"
 EXL3_CONFIG_FILE = "quantization_config.json"
 

@@ -27,7 +27,7 @@ from evalsuite.backends.options import (
 from evalsuite.backends.packed_zero_points import zero_points_packed_on_meta
 from evalsuite.backends.skeleton import set_generation_config
 from evalsuite.backends.token_chunks import mlp_in_chunks
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.checkpoint import SOURCE_FORMATS, Checkpoint
 from evalsuite.errors import (
     DependencyError,
     InputError,
@@ -238,9 +238,8 @@ def from_pretrained_with_report(
             if by_handles:
                 settings = {k: v for k, v in kwargs.items() if k not in ("config", "trust_remote_code")}
                 # Only a load of float tensors as stored is mapped (see `tensors_mapped_while_loading`).
-                as_stored = checkpoint.format in ("bf16", "fp16", "fp32")
                 with (
-                    tensors_mapped_while_loading(map_large=as_stored),
+                    tensors_mapped_while_loading(map_large=checkpoint.format in SOURCE_FORMATS),
                     checkpoint.open_tensors(checkpoint.tensors) as handles,
                 ):
                     model, info = model_class.from_pretrained(

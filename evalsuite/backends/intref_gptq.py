@@ -18,7 +18,7 @@ import torch
 from evalsuite.backends.intref_plan import QuantizedModule
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
-from evalsuite.formats.gptq import PARAMS, GptqFormat, awq_columns, unpack_words
+from evalsuite.formats.gptq import PARAMS, GptqFormat, codes, zero_points
 
 
 def _module_of(name: str, plan: dict[str, QuantizedModule]) -> str | None:
@@ -56,17 +56,11 @@ def _module_tensors(
     checkpoint: Checkpoint, fmt: GptqFormat, module: str, quantized: QuantizedModule
 ) -> Iterator[tuple[str, torch.Tensor]]:
     read = checkpoint.read_tensor
-    bits, centre = fmt.bits, 1 << (fmt.bits - 1)
-    qweight, qzeros = read(f"{module}.qweight").numpy(), read(f"{module}.qzeros").numpy()
+    centre = 1 << (fmt.bits - 1)
+    stored = codes(fmt, read(f"{module}.qweight").numpy()).T  # (out, in)
+    zeros = zero_points(fmt, read(f"{module}.qzeros").numpy(), quantized.out_features)  # (G, out)
     scales = read(f"{module}.scales")
-    out_features = quantized.out_features
-    if fmt.method == "gptq":
-        codes = unpack_words(qweight, bits, axis=0).T  # (out, in)
-        zeros = unpack_words(qzeros, bits, axis=1)[:, :out_features] + fmt.zero_offset  # (G, out)
-    else:
-        codes = awq_columns(unpack_words(qweight, bits, axis=1), bits).T
-        zeros = awq_columns(unpack_words(qzeros, bits, axis=1), bits)[:, :out_features]
-    yield f"{module}.weight", torch.from_numpy(np.ascontiguousarray(codes - centre, dtype=np.int8))
+    yield f"{module}.weight", torch.from_numpy(np.ascontiguousarray(stored - centre, dtype=np.int8))
     yield f"{module}.weight_scale", scales.t().contiguous()
     if quantized.zero_point:
         yield (

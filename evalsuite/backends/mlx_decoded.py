@@ -1,8 +1,8 @@
 """An MLX pack (mlx-lm's layout) as the decoded path reads it (`backends.decoded`).
 
-MLX's users run the pack in mlx-lm, which installs MLX's Metal build and pins its own Transformers; here
-every quantized weight is decoded by `evalsuite.formats.mlx`, equal bit for bit to `mx.dequantize`: values
-of the scales' dtype.
+MLX's users run the pack in mlx-lm, on MLX's own kernels, which evalsuite does not call; here every
+quantized weight is decoded by `evalsuite.formats.mlx`, equal bit for bit to `mx.dequantize`: values of the
+scales' dtype.
 """
 
 from __future__ import annotations

@@ -80,30 +80,40 @@ def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
     return codes.reshape(words.shape[0], words.shape[1] * per_word)
 
 
-def awq_columns(codes: np.ndarray, bits: int) -> np.ndarray:
+def _awq_columns(values: np.ndarray, bits: int) -> np.ndarray:
     """AWQ's interleaved codes (…, out) put back in column order."""
     per_word = 32 // bits
     order = np.array(AWQ_ORDER) if bits == 4 else np.arange(per_word)
-    words = codes.reshape(*codes.shape[:-1], -1, per_word)
-    return words[..., order].reshape(codes.shape)
+    words = values.reshape(*values.shape[:-1], -1, per_word)
+    return words[..., order].reshape(values.shape)
+
+
+def codes(fmt: GptqFormat, qweight: np.ndarray) -> np.ndarray:
+    """A module's unsigned codes (in, out), int16, in column order."""
+    if fmt.method == "gptq":
+        return unpack_words(qweight, fmt.bits, axis=0)
+    return _awq_columns(unpack_words(qweight, fmt.bits, axis=1), fmt.bits)
+
+
+def zero_points(fmt: GptqFormat, qzeros: np.ndarray, out_features: int) -> np.ndarray:
+    """A module's zero points (groups, out), int16, as the decode subtracts them (GPTQ v1's stored minus
+    one undone); the packing's padding columns dropped."""
+    if fmt.method == "gptq":
+        return unpack_words(qzeros, fmt.bits, axis=1)[:, :out_features] + fmt.zero_offset
+    return _awq_columns(unpack_words(qzeros, fmt.bits, axis=1), fmt.bits)[:, :out_features]
 
 
 def decode(
     fmt: GptqFormat, qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_idx: np.ndarray | None
 ) -> np.ndarray:
     """The weight (out, in) a module stores, as float32 holding float16 values (see the module docstring)."""
-    bits = fmt.bits
+    q = codes(fmt, qweight)  # (in, out)
+    zeros = zero_points(fmt, qzeros, scales.shape[1])  # (G, out)
+    cols = q.shape[0]
+    # AWQ's groups are consecutive; GPTQ's are its g_idx where it stores one.
+    use_g_idx = fmt.method == "gptq" and g_idx is not None
+    groups = g_idx.astype(np.int64) if use_g_idx else np.arange(cols) // _group(fmt, cols)
     scales32 = scales.astype(np.float32)
-    if fmt.method == "gptq":
-        q = unpack_words(qweight, bits, axis=0)  # (in, out)
-        zeros = unpack_words(qzeros, bits, axis=1)[:, : scales.shape[1]] + fmt.zero_offset  # (G, out)
-        cols = q.shape[0]
-        groups = g_idx.astype(np.int64) if g_idx is not None else np.arange(cols) // _group(fmt, cols)
-    else:
-        q = awq_columns(unpack_words(qweight, bits, axis=1), bits)  # (in, out)
-        zeros = awq_columns(unpack_words(qzeros, bits, axis=1), bits)[:, : scales.shape[1]]
-        cols = q.shape[0]
-        groups = np.arange(cols) // _group(fmt, cols)
     exact = (q.astype(np.float32) - zeros[groups].astype(np.float32)) * scales32[groups]
     return exact.astype(np.float16).astype(np.float32).T
 

@@ -19,7 +19,7 @@ from pydantic import Field
 
 from evalsuite import plots
 from evalsuite.backends.skeleton import ignored_on_load_patterns
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.checkpoint import SOURCE_FORMATS, Checkpoint
 from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
 from evalsuite.manifest import ManifestCheck, find_manifests, read_manifest, verify_manifest
@@ -36,8 +36,6 @@ from evalsuite.tasks.tensor_verification import (
     check_gguf_source,
     verify_tensors,
 )
-
-SOURCE_FORMATS = ("bf16", "fp16", "fp32")
 
 
 class CompareOptions(StrictModel):
