@@ -139,6 +139,26 @@ def test_a_pack_whose_codes_lack_their_scales_is_refused_in_one_line_before_any_
     assert not (tmp_path / "o" / "observations").exists()
 
 
+@pytest.mark.parametrize("claim", ["ignored", "group_size"])
+def test_a_config_that_disagrees_with_the_files_fails_tensors_naming_what(modelopt_tiny, claim, tmp_path):
+    import json
+
+    candidate = copy_checkpoint(pack(modelopt_tiny, "nvfp4"), tmp_path / "ckpt")
+    if claim == "ignored":  # config.json leaves a module in float that the files store quantized
+        config = json.loads((candidate / "config.json").read_text())
+        config["quantization_config"]["ignore"].append(MODULE)
+        (candidate / "config.json").write_text(json.dumps(config))
+        said = (f"{MODULE}.weight", "stored quantized, but the config's ignore leaves it in float")
+    else:  # hf_quant_config.json claims blocks of 32 for NVFP4's 16
+        beside = json.loads((candidate / "hf_quant_config.json").read_text())
+        beside["quantization"]["group_size"] = 32
+        (candidate / "hf_quant_config.json").write_text(json.dumps(beside))
+        said = ("hf_quant_config.json", "group_size 32, not 16")
+    code, entry, _ = run_tensors(candidate, modelopt_tiny[SOURCE], tmp_path / "run")
+    assert code == 1 and entry["metrics"]["config_mismatches"] == 1
+    assert any(said[0] in str(d) and said[1] in str(d) for d in entry["details"]), entry["details"]
+
+
 def test_hf_quant_config_claiming_another_algorithm_than_config_json_fails_tensors(modelopt_tiny, tmp_path):
     import json
 
