@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from safetensors import safe_open
 
 from evalsuite.errors import DependencyError, InputError
+from evalsuite.mapped_tensors import MappedRead
 from evalsuite.safetensors_files import (
     DTYPE_SIZES,
     FLOAT_DTYPES,
@@ -99,43 +100,6 @@ _NOT_CONTENT = re.compile(
 )
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-# safetensors' dtype names as torch dtypes, for tensors read straight into their own storage (`_WholeRead`).
-_TORCH_DTYPES = {
-    "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8", "I16": "int16",
-    "I32": "int32", "I64": "int64", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
-    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}  # fmt: skip
-
-
-class _WholeRead:
-    """A safetensors slice whose whole read (`handle[...]`, what Transformers' loader asks) is one `preadv`
-    of the tensor's bytes into the new tensor's own storage; any other index, and everything else, is the
-    slice's. safetensors' own pread path copies each tensor more than once: on the seed's real shape it made
-    a loaded BF16 model take about twice as long to load as a mapped one."""
-
-    def __init__(self, inner: Any, fd: int, info: TensorInfo) -> None:
-        self._inner, self._fd, self._info = inner, fd, info
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        import torch
-
-        dtype = _TORCH_DTYPES.get(self._info.dtype)
-        if index is not Ellipsis or dtype is None:
-            return self._inner[index]
-        out = torch.empty(self._info.shape, dtype=getattr(torch, dtype))
-        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], self._info.data_begin + done)
-            if n <= 0:
-                raise InputError(f"shard ends inside tensor {self._info.name!r}", self._info.shard)
-            done += n
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 @dataclass(frozen=True, eq=False)
@@ -271,26 +235,24 @@ class Checkpoint:
                     yield info.name, f.get_tensor(info.name)
 
     @contextlib.contextmanager
-    def open_tensors(self, names: Iterable[str]) -> Iterator[dict[str, Any]]:
+    def open_tensors(self, names: Iterable[str]) -> Iterator[dict[str, MappedRead]]:
         """Lazy handles of `names` for the duration of the block: safetensors slices, each read only when
-        indexed (`handle[...]` is the whole tensor), as Transformers' own loader takes them. Only the shards
-        holding `names` are opened. Unknown names are rejected before anything is opened.
-
-        The shards are read with `pread`, not mapped: a mapped shard's pages count in the process's resident
-        memory for as long as it stays open, so a whole model loaded from mapped shards peaks at its tensors
-        plus every page of its files (about twice the model) though the copy is all it keeps."""
+        indexed, as Transformers' own loader takes them; a whole read (`handle[...]`) is a private mapping
+        of that tensor's bytes alone (`evalsuite.mapped_tensors`), whose pages count in resident memory only
+        while the tensor lives, unlike a mapped shard's. Only the shards holding `names` are opened.
+        Unknown names are rejected before anything is opened."""
         infos = [self._info(n) for n in names]
         by_shard: dict[Path, list[str]] = {}
         for info in infos:
             by_shard.setdefault(info.shard, []).append(info.name)
         with contextlib.ExitStack() as stack:
-            handles: dict[str, Any] = {}
+            handles: dict[str, MappedRead] = {}
             for shard in self.shards:
                 if shard in by_shard:
                     reader = stack.enter_context(safe_open(shard, framework="pt", backend="pread"))
                     fd = stack.enter_context(shard.open("rb")).fileno()
                     for name in by_shard[shard]:
-                        handles[name] = _WholeRead(reader.get_slice(name), fd, self.tensors[name])
+                        handles[name] = MappedRead(reader.get_slice(name), fd, self.tensors[name])
             yield handles
 
     def read_bytes(self, name: str) -> bytes:

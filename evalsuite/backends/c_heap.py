@@ -1,11 +1,9 @@
 """The C heap under a model's tensors: when glibc hands freed memory back to the system, and when it does not.
 
 glibc serves an allocation below its mmap threshold from its heaps, which keep freed chunks for reuse rather
-than return them; the threshold rises (to 32 MiB at most on 64-bit) each time a mapped chunk is freed. Loading
-a MoE model reads each layer's routed experts as hundreds of small per-expert tensors (2 MB each at the seed's
-real widths) that Transformers fuses into one 3-D tensor and frees: served from the heaps, they stay resident
-beside the model (bench/real_shape.py measures how much), served by mmap they go back at once. Nothing here
-exists outside glibc: elsewhere every function is a no-op.
+than return them; the threshold rises (to 32 MiB at most on 64-bit) each time a mapped chunk is freed. A load
+keeps its temporaries in the heaps for reuse (`heap_kept_while_loading`); a long window's reduction maps its
+large ones (`map_large_allocations`). Nothing here exists outside glibc: elsewhere every function is a no-op.
 """
 
 from __future__ import annotations
@@ -16,10 +14,15 @@ import ctypes.util
 from collections.abc import Iterator
 from typing import Any
 
-# mallopt's parameter number of the mmap threshold (malloc.h).
+# mallopt's parameter numbers of the trim and mmap thresholds (malloc.h).
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-# While a model loads: every tensor of 1 MiB or more is mapped, and unmapped when freed.
-LOADING_MMAP_THRESHOLD = 1 << 20
+# glibc's trim threshold once the mmap threshold is set by hand (its dynamic adjustment then stops).
+DEFAULT_TRIM_THRESHOLD = 128 << 10
+# While a model loads: free memory at the heap's top kept up to this much (`heap_kept_while_loading`).
+LOADING_TRIM_THRESHOLD = 256 << 20
+# Where a process maps every allocation of 1 MiB or more, and unmaps it when freed (`map_large_allocations`).
+LARGE_MMAP_THRESHOLD = 1 << 20
 # Afterwards: the ceiling glibc's own dynamic threshold reaches on 64-bit, so that a forward's activations are
 # served from the heaps as they would be once glibc has adjusted (setting the threshold fixes it for good).
 RUNNING_MMAP_THRESHOLD = 32 << 20
@@ -35,8 +38,8 @@ def _glibc() -> Any:
 
 
 _LIBC = _glibc()
-# The threshold outside a load, restored after each (glibc does not report it): its usual ceiling, or the
-# load's own once `map_large_allocations` has made that the process's for good.
+# The threshold outside a load, restored after each (glibc does not report it): its usual ceiling, or
+# `LARGE_MMAP_THRESHOLD` once `map_large_allocations` has made that the process's for good.
 _running_threshold = RUNNING_MMAP_THRESHOLD
 
 
@@ -47,28 +50,32 @@ def release_freed_memory() -> None:
 
 
 @contextlib.contextmanager
-def tensors_mapped_while_loading(map_large: bool = True) -> Iterator[None]:
-    """For the duration of a model's load, tensors of 1 MiB or more mapped (and unmapped when freed); then
-    the threshold back to the process's running one (`map_large_allocations`) and the heaps trimmed.
+def heap_kept_while_loading() -> Iterator[None]:
+    """For the duration of a model's load, allocations below the running ceiling served from the heaps and
+    freed memory kept there for the next allocation (the trim threshold at `LOADING_TRIM_THRESHOLD`); then
+    the thresholds back to the process's running ones (`map_large_allocations`) and the heaps trimmed.
 
-    `map_large=False` serves the load from the heaps instead (the threshold at its ceiling), for a load that
-    decompresses: dequantizing each expert allocates temporaries of the same sizes as the per-expert tensors
-    and frees them at once, so mapping them pays a page fault for every page of every temporary, and it
-    saves nothing at the peak (bench/real_shape.py and the wide W4A8 load, mapped or not: the same peak).
-    The heaps are trimmed afterwards all the same."""
+    Why: the tensors a load reads are mappings of their own (`evalsuite.mapped_tensors`), so what the heaps
+    serve is the conversion's temporaries: dequantizing each expert of a W4A8 pack allocates and frees
+    temporaries of the per-expert tensors' sizes, hundreds of times a layer. Mapped each time, or trimmed from
+    the heap's top each time they are freed (glibc trims above 128 KiB once the threshold is set by hand),
+    every page of every temporary costs a page fault; kept, the next expert reuses them (bench/ppl.py: the
+    wide W4A8 load, and its peak, which this does not raise)."""
     if _LIBC is None:
         yield
         return
-    _LIBC.mallopt(_M_MMAP_THRESHOLD, LOADING_MMAP_THRESHOLD if map_large else RUNNING_MMAP_THRESHOLD)
+    _LIBC.mallopt(_M_TRIM_THRESHOLD, LOADING_TRIM_THRESHOLD)
+    _LIBC.mallopt(_M_MMAP_THRESHOLD, RUNNING_MMAP_THRESHOLD)
     try:
         yield
     finally:
+        _LIBC.mallopt(_M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
         _LIBC.mallopt(_M_MMAP_THRESHOLD, _running_threshold)
         release_freed_memory()
 
 
 def map_large_allocations() -> bool:
-    """From now on in this process, every allocation of 1 MiB or more (`LOADING_MMAP_THRESHOLD`) is mapped
+    """From now on in this process, every allocation of 1 MiB or more (`LARGE_MMAP_THRESHOLD`) is mapped
     on its own and returned to the system when freed, loads or not; whether it applied (not on another C
     library).
 
@@ -76,9 +83,10 @@ def map_large_allocations() -> bool:
     log-probs, its copies: 6 MB at a 49 k vocabulary, 32 MB at 248 k) between small results that live on, in
     the arena of whichever torch thread asked: the small results split the freed blocks, the next block does
     not fit the holes, and the arenas grow by a block each time, to many times the window's own working
-    memory (bench/long_context.py measures the whole process). A streamed layer's load keeps it so."""
+    memory (bench/long_context.py measures the whole process). A load still keeps its own temporaries in the
+    heaps, and trims them when done (`heap_kept_while_loading`)."""
     global _running_threshold
     if _LIBC is None:
         return False
-    _running_threshold = LOADING_MMAP_THRESHOLD
+    _running_threshold = LARGE_MMAP_THRESHOLD
     return bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, _running_threshold))

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from evalsuite.backends.c_heap import tensors_mapped_while_loading
+from evalsuite.backends.c_heap import heap_kept_while_loading
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
 from evalsuite.backends.intref_plan import DYNAMIC_INT8_PER_TOKEN
 from evalsuite.backends.load_lock import MODEL_LOADS, tensors_read_when_converted
@@ -27,7 +27,7 @@ from evalsuite.backends.options import (
 from evalsuite.backends.packed_zero_points import zero_points_packed_on_meta
 from evalsuite.backends.skeleton import set_generation_config
 from evalsuite.backends.token_chunks import mlp_in_chunks
-from evalsuite.checkpoint import SOURCE_FORMATS, Checkpoint
+from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import (
     DependencyError,
     InputError,
@@ -227,8 +227,8 @@ def from_pretrained_with_report(
     compressed = checkpoint.format == "compressed-tensors"
     fix = zero_points_packed_on_meta() if compressed else contextlib.nullcontext()
     # Transformers maps every shard for the whole load, and mapped pages count as resident memory: a loaded
-    # model would peak at its tensors plus every page of its files. The model class is given the tensors
-    # read with pread instead (`Checkpoint.open_tensors`), which it loads by the same conversions. A GGUF
+    # model would peak at its tensors plus every page of its files. The model class is given each tensor
+    # mapped on its own instead (`Checkpoint.open_tensors`), which it loads by the same conversions. A GGUF
     # file is Transformers' to read, a load on the meta device reads nothing, and a remote-code class is
     # only reached through its Auto class, which takes no tensors with a folder.
     model_class = _registered_class(cls, config)
@@ -237,11 +237,7 @@ def from_pretrained_with_report(
         with quiet_transformers(), fix, tensors_read_when_converted():
             if by_handles:
                 settings = {k: v for k, v in kwargs.items() if k not in ("config", "trust_remote_code")}
-                # Only a load of float tensors as stored is mapped (see `tensors_mapped_while_loading`).
-                with (
-                    tensors_mapped_while_loading(map_large=checkpoint.format in SOURCE_FORMATS),
-                    checkpoint.open_tensors(checkpoint.tensors) as handles,
-                ):
+                with heap_kept_while_loading(), checkpoint.open_tensors(checkpoint.tensors) as handles:
                     model, info = model_class.from_pretrained(
                         None,
                         config=config,

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from evalsuite.backends.c_heap import tensors_mapped_while_loading
+from evalsuite.backends.c_heap import heap_kept_while_loading
 from evalsuite.backends.hf import (
     DTYPES,
     first_line,
@@ -120,11 +120,10 @@ class TransformersLayers:
     def _load(self, names: list[str]) -> None:
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
-        # A layer's per-expert tensors are read, fused and freed: mapped while loading, they go back at once.
         with (
             self.checkpoint.open_tensors(names) as handles,
             quiet_transformers(),
-            tensors_mapped_while_loading(),
+            heap_kept_while_loading(),
             tensors_read_when_converted(),
         ):
             info, _ = convert_and_load_state_dict_in_model(self.model, handles, self.load_config)

@@ -313,7 +313,9 @@ class WindowLogits(WindowObserver):
             lp = torch.log_softmax(block, dim=-1, dtype=torch.float32)
             rows = targets[offset : offset + len(block)]
             nll.append(-lp.gather(1, rows[:, None])[:, 0].double().numpy())
-            top.append(lp.argmax(dim=-1).numpy())
+            # numpy's argmax (first of equal maxima, as torch's): torch's took several times as long on the
+            # CPU, longer than the log-softmax (bench/ppl.py).
+            top.append(lp.numpy().argmax(axis=-1))
             offset += len(block)
         return np.concatenate(nll), np.concatenate(top)
 
