@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -166,11 +167,14 @@ def main() -> None:
         for name in order:
             cmd = [*run, str(folder / f"run-{i}")] if name == "evalsuite" else commands[name]
             times[name].append(whole(cmd, env))
+            # A run keeps its observations (2 GB of logits on the wide pair): gone before the next command.
+            shutil.rmtree(folder / f"run-{i}", ignore_errors=True)
             print(f"pair {i + 1}/{args.pairs}: {name} {times[name][-1][0]:.2f} s wall", file=sys.stderr)
 
-    peaks = {
-        mode: child_peak(mode, ckpt_path, ref_path, folder / mode, spec) for mode in ("ref", "ckpt", "run")
-    }
+    peaks = {}
+    for mode in ("ref", "ckpt", "run"):
+        peaks[mode] = child_peak(mode, ckpt_path, ref_path, folder / mode, spec)
+        shutil.rmtree(folder / mode, ignore_errors=True)
     param_bytes = max(
         sum(info.nbytes for info in Checkpoint.open(path).tensors.values()) for path in (ref_path, ckpt_path)
     )
