@@ -37,6 +37,7 @@ BENCHES = (
     "moe",
     "outliers",
     "ppl",
+    "ppl_wide",
     "real_shape",
     "record",
     "stream",
