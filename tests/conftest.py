@@ -121,6 +121,19 @@ def run_cli(
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
+def assert_ppl_refused_before_any_load(ckpt: Path, ref: Path, out: Path, fragment: str) -> None:
+    """`evalsuite run --tasks ppl` of `ckpt` against `ref` into `out`: exit 2, its last stderr line holding
+    `fragment`, and no observation begun (refused before any model loads)."""
+    res = run_cli(
+        "run", "--ckpt", ckpt, "--ref", ref, "--tasks", "ppl", "--corpus", "python-docs", "--out", out,
+        "--quiet",
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert fragment in last, last
+    assert not (out / "observations").exists()
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     """A writable copy of a fixture checkpoint, for building a broken variant of it."""
     shutil.copytree(src, dst)

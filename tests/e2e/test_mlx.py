@@ -14,7 +14,14 @@ import pytest
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.names import TINY_LLAMA_MLX
-from tests.conftest import FIXTURES, copy_checkpoint, edit_tensors, ppl_metrics, run_cli, tensor_edited_copy
+from tests.conftest import (
+    FIXTURES,
+    assert_ppl_refused_before_any_load,
+    copy_checkpoint,
+    edit_tensors,
+    ppl_metrics,
+    tensor_edited_copy,
+)
 from tests.e2e.test_gguf import TINY_LLAMA, tiny_llama  # noqa: F401 (the session fixture)
 from tests.e2e.test_tensors import failed_checks, named, run_tensors
 
@@ -97,14 +104,7 @@ def test_a_pack_that_cannot_fill_its_model_is_refused_in_one_line_before_any_mod
 ):
     pack = copy_checkpoint(mlx_pack, tmp_path / "pack")
     edit_tensors(pack, edit)
-    res = run_cli(
-        "run", "--ckpt", pack, "--ref", tiny_llama, "--tasks", "ppl", "--corpus", "python-docs",
-        "--out", tmp_path / "o", "--quiet",
-    )  # fmt: skip
-    assert res.returncode == 2, res.stderr
-    last = res.stderr.strip().splitlines()[-1]
-    assert f"MLX module {Q_PROJ}: {said}" in last, last
-    assert not (tmp_path / "o" / "observations").exists()
+    assert_ppl_refused_before_any_load(pack, tiny_llama, tmp_path / "o", f"MLX module {Q_PROJ}: {said}")
 
 
 def test_biases_in_another_dtype_than_the_scales_fail_tensors_naming_the_module(
