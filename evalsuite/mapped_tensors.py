@@ -62,10 +62,9 @@ class MappedRead:
             raise InputError(f"shard ends inside tensor {info.name!r} (cut short since opened)", info.shard)
         start = info.data_begin - info.data_begin % mmap.ALLOCATIONGRANULARITY
         mapping = mmap.mmap(self._fd, info.data_end - start, access=mmap.ACCESS_COPY, offset=start)
-        offset = info.data_begin - start
-        count = info.nbytes // torch.empty((), dtype=dtype).element_size()
         # The tensor holds the mapping: it is unmapped when the tensor's storage is freed.
-        return torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset).view(info.shape)
+        tensor = torch.frombuffer(mapping, dtype=dtype, count=info.numel, offset=info.data_begin - start)
+        return tensor.view(info.shape)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
