@@ -2,10 +2,10 @@
 `compare` report per scored token (both KL divergences, the reference's top-1 probability, both sides'
 ranked top tokens, whether their most probable tokens agree).
 
-numpy on purpose (torch for the top-k alone). numpy runs a ufunc on the calling thread only, so the caller
-may split rows between threads without touching torch's thread count, a process-wide setting (changed in one
-thread, it is changed for threads started later), and float32 exp runs in SIMD on CPUs without AVX-512 as on
-those with it.
+numpy on purpose, the ranking of top tokens included (`token_ranks.ranked_top`). numpy runs a ufunc on the
+calling thread only, so the caller may split rows between threads without touching torch's thread count, a
+process-wide setting (changed in one thread, it is changed for threads started later), and float32 exp runs in
+SIMD on CPUs without AVX-512 as on those with it.
 
 Precision. Logits arrive as bf16, float16 or float32 values, all exact in float32, so every shifted logit
 x − max(x) and every difference of two sides' shifted logits is exact or nearly so; the rounding that remains
@@ -20,9 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from evalsuite import metrics
+from evalsuite import metrics, token_ranks
 
 
 def as_float32(raw: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -63,6 +62,11 @@ class PairRows:
     top_hits: np.ndarray  # (rows, k): the first 1 .. k tokens agree in order, ties included
 
 
+# Entries ranked per row beyond the k compared: BF16 logits tie often, and a tie at the k-th value that runs
+# past these is looked for in the whole row.
+RANKED_BEYOND_K = 5
+
+
 def pair_statistics(raw_x: np.ndarray, raw_y: np.ndarray, k: int, scratch: RowScratch) -> PairRows:
     """Per row of stored logits `raw_x` (the reference) and `raw_y` (the candidate), as `as_float32` reads
     them: the forward and reverse KLD, the reference's top-1 probability, both sides' `k` most probable ids
@@ -71,10 +75,17 @@ def pair_statistics(raw_x: np.ndarray, raw_y: np.ndarray, k: int, scratch: RowSc
     n = len(raw_x)
     x = as_float32(raw_x, scratch.x[:n])
     y = as_float32(raw_y, scratch.y[:n])
-    top_ref, top_ckpt = top_ids(x, k), top_ids(y, k)
-    mx, my = x.max(axis=1, keepdims=True), y.max(axis=1, keepdims=True)
-    same = _same_top(x, y, mx, my, top_ref[:, 0], top_ckpt[:, 0])
-    hits = metrics.top_k_hits_tied(x, y, top_ref, top_ckpt)
+    # More than k ranked: the (k+1)-th value tells whether a tie reaches the k-th, the rest hold the tokens
+    # tied with the k-th (`top_k_hits_tied`), and the first is the row's maximum, so no pass over the rows
+    # looks for any of them.
+    ranked = min(k + RANKED_BEYOND_K, x.shape[1])
+    top_ref, values_x = token_ranks.ranked_top(x, ranked)
+    top_ckpt, values_y = token_ranks.ranked_top(y, ranked)
+    mx, my = values_x[:, :1], values_y[:, :1]
+    same = _same_top(x, y, values_x, values_y, top_ref[:, 0], top_ckpt[:, 0])
+    hits = token_ranks.top_k_hits_tied(
+        x, y, top_ref[:, :k], top_ckpt[:, :k], ranked=((top_ref, values_x), (top_ckpt, values_y))
+    )
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         x -= mx
         y -= my
@@ -97,19 +108,27 @@ def pair_statistics(raw_x: np.ndarray, raw_y: np.ndarray, k: int, scratch: RowSc
             as_float32(raw[rows], np.empty((len(rows), raw.shape[1]), np.float32)) for raw in (raw_x, raw_y)
         ]
         forward[rows], reverse[rows] = _kld_rows64(*again)
-    return PairRows(forward, reverse, 1.0 / sx, top_ref, top_ckpt, same, hits)
+    return PairRows(forward, reverse, 1.0 / sx, top_ref[:, :k], top_ckpt[:, :k], same, hits)
 
 
 def _same_top(
-    x: np.ndarray, y: np.ndarray, mx: np.ndarray, my: np.ndarray, first_x: np.ndarray, first_y: np.ndarray
+    x: np.ndarray,
+    y: np.ndarray,
+    values_x: np.ndarray,
+    values_y: np.ndarray,
+    first_x: np.ndarray,
+    first_y: np.ndarray,
 ) -> np.ndarray:
-    """`metrics.same_top_tied` on logits: a row's log-probs are its logits less a constant (same ties).
-    `first_x`, `first_y`: a most probable id of each row of each side (the top-k's first): where they
-    agree, that token is most probable on both; elsewhere the rows' ties decide."""
+    """`token_ranks.same_top_tied` on logits: a row's log-probs are its logits less a constant (same ties).
+    `first_x`, `first_y`: each row's most probable id on each side; `values_x`, `values_y`: each side's
+    largest values, largest first. Where the first ids agree, that token is most probable on both; elsewhere
+    only a row with a tie at the top of either side can hold another token most probable on both."""
     same = first_x == first_y
-    rows = np.flatnonzero(~same)
+    tie_at_top = (values_x[:, 0] == values_x[:, 1]) | (values_y[:, 0] == values_y[:, 1])
+    rows = np.flatnonzero(~same & tie_at_top)
     if rows.size:
-        same[rows] = np.any((x[rows] == mx[rows]) & (y[rows] == my[rows]), axis=1)
+        mx, my = values_x[rows, :1], values_y[rows, :1]
+        same[rows] = np.any((x[rows] == mx) & (y[rows] == my), axis=1)
     return same
 
 
@@ -126,10 +145,3 @@ def _log_softmax64(x: np.ndarray) -> np.ndarray:
     m[~np.isfinite(m)] = 0.0
     shifted = x - m
     return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-
-
-def top_ids(x: np.ndarray, k: int) -> np.ndarray:
-    """The `k` largest entries' ids of each row of float32 logits, largest first, in torch's order among
-    equal values (the order `top_k_hits` has always compared: the same for float32 and float64 rows). A
-    few rows at a time, torch's top-k runs on the calling thread alone."""
-    return torch.from_numpy(x).topk(k, dim=-1).indices.numpy()

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from numpy.typing import ArrayLike, NDArray
 
+from evalsuite import token_ranks
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -399,85 +401,10 @@ def delta_p_percentiles(dp: ArrayLike) -> dict[str, float]:
     return {percentile_name(q): v for q, v in zip(DELTA_P_PERCENTILES, values, strict=True)}
 
 
-def same_top_tied(logp_ref: NDArray[np.float64], logp_ckpt: NDArray[np.float64]) -> NDArray[np.bool_]:
-    """Per row, whether some token is most probable on both sides, ties included: the same-top-token event
-    whatever order a tie among equal logits is broken in. Rows are positions, columns the vocabulary."""
-    a, b = np.asarray(logp_ref), np.asarray(logp_ckpt)
-    if a.ndim != 2 or a.shape != b.shape:
-        raise ValueError(f"log-prob rows must be (positions, vocabulary) alike: {a.shape} vs {b.shape}")
-    same = a.argmax(axis=1) == b.argmax(axis=1)
-    rows = np.flatnonzero(~same)
-    if rows.size:  # only where the first maxima differ can a tie make them agree
-        x, y = a[rows], b[rows]
-        same[rows] = np.any((x == x.max(axis=1, keepdims=True)) & (y == y.max(axis=1, keepdims=True)), axis=1)
-    return same
-
-
-def top_k_hits(top_ref: ArrayLike, top_ckpt: ArrayLike, k: int) -> NDArray[np.bool_]:
-    """Per position, whether the k most probable tokens are the same on both sides, in the same order. Rows
-    are positions, columns the ranked token ids (at least k of them)."""
-    a, b = np.asarray(top_ref), np.asarray(top_ckpt)
-    if a.ndim != 2 or a.shape != b.shape:
-        raise ValueError(f"ranked top-token arrays must be (positions, ranks) alike: {a.shape} vs {b.shape}")
-    if not 1 <= k <= a.shape[1]:
-        raise ValueError(f"top-{k} agreement needs {k} ranked tokens, the arrays hold {a.shape[1]}")
-    return np.all(a[:, :k] == b[:, :k], axis=1)
-
-
-def top_k_hits_tied(
-    rows_ref: NDArray[np.floating],
-    rows_ckpt: NDArray[np.floating],
-    top_ref: ArrayLike,
-    top_ckpt: ArrayLike,
-) -> NDArray[np.bool_]:
-    """Per position (rows of values over the vocabulary: logits or log-probs, any float dtype) and per
-    k = 1..K (K the columns of the ranked ids `top_ref`/`top_ckpt`, each side's K largest in any order among
-    equal values): whether some way of breaking ties on each side ranks the same k tokens first, in the same
-    order. Column 0 is `same_top_tied`.
-
-    Why this decides it: such a common ranking exists exactly when the two canonical rankings agree, each side
-    ordered by (its own value, then the other side's value, both descending, then the lower id). A common
-    ranking orders the tokens one side ties by the other side's values (it must be a ranking of both), so it
-    is the canonical one up to tokens tied on both sides, where the lower id comes first on both. Only rows
-    whose given rankings differ and that hold a tie at or above their K-th value need ranking again; there
-    the candidates are the tokens at or above either side's K-th value."""
-    a, b = np.asarray(rows_ref), np.asarray(rows_ckpt)
-    ia, ib = np.asarray(top_ref), np.asarray(top_ckpt)
-    if a.ndim != 2 or a.shape != b.shape or ia.ndim != 2 or ia.shape != ib.shape or len(ia) != len(a):
-        raise ValueError(f"value rows {a.shape}/{b.shape} and ranked ids {ia.shape}/{ib.shape} do not pair")
-    k_max = ia.shape[1]
-    hits = np.logical_and.accumulate(ia == ib, axis=1)
-    differ = np.flatnonzero(~hits[:, -1])
-    if not differ.size:
-        return hits
-    # Fancy indexing copies whole rows of a vocabulary: one copy of each side's differing rows (none when
-    # every row differs, as for most rows of a quantized candidate), not one per use.
-    rows_a, rows_b = (a, b) if differ.size == len(a) else (a[differ], b[differ])
-    va = np.take_along_axis(rows_a, ia[differ], axis=1)
-    vb = np.take_along_axis(rows_b, ib[differ], axis=1)
-    lowest_a, lowest_b = va.min(axis=1), vb.min(axis=1)
-    at_or_above_a = rows_a >= lowest_a[:, None]
-    at_or_above_b = rows_b >= lowest_b[:, None]
-    tied = (
-        (np.count_nonzero(at_or_above_a, axis=1) > k_max)
-        | (np.count_nonzero(at_or_above_b, axis=1) > k_max)
-        | (np.sort(va, axis=1)[:, 1:] == np.sort(va, axis=1)[:, :-1]).any(axis=1)
-        | (np.sort(vb, axis=1)[:, 1:] == np.sort(vb, axis=1)[:, :-1]).any(axis=1)
-    )
-    for j in np.flatnonzero(tied):
-        row = differ[j]
-        ids = np.flatnonzero(at_or_above_a[j] | at_or_above_b[j])
-        x, y = a[row, ids], b[row, ids]
-        first_a = ids[np.lexsort((ids, -y, -x))[:k_max]]
-        first_b = ids[np.lexsort((ids, -x, -y))[:k_max]]
-        hits[row] = np.logical_and.accumulate(first_a == first_b)
-    return hits
-
-
 def top_k_agreement(top_ref: ArrayLike, top_ckpt: ArrayLike, k: int) -> Estimate:
     """Share of positions whose k most probable tokens agree in order (`top_k_hits`; k = 1 is the
     same-top-token rate with ties broken by the ranking given), with the binomial standard error."""
-    return rate_with_stderr(top_k_hits(top_ref, top_ckpt, k))
+    return rate_with_stderr(token_ranks.top_k_hits(top_ref, top_ckpt, k))
 
 
 @dataclass(frozen=True)

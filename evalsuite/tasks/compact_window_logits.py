@@ -169,8 +169,8 @@ class CompactWindowLogits(_ReducedWindowLogits):
 class LogitsAtReference(_ReducedWindowLogits):
     """Observer of the candidate on long windows, given the reference's `CompactWindowLogits` (or its
     recording): per scored token its log-probs at the ids the reference kept (`at_top`, `at_tail`), its NLL,
-    top token and `TOP_K_AGREEMENT` ranked tokens, and whether some token is most probable on both sides,
-    ties included (`same_top`, as `metrics.same_top_tied` takes it: the reference's most probable tokens are
+    top token and `TOP_K_AGREEMENT` ranked tokens, and whether some token is most probable on both sides, ties
+    included (`same_top`, as `token_ranks.same_top_tied` takes it: the reference's most probable tokens are
     those of its top-k that tie with its first)."""
 
     name = CANDIDATE_NAME

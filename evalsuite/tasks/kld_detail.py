@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from evalsuite import claims, logit_rows, metrics
+from evalsuite import claims, logit_rows, metrics, token_ranks
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
@@ -40,10 +40,10 @@ class TokenDetail:
     reverse_kld: np.ndarray | None
     kld: np.ndarray | None = None
     # Whether the sides' most probable tokens agree, ties included: some token is most probable on both
-    # (`metrics.same_top_tied`), so that no way of breaking a tie among equal BF16 logits changes it.
+    # (`token_ranks.same_top_tied`), so that no way of breaking a tie among equal BF16 logits changes it.
     same_top: np.ndarray | None = None
     # Per token and K = 1 .. TOP_K_AGREEMENT, whether the K first tokens agree in order, ties included
-    # (`metrics.top_k_hits_tied`); None where only the given rankings were kept (they are compared as ranked).
+    # (`token_ranks.top_k_hits_tied`); None where only the given rankings were kept (compared as ranked).
     top_hits: np.ndarray | None = None
 
 
@@ -70,7 +70,7 @@ def token_detail(
         for block in read_rows(window_paths(ckpt), chunk_rows):
             rows = slice(start, start + len(block))
             start += len(block)
-            top_ckpt.append(block.double().topk(k, dim=-1).indices.numpy())
+            top_ckpt.append(token_ranks.ranked_top(block.double().numpy(), k)[0])
             same.append(_same_top_recorded(a["top_ids"][rows], a["top_logp"][rows], block))
             hits.append(top_hits_recorded(a["top_ids"][rows], a["top_logp"][rows], block, top_ckpt[-1]))
         conf = np.exp(a["top_logp"][:, 0].astype(np.float64))
@@ -252,7 +252,7 @@ def _detail_rows(
         x, y = x_rows[i : i + work.rows], y_rows[i : i + work.rows]
         y64, lp_ckpt, lp_ref, scratch = work.views(len(x))
         y64.copy_(y)
-        share.top_ckpt.append(y64.topk(k, dim=-1).indices.numpy())
+        share.top_ckpt.append(token_ranks.ranked_top(y64.numpy(), k)[0])
         torch.log_softmax(y64, dim=-1, out=lp_ckpt)
         x64 = y64.copy_(x)  # the candidate's float64 rows are done with
         if known is not None:
@@ -260,10 +260,10 @@ def _detail_rows(
         else:
             assert share.rows is not None
             share.rows.add(x64, k, out=lp_ref)
-        share.same_top.append(metrics.same_top_tied(lp_ref.numpy(), lp_ckpt.numpy()))
-        top_ref = lp_ref.topk(k, dim=-1).indices.numpy()  # in the order the reference's rows were ranked
+        share.same_top.append(token_ranks.same_top_tied(lp_ref.numpy(), lp_ckpt.numpy()))
+        top_ref = token_ranks.ranked_top(lp_ref.numpy(), k)[0]
         share.top_hits.append(
-            metrics.top_k_hits_tied(lp_ref.numpy(), lp_ckpt.numpy(), top_ref, share.top_ckpt[-1])
+            token_ranks.top_k_hits_tied(lp_ref.numpy(), lp_ckpt.numpy(), top_ref, share.top_ckpt[-1])
         )
         f, r = metrics.kl_divergence_both(lp_ref.numpy(), lp_ckpt.numpy(), scratch)
         share.forward.append(f)
@@ -317,10 +317,11 @@ class ReferenceRows:
         `out`, noting what later candidates need of them."""
         assert self._parts is not None
         lp = torch.log_softmax(x64, dim=-1, out=out)
-        top = lp.topk(k, dim=-1)
+        top_ids, top_values = token_ranks.ranked_top(lp.numpy(), k)
+        top_lp = torch.from_numpy(top_values[:, :1].copy())
         # The top log-prob is x_max − max − log Σ exp(x − max) = −log Σ …: the normaliser comes free.
         max_logit = x64.amax(dim=-1, keepdim=True)
-        log_norm = -top.values[:, :1]
+        log_norm = -top_lp
         if self.rebuildable:
             # torch's log-softmax on this machine must be (x − max) − log Σ, two roundings in this order,
             # for the rebuilt rows to be its own; checked on every row once, kept for every candidate.
@@ -329,8 +330,8 @@ class ReferenceRows:
             self.rebuildable = torch.equal(x64, lp)
         self._parts.setdefault("max", []).append(max_logit)
         self._parts.setdefault("norm", []).append(log_norm)
-        self._parts["conf"].append(top.values[:, 0].exp().numpy())
-        self._parts["top"].append(top.indices.numpy())
+        self._parts["conf"].append(top_lp[:, 0].exp().numpy())
+        self._parts["top"].append(top_ids)
 
     def join(self, later: ReferenceRows) -> None:
         """Append what `add` noted in `later` (rows that follow this one's, not yet finished) to this one."""
@@ -360,7 +361,7 @@ class ReferenceRows:
 
 
 def _same_top_recorded(top_ids: np.ndarray, top_logp: np.ndarray, block: torch.Tensor) -> np.ndarray:
-    """`metrics.same_top_tied` against a recording: the reference's most probable tokens are those of its
+    """`token_ranks.same_top_tied` against a recording: the reference's most probable tokens are those of its
     recorded top-k that tie with its first."""
     lp = torch.log_softmax(block.double(), dim=-1)
     best = lp.amax(dim=-1, keepdim=True)
@@ -371,12 +372,12 @@ def _same_top_recorded(top_ids: np.ndarray, top_logp: np.ndarray, block: torch.T
 def top_hits_recorded(
     top_ids: np.ndarray, top_logp: np.ndarray, block: torch.Tensor, top_ckpt: np.ndarray
 ) -> np.ndarray:
-    """`metrics.top_k_hits_tied` against a recording: the reference's values are its recorded top-k
+    """`token_ranks.top_k_hits_tied` against a recording: the reference's values are its recorded top-k
     log-probs, every other token below them (a tie reaching past the recorded top-k cannot be seen)."""
     k = top_ckpt.shape[1]
     ref_rows = np.full(tuple(block.shape), -np.inf)
     np.put_along_axis(ref_rows, top_ids.astype(np.int64), top_logp.astype(np.float64), axis=1)
-    return metrics.top_k_hits_tied(ref_rows, block.double().numpy(), top_ids[:, :k], top_ckpt)
+    return token_ranks.top_k_hits_tied(ref_rows, block.double().numpy(), top_ids[:, :k], top_ckpt)
 
 
 def _bucket_name(lo: float, hi: float) -> str:
@@ -402,7 +403,7 @@ def detail_metrics(
         elif detail.top_hits is not None:
             hits = detail.top_hits[:, k - 1]
         else:
-            hits = metrics.top_k_hits(detail.top_ref, detail.top_ckpt, k)
+            hits = token_ranks.top_k_hits(detail.top_ref, detail.top_ckpt, k)
         agree = metrics.rate_with_stderr(hits)
         values[f"top{k}_agreement"] = agree.value
         values[f"top{k}_agreement_stderr"] = agree.stderr

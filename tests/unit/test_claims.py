@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from evalsuite import claims, metrics
+from evalsuite import claims, metrics, token_ranks
 from evalsuite.spec import Threshold, apply_threshold
 from evalsuite.tasks.kld_detail import TokenDetail, detail_metrics
 
@@ -146,14 +146,14 @@ def tied_rows() -> tuple[np.ndarray, np.ndarray]:
 
 def test_same_top_counts_a_token_top_on_both_sides_whatever_the_tie_break():
     ref, ckpt = tied_rows()
-    assert metrics.same_top_tied(ref, ckpt).tolist() == [True, True, True, False]
+    assert token_ranks.same_top_tied(ref, ckpt).tolist() == [True, True, True, False]
     # argmax takes the first index of a tie: it would call rows 1 and 2 disagreements
     assert (ref.argmax(1) == ckpt.argmax(1)).tolist() == [True, False, False, False]
 
 
 def test_top1_agreement_and_same_top_p_are_one_figure():
     ref, ckpt = tied_rows()
-    same = metrics.same_top_tied(ref, ckpt)
+    same = token_ranks.same_top_tied(ref, ckpt)
     top_ref, top_ckpt = np.argsort(-ref, axis=1, kind="stable"), np.argsort(-ckpt, axis=1, kind="stable")
     detail = TokenDetail(np.exp(ref.max(1)), top_ref, top_ckpt, None, same_top=same)
     kld = metrics.kl_divergence(ref, ckpt)
@@ -183,11 +183,11 @@ def test_top_k_agreement_counts_a_ranking_both_sides_allow_whatever_the_tie_brea
     b = np.array([[1.0, 5.0, 6.0, 0.0], [5.0, 3.0, 4.0, 0.0], [6.0, 4.0, 5.0, 1.0]])
     top_a = np.array([[1, 2], [0, 1], [0, 1]])
     top_b = np.array([[2, 1], [0, 2], [0, 2]])
-    hits = metrics.top_k_hits_tied(a, b, top_a, top_b)
+    hits = token_ranks.top_k_hits_tied(a, b, top_a, top_b)
     # Row 0: a's tie goes b's way; row 1: the tie at rank 2 reaches past a's given ranking; row 2: b ranks
     # token 2 second, which no tie-break of a puts above token 1.
     assert hits.tolist() == [[True, True], [True, True], [True, False]]
-    assert metrics.top_k_hits(top_a, top_b, 2).tolist() == [False, False, False]
+    assert token_ranks.top_k_hits(top_a, top_b, 2).tolist() == [False, False, False]
 
 
 def test_top_k_agreement_ties_included_is_the_brute_force_answer_on_coarse_random_rows():
@@ -197,9 +197,18 @@ def test_top_k_agreement_ties_included_is_the_brute_force_answer_on_coarse_rando
     b = np.where(rng.random((400, 7)) < 0.7, a, rng.integers(0, 4, size=(400, 7))).astype(np.float32)
     k = 3
     top_a, top_b = (np.argsort(-v, axis=1, kind="stable")[:, :k] for v in (a, b))
-    hits = metrics.top_k_hits_tied(a, b, top_a, top_b)
+    hits = token_ranks.top_k_hits_tied(a, b, top_a, top_b)
     expected = [[_brute_force_top_k_tied(a[i], b[i], j) for j in range(1, k + 1)] for i in range(len(a))]
     assert hits.tolist() == expected
-    assert np.array_equal(hits[:, 0], metrics.same_top_tied(a, b))
+    # Given each side's largest entries, ties are found from them: the same answer, whether they hold every
+    # tied token (all 7) or leave rows to be looked at whole (k + 1).
+    order = [np.argsort(-v, axis=1, kind="stable") for v in (a, b)]
+    for width in (k + 1, 7):
+        ranked = tuple(
+            (o[:, :width], np.take_along_axis(v, o[:, :width], axis=1))
+            for o, v in zip(order, (a, b), strict=True)
+        )
+        assert token_ranks.top_k_hits_tied(a, b, top_a, top_b, ranked=ranked).tolist() == expected, width
+    assert np.array_equal(hits[:, 0], token_ranks.same_top_tied(a, b))
     # The given rankings alone would call some of these rows disagreements.
-    assert (hits[:, k - 1] & ~metrics.top_k_hits(top_a, top_b, k)).any()
+    assert (hits[:, k - 1] & ~token_ranks.top_k_hits(top_a, top_b, k)).any()

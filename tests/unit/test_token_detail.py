@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from evalsuite import metrics
+from evalsuite import metrics, token_ranks
 from evalsuite.observation import Observation
 from evalsuite.task import SharedWork
 from evalsuite.tasks import kld_detail
@@ -21,15 +21,19 @@ def _observation(folder, windows: list[torch.Tensor], key: str) -> Observation:
     return Observation(name="window-logits", key=key, meta={"n_windows": len(windows)}, files=files)
 
 
+def _ranked(rows: np.ndarray, k: int) -> np.ndarray:
+    """Each row's k largest ids, largest first, equal values by lower id: a sort of the whole row."""
+    return np.stack([np.lexsort((np.arange(len(row)), -row))[:k] for row in rows])
+
+
 def _by_definition(ref: list[torch.Tensor], ckpt: list[torch.Tensor]) -> dict[str, np.ndarray]:
     """Every statistic straight from its definition, the whole of each side at once."""
     x, y = torch.cat(ref), torch.cat(ckpt)
     lp_ref, lp_ckpt = log_softmax64(x), log_softmax64(y)
-    top = lp_ref.topk(kld_detail.TOP_K_AGREEMENT, dim=-1)
     return {
-        "ref_top_p": top.values[:, 0].exp().numpy(),
-        "top_ref": top.indices.numpy(),
-        "top_ckpt": y.double().topk(kld_detail.TOP_K_AGREEMENT, dim=-1).indices.numpy(),
+        "ref_top_p": lp_ref.amax(dim=-1).exp().numpy(),
+        "top_ref": _ranked(lp_ref.numpy(), kld_detail.TOP_K_AGREEMENT),
+        "top_ckpt": _ranked(y.double().numpy(), kld_detail.TOP_K_AGREEMENT),
         "kld": metrics.kl_divergence(lp_ref.numpy(), lp_ckpt.numpy()),
         "reverse_kld": metrics.kl_divergence(lp_ckpt.numpy(), lp_ref.numpy()),
     }
@@ -87,7 +91,7 @@ def test_float32_keeps_the_definition_within_its_bound_and_leaves_torch_threads_
         # Each per-token figure to 1e-5 of its own size plus 1e-9: float32 exp's rounding, not the logits'.
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9, err_msg=name)
     lp_ref, lp_ckpt = (log_softmax64(torch.cat(rows)).numpy() for rows in (ref, ckpt))
-    assert np.array_equal(detail.same_top, metrics.same_top_tied(lp_ref, lp_ckpt))
+    assert np.array_equal(detail.same_top, token_ranks.same_top_tied(lp_ref, lp_ckpt))
     assert torch.get_num_threads() == 3  # torch's thread count is the caller's, never changed
 
 
