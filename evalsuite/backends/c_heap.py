@@ -17,8 +17,11 @@ from typing import Any
 # mallopt's parameter numbers of the trim and mmap thresholds (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-# glibc's trim threshold once the mmap threshold is set by hand (its dynamic adjustment then stops).
-DEFAULT_TRIM_THRESHOLD = 128 << 10
+# Outside a load: free memory at the heap's top kept up to twice the running mmap threshold, as glibc's own
+# dynamic adjustment would keep it. Set by hand, the mmap threshold stops that adjustment and leaves the trim
+# threshold at 128 KiB: every temporary of a forward or a window's scoring freed at the top of a heap was
+# handed back and faulted in again at its next allocation (bench/ppl.py, the SmolLM2 pair's system time).
+RUNNING_TRIM_THRESHOLD = 64 << 20
 # While a model loads: free memory at the heap's top kept up to this much (`heap_kept_while_loading`).
 LOADING_TRIM_THRESHOLD = 256 << 20
 # Where a process maps every allocation of 1 MiB or more, and unmaps it when freed (`map_large_allocations`).
@@ -69,7 +72,7 @@ def heap_kept_while_loading() -> Iterator[None]:
     try:
         yield
     finally:
-        _LIBC.mallopt(_M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+        _LIBC.mallopt(_M_TRIM_THRESHOLD, RUNNING_TRIM_THRESHOLD)
         _LIBC.mallopt(_M_MMAP_THRESHOLD, _running_threshold)
         release_freed_memory()
 

@@ -1,5 +1,5 @@
 """Full-vocabulary logit rows of the scored positions, one `.npy` file per window, written while the next
-window runs and read back a few rows at a time.
+window runs where a core is left for it (else before it) and read back a few rows at a time.
 
 The raw logits are stored, not log-probs: lossless at half the bytes of float32 for a bf16 model, and the
 comparison normalises them itself. One file per window makes an interrupted observation resumable at the
@@ -13,6 +13,7 @@ vocabulary one side's logits are 1 GB.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -32,9 +33,18 @@ def window_file(folder: Path, window: int) -> Path:
     return folder / f"logits-{window:04d}.npy"
 
 
+def core_left_for_writing(logits: torch.Tensor) -> bool:
+    """Whether writing a window's logits while the next window runs takes no core from that forward: it runs
+    on an accelerator, or this process may use more cores than torch's threads. Where it would, the write is
+    better made before: on 2 cores busy with 2 torch threads, a write beside each forward left it and the
+    scoring of each window waiting on a descheduled thread, and cost more than the write itself
+    (bench/ppl.py)."""
+    return logits.device.type != "cpu" or len(os.sched_getaffinity(0)) > torch.get_num_threads()
+
+
 class LogitsWriter:
-    """Writes each window's logit rows to its own file in a background thread, one write in flight (which
-    bounds the memory held to one window's logits)."""
+    """Writes each window's logit rows to its own file, in a background thread with one write in flight
+    (which bounds the memory held to one window's logits), or at once."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -45,12 +55,16 @@ class LogitsWriter:
         """Whether the window's file was completed (by this or an interrupted earlier observation)."""
         return is_complete(window_file(self.folder, window))
 
-    def write(self, window: int, rows: torch.Tensor) -> None:
-        """Queue the rows (a CPU tensor, kept alive until written) for the window's file."""
+    def write(self, window: int, rows: torch.Tensor, background: bool = True) -> None:
+        """Queue the rows (a CPU tensor, kept alive until written) for the window's file, or write them now
+        (`background` false)."""
         if rows.dtype not in STORED_DTYPES:
             raise InputError(f"cannot store logits of dtype {rows.dtype}", self.folder)
         self.flush()
-        self._pending = self._writer.submit(self._write, window, rows.contiguous())
+        if background:
+            self._pending = self._writer.submit(self._write, window, rows.contiguous())
+        else:
+            self._write(window, rows.contiguous())
 
     def _write(self, window: int, rows: torch.Tensor) -> None:
         raw = rows.view(torch.uint16) if rows.dtype == torch.bfloat16 else rows

@@ -26,7 +26,7 @@ from evalsuite.observation import Observation
 from evalsuite.run_cache import RunCache
 from evalsuite.spec import StrictModel
 from evalsuite.task import Inputs, Progress, SharedWork
-from evalsuite.tasks.logits_file import LogitsWriter, read_rows, window_file
+from evalsuite.tasks.logits_file import LogitsWriter, core_left_for_writing, read_rows, window_file
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
@@ -283,7 +283,7 @@ class WindowLogits(WindowObserver):
                         f"the model returned logits of shape {tuple(logits.shape)}, expected {expected}"
                     )
                 rows = logits.cpu()
-                writer.write(w, rows)
+                writer.write(w, rows, background=core_left_for_writing(logits))
                 scores[w] = self._window_scores(rows.split(self.chunk_rows), windows[w], positions)
                 step()
         finally:
