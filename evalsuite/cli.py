@@ -20,6 +20,8 @@ import typer
 from rich.console import Console
 from typer.exceptions import TyperException
 
+from evalsuite import plot_process
+
 # read_thresholds, the demo's names, PROGRESS_LINES and ProgressLines are named here too, where callers have
 # always found them.
 from evalsuite.api import (  # noqa: F401
@@ -91,6 +93,8 @@ def execute(
     """Run a request with progress bars, write the reports, print the table; return the exit code."""
     from evalsuite.api import run_request
 
+    if request.context.plots:
+        plot_process.start()
     with third_party_quiet() as noise, progress_display(quiet) as progress:
         outcome = run_request(
             request, progress=progress, on_load=announce_load, junit=junit, model_card=model_card
@@ -179,6 +183,8 @@ def run_command(
 
     out = out or default_run_folder(resolve_source(ckpt, fixtures))
     output_folder.set(out)
+    if plots:
+        plot_process.start()
     with third_party_quiet() as noise, progress_display(quiet) as progress:
         outcome = api.run(
             ckpt,
@@ -250,6 +256,8 @@ def compare_command(
     """Compare many candidates with one reference: each candidate's run, and DIR/compare.{md,json}."""
     from evalsuite import api
 
+    if plots:
+        plot_process.start()
     with third_party_quiet() as noise, progress_display(quiet) as progress:
         outcome = api.compare(
             ckpt,

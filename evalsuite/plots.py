@@ -1,6 +1,7 @@
 """PNG plots for report.md, drawn with matplotlib's Agg backend (no display needed).
 
-Each function takes arrays and a path and writes one figure atomically; none keeps state between calls.
+Each function takes arrays and a path and writes one figure atomically; none keeps state between calls. Each
+is drawn in the command's plot process where it started one (`evalsuite.plot_process`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from evalsuite.plot_process import drawn_here_or_there
 from evalsuite.run_folder import write_atomic
 
 
@@ -64,6 +66,7 @@ def _save(fig, path: Path) -> None:
     write_atomic(path, buf.getvalue())
 
 
+@drawn_here_or_there
 def kld_histogram(kld: np.ndarray, path: Path, estimator: str, title: str = "KL(ref ‖ ckpt)") -> None:
     """Histogram of per-token KL divergence on a log-spaced axis, with the mean and the p99 marked; `title`
     names the divergence plotted (which distribution from which)."""
@@ -92,6 +95,7 @@ def kld_histogram(kld: np.ndarray, path: Path, estimator: str, title: str = "KL(
     _save(fig, path)
 
 
+@drawn_here_or_there
 def window_ppl(
     ppl_ref: Sequence[float], ppl_ckpt: Sequence[float], starts: Sequence[int], path: Path
 ) -> None:
@@ -109,6 +113,7 @@ def window_ppl(
     _save(fig, path)
 
 
+@drawn_here_or_there
 def relative_error_by_layer(
     layers: Sequence[int | None], projections: Sequence[str], rel_err: Sequence[float], path: Path
 ) -> None:
@@ -151,6 +156,7 @@ def relative_error_by_layer(
     _save(fig, path)
 
 
+@drawn_here_or_there
 def layer_errors(
     own: Sequence[float], drift: Sequence[float], path: Path, kinds: Sequence[str] | None = None
 ) -> None:
@@ -190,6 +196,7 @@ def layer_errors(
     _save(fig, path)
 
 
+@drawn_here_or_there
 def unit_bars(names: Sequence[str], kld: Sequence[float], path: Path, whole: float) -> None:
     """Mean KL divergence of the reference with one unit swapped for the candidate's, largest first, with
     the whole candidate's KLD marked."""
@@ -209,6 +216,7 @@ def unit_bars(names: Sequence[str], kld: Sequence[float], path: Path, whole: flo
     _save(fig, path)
 
 
+@drawn_here_or_there
 def kld_by_position(
     positions: np.ndarray, kld: np.ndarray, edges: Sequence[int], path: Path, estimator: str
 ) -> None:
@@ -239,6 +247,7 @@ def kld_by_position(
     _save(fig, path)
 
 
+@drawn_here_or_there
 def metric_vs_bpw(
     names: Sequence[str],
     bpw: Sequence[float],
@@ -277,6 +286,7 @@ def _label_step(n: int, height_inches: float, fontsize: float) -> int:
     return max(1, -(-n // fits))
 
 
+@drawn_here_or_there
 def expert_heatmap(
     rel_err: np.ndarray, layers: Sequence[int], path: Path, hurt_floor: float | None = None
 ) -> None:
