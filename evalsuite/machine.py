@@ -49,6 +49,13 @@ EXECUTION_KEYS = ("device", "device_name", "dtype", "packages.torch", "machine")
 DRIFT_FILE = "measured_drift.json"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform says; else every core)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _cpuinfo() -> tuple[str | None, list[str]]:
     """The CPU's model name and the kernel-relevant flags it has, from /proc/cpuinfo (None, [] elsewhere)."""
     try:

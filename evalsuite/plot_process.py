@@ -1,6 +1,6 @@
-"""Plots drawn in a process of their own, started as a command begins: matplotlib's import (a quarter of a
-second) then happens while the command's own start-up, which runs on one core, leaves the other idle, instead
-of after its last forward, when every core has waited for it.
+"""Plots drawn in a process of their own, started as a command begins: matplotlib's import then happens while
+the command's own start-up, which runs on one core, leaves the other idle, instead of after its last forward,
+when every core has waited for it (bench/ppl.py).
 
 A process, not a thread: importing and drawing hold the interpreter's lock the start-up needs. Spawned, not
 forked, so that nothing of the parent's state (torch's threads, open models) is copied into it. A plot

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import urllib.request
 from collections.abc import Iterator
 from importlib.metadata import version
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 
 from evalsuite.errors import DependencyError, InputError
+from evalsuite.machine import usable_cores
 
 if TYPE_CHECKING:
     from evalsuite.backends.options import BackendOptions
@@ -156,7 +156,7 @@ class LlamaCppBackend:
         params.model.path = str(self.checkpoint.gguf_file)
         params.n_ctx = params.n_batch = params.n_ubatch = tokens
         params.n_parallel = 1
-        threads = len(os.sched_getaffinity(0))
+        threads = usable_cores()
         params.cpuparams.n_threads = params.cpuparams_batch.n_threads = threads
         params.n_threads_http = 1
         params.warmup = False

@@ -13,7 +13,6 @@ vocabulary one side's logits are 1 GB.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from evalsuite.errors import InputError
+from evalsuite.machine import usable_cores
 from evalsuite.run_folder import atomic_target
 
 # Logits are stored as the model produced them: bf16 logits as their raw 16 bits (numpy has no bfloat16).
@@ -39,7 +39,7 @@ def core_left_for_writing(logits: torch.Tensor) -> bool:
     better made before: on 2 cores busy with 2 torch threads, a write beside each forward left it and the
     scoring of each window waiting on a descheduled thread, and cost more than the write itself
     (bench/ppl.py)."""
-    return logits.device.type != "cpu" or len(os.sched_getaffinity(0)) > torch.get_num_threads()
+    return logits.device.type != "cpu" or usable_cores() > torch.get_num_threads()
 
 
 class LogitsWriter:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import multiprocessing
-import os
 import signal
 import sys
 import threading
@@ -24,6 +23,7 @@ from evalsuite.formats.fp8_block import METHOD as FP8_BLOCK_METHOD
 from evalsuite.formats.fp8_block import Fp8BlockFormat
 from evalsuite.formats.gptq import METHODS as GPTQ_METHODS
 from evalsuite.formats.gptq import GptqFormat
+from evalsuite.machine import usable_cores
 from evalsuite.task import Progress, no_progress
 from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTensorsVerifier, LibraryCheck
 from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
@@ -503,8 +503,7 @@ def verify_tensors(
     # Source order: each shard read once, front to back.
     where = {name: (shard_order[info.shard], info.data_begin) for name, info in source.tensors.items()}
     pairs.sort(key=lambda p: where[p.tied_to or p.source])
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    workers = workers or min(4, usable or 1)
+    workers = workers or min(4, usable_cores())
     threads_only = verifier is not None and verifier.threads_only
     kind = worker_kind or ("thread" if threads_only else default_worker_kind(workers))
     rows: list[TensorRow] = []
