@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import signal
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -23,6 +24,12 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _pool: ProcessPoolExecutor | None = None
+
+
+def _leave_interrupts_to_the_command() -> None:
+    # Ctrl-C reaches the terminal's whole process group: the command reports the interrupt in its one line
+    # and ends this process; a KeyboardInterrupt here would print a worker's traceback beside that line.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _import_matplotlib() -> None:
@@ -37,7 +44,11 @@ def start() -> None:
     """Start the plot process (once per process) and have it import matplotlib now."""
     global _pool
     if _pool is None:
-        _pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        _pool = ProcessPoolExecutor(
+            max_workers=1,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_leave_interrupts_to_the_command,
+        )
         _pool.submit(_import_matplotlib)
 
 

@@ -2,6 +2,7 @@
 raises there is raised here; without a process, plots are drawn here."""
 
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -41,3 +42,12 @@ def test_the_plot_process_is_another_process_and_raises_here_what_it_raised_ther
 def test_without_a_plot_process_plots_are_drawn_here(tmp_path):
     which_process(tmp_path / "pid")
     assert int((tmp_path / "pid").read_text()) == os.getpid()
+
+
+def test_the_plot_process_leaves_ctrl_c_to_the_command(tmp_path, started):
+    # A terminal's Ctrl-C reaches the whole process group: the plot process must go on (and print nothing).
+    which_process(tmp_path / "pid")
+    worker = int((tmp_path / "pid").read_text())
+    os.kill(worker, signal.SIGINT)
+    which_process(tmp_path / "again")
+    assert int((tmp_path / "again").read_text()) == worker
