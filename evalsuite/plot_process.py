@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 import signal
+import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -26,10 +28,21 @@ R = TypeVar("R")
 _pool: ProcessPoolExecutor | None = None
 
 
-def _leave_interrupts_to_the_command() -> None:
+def _bound_to_the_command() -> None:
+    """The plot process's set-up: it ends with the command, whichever way the command ends."""
     # Ctrl-C reaches the terminal's whole process group: the command reports the interrupt in its one line
     # and ends this process; a KeyboardInterrupt here would print a worker's traceback beside that line.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A command killed outright (SIGTERM, SIGKILL) cannot end it: it would live on, holding the command's
+    # stdout and stderr open, and whoever waits for them (a CI job) would wait for ever.
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_after, args=(parent,), daemon=True).start()
+
+
+def _exit_after(parent: Any) -> None:
+    parent.join()
+    os._exit(0)
 
 
 def _import_matplotlib() -> None:
@@ -47,7 +60,7 @@ def start() -> None:
         _pool = ProcessPoolExecutor(
             max_workers=1,
             mp_context=multiprocessing.get_context("spawn"),
-            initializer=_leave_interrupts_to_the_command,
+            initializer=_bound_to_the_command,
         )
         _pool.submit(_import_matplotlib)
 

@@ -2,7 +2,11 @@
 raises there is raised here; without a process, plots are drawn here."""
 
 import os
+import select
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,3 +55,35 @@ def test_the_plot_process_leaves_ctrl_c_to_the_command(tmp_path, started):
     os.kill(worker, signal.SIGINT)
     which_process(tmp_path / "again")
     assert int((tmp_path / "again").read_text()) == worker
+
+
+# A command that starts the plot process, has it write its process id, then waits to be killed.
+_COMMAND = """
+import sys, time
+from pathlib import Path
+from evalsuite import plot_process
+sys.path.insert(0, sys.argv[2])
+from test_plot_process import which_process
+plot_process.start()
+which_process(Path(sys.argv[1]))
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_plot_process_ends_with_a_command_killed_outright(tmp_path):
+    pid_file = tmp_path / "pid"
+    command = subprocess.Popen(
+        [sys.executable, "-c", _COMMAND, str(pid_file), str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert command.stdout is not None and command.stdout.readline().strip() == "ready"
+    worker = int(pid_file.read_text())
+    command.kill()  # SIGKILL: nothing of the command's own clean-up runs
+    command.wait()
+    # The worker holds the command's stdout until it ends: end of file on it says the worker is gone. (One
+    # that outlived the command would hold it open for ever; the wait is bounded only so as to say so.)
+    ready, _, _ = select.select([command.stdout], [], [], 120)
+    assert ready and command.stdout.read() == "", f"the plot process {worker} outlived the command"
