@@ -54,15 +54,20 @@ def _import_matplotlib() -> None:
 
 
 def start() -> None:
-    """Start the plot process (once per process) and have it import matplotlib now."""
+    """Start the plot process (once per process) and have it import matplotlib now; where no process can be
+    started (no semaphores, no spawning on this system), plots are drawn here."""
     global _pool
     if _pool is None:
-        _pool = ProcessPoolExecutor(
-            max_workers=1,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_bound_to_the_command,
-        )
-        _pool.submit(_import_matplotlib)
+        try:
+            pool = ProcessPoolExecutor(
+                max_workers=1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_bound_to_the_command,
+            )
+            pool.submit(_import_matplotlib)
+        except (OSError, RuntimeError, ImportError):
+            return
+        _pool = pool
 
 
 def stop() -> None:

@@ -87,3 +87,13 @@ def test_the_plot_process_ends_with_a_command_killed_outright(tmp_path):
     # that outlived the command would hold it open for ever; the wait is bounded only so as to say so.)
     ready, _, _ = select.select([command.stdout], [], [], 120)
     assert ready and command.stdout.read() == "", f"the plot process {worker} outlived the command"
+
+
+def test_where_no_process_can_be_started_plots_are_drawn_here(tmp_path, monkeypatch):
+    def no_semaphores(*args, **kwargs):
+        raise OSError(38, "Function not implemented")  # as sem_open fails where /dev/shm is missing
+
+    monkeypatch.setattr(plot_process, "ProcessPoolExecutor", no_semaphores)
+    plot_process.start()
+    which_process(tmp_path / "pid")
+    assert int((tmp_path / "pid").read_text()) == os.getpid()
