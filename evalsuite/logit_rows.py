@@ -82,7 +82,6 @@ def pair_statistics(raw_x: np.ndarray, raw_y: np.ndarray, k: int, scratch: RowSc
     top_ref, values_x = token_ranks.ranked_top(x, ranked)
     top_ckpt, values_y = token_ranks.ranked_top(y, ranked)
     mx, my = values_x[:, :1], values_y[:, :1]
-    same = _same_top(x, y, values_x, values_y, top_ref[:, 0], top_ckpt[:, 0])
     hits = token_ranks.top_k_hits_tied(
         x, y, top_ref[:, :k], top_ckpt[:, :k], ranked=((top_ref, values_x), (top_ckpt, values_y))
     )
@@ -108,28 +107,8 @@ def pair_statistics(raw_x: np.ndarray, raw_y: np.ndarray, k: int, scratch: RowSc
             as_float32(raw[rows], np.empty((len(rows), raw.shape[1]), np.float32)) for raw in (raw_x, raw_y)
         ]
         forward[rows], reverse[rows] = _kld_rows64(*again)
-    return PairRows(forward, reverse, 1.0 / sx, top_ref[:, :k], top_ckpt[:, :k], same, hits)
-
-
-def _same_top(
-    x: np.ndarray,
-    y: np.ndarray,
-    values_x: np.ndarray,
-    values_y: np.ndarray,
-    first_x: np.ndarray,
-    first_y: np.ndarray,
-) -> np.ndarray:
-    """`token_ranks.same_top_tied` on logits: a row's log-probs are its logits less a constant (same ties).
-    `first_x`, `first_y`: each row's most probable id on each side; `values_x`, `values_y`: each side's
-    largest values, largest first. Where the first ids agree, that token is most probable on both; elsewhere
-    only a row with a tie at the top of either side can hold another token most probable on both."""
-    same = first_x == first_y
-    tie_at_top = (values_x[:, 0] == values_x[:, 1]) | (values_y[:, 0] == values_y[:, 1])
-    rows = np.flatnonzero(~same & tie_at_top)
-    if rows.size:
-        mx, my = values_x[rows, :1], values_y[rows, :1]
-        same[rows] = np.any((x[rows] == mx) & (y[rows] == my), axis=1)
-    return same
+    # The first of the top-k hits is the same-top event (`top_k_hits_tied`'s column 0).
+    return PairRows(forward, reverse, 1.0 / sx, top_ref[:, :k], top_ckpt[:, :k], hits[:, 0], hits)
 
 
 def _kld_rows64(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

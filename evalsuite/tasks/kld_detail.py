@@ -66,21 +66,21 @@ def token_detail(
     k = TOP_K_AGREEMENT
     if ref.meta.get("kind") == "recorded":
         a = ref.arrays
-        top_ckpt, same, hits, start = [], [], [], 0
+        top_ckpt, hits, start = [], [], 0
         for block in read_rows(window_paths(ckpt), chunk_rows):
             rows = slice(start, start + len(block))
             start += len(block)
             top_ckpt.append(token_ranks.ranked_top(block.double().numpy(), k)[0])
-            same.append(_same_top_recorded(a["top_ids"][rows], a["top_logp"][rows], block))
             hits.append(top_hits_recorded(a["top_ids"][rows], a["top_logp"][rows], block, top_ckpt[-1]))
         conf = np.exp(a["top_logp"][:, 0].astype(np.float64))
+        top_hits = np.concatenate(hits)
         return TokenDetail(
             conf,
             a["top_ids"][:, :k],
             np.concatenate(top_ckpt),
             None,
-            same_top=np.concatenate(same),
-            top_hits=np.concatenate(hits),
+            same_top=top_hits[:, 0],  # column 0 is the same-top event
+            top_hits=top_hits,
         )
     ref_paths, ckpt_paths = window_paths(ref), window_paths(ckpt)
     if len(ref_paths) != len(ckpt_paths):
@@ -260,11 +260,10 @@ def _detail_rows(
         else:
             assert share.rows is not None
             share.rows.add(x64, k, out=lp_ref)
-        share.same_top.append(token_ranks.same_top_tied(lp_ref.numpy(), lp_ckpt.numpy()))
         top_ref = token_ranks.ranked_top(lp_ref.numpy(), k)[0]
-        share.top_hits.append(
-            token_ranks.top_k_hits_tied(lp_ref.numpy(), lp_ckpt.numpy(), top_ref, share.top_ckpt[-1])
-        )
+        hits = token_ranks.top_k_hits_tied(lp_ref.numpy(), lp_ckpt.numpy(), top_ref, share.top_ckpt[-1])
+        share.top_hits.append(hits)
+        share.same_top.append(hits[:, 0])  # column 0 is the same-top event
         f, r = metrics.kl_divergence_both(lp_ref.numpy(), lp_ckpt.numpy(), scratch)
         share.forward.append(f)
         share.reverse.append(r)
@@ -360,20 +359,13 @@ class ReferenceRows:
         return x64
 
 
-def _same_top_recorded(top_ids: np.ndarray, top_logp: np.ndarray, block: torch.Tensor) -> np.ndarray:
-    """`token_ranks.same_top_tied` against a recording: the reference's most probable tokens are those of its
-    recorded top-k that tie with its first."""
-    lp = torch.log_softmax(block.double(), dim=-1)
-    best = lp.amax(dim=-1, keepdim=True)
-    on_top = (lp.gather(1, torch.from_numpy(top_ids).long()) == best).numpy()
-    return np.any(on_top & (top_logp == top_logp[:, :1]), axis=1)
-
-
 def top_hits_recorded(
     top_ids: np.ndarray, top_logp: np.ndarray, block: torch.Tensor, top_ckpt: np.ndarray
 ) -> np.ndarray:
     """`token_ranks.top_k_hits_tied` against a recording: the reference's values are its recorded top-k
-    log-probs, every other token below them (a tie reaching past the recorded top-k cannot be seen)."""
+    log-probs, every other token below them (a tie reaching past the recorded top-k cannot be seen); its
+    column 0 is the same-top event, the reference's most probable tokens those of its recorded top-k that tie
+    with its first."""
     k = top_ckpt.shape[1]
     ref_rows = np.full(tuple(block.shape), -np.inf)
     np.put_along_axis(ref_rows, top_ids.astype(np.int64), top_logp.astype(np.float64), axis=1)
