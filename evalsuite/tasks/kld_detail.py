@@ -18,6 +18,7 @@ import torch
 
 from evalsuite import claims, logit_rows, metrics, token_ranks
 from evalsuite.errors import InputError
+from evalsuite.machine import usable_cores
 from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
 from evalsuite.task import SharedWork
@@ -94,9 +95,7 @@ def token_detail(
     first_rows = np.cumsum([0] + [header[0][0] for header in ref_headers])
     # Each thread takes a contiguous run of windows, reads them itself and works through them a few rows at
     # a time; the shares are joined in row order. Per-row arithmetic: the same bits as one thread.
-    bounds = (
-        np.linspace(0, len(ref_paths), max(1, min(DETAIL_THREADS, len(ref_paths))) + 1).round().astype(int)
-    )
+    bounds = np.linspace(0, len(ref_paths), detail_threads(len(ref_paths)) + 1).round().astype(int)
     parts = [
         _WindowRun(
             ref_paths[a:b],
@@ -130,10 +129,16 @@ def token_detail(
     )
 
 
-# Threads the float32 detail splits the windows between: numpy's ufuncs run on the calling thread alone, so
-# two threads keep both cores of a 2-core machine busy whatever torch's own thread count, which is left as
-# it is (a process-wide setting).
-DETAIL_THREADS = 2
+# Threads the float32 detail splits the windows between; None: one per core this process may use (no forward
+# runs meanwhile). numpy's ufuncs run on the calling thread alone, so these threads keep the cores busy
+# whatever torch's own thread count, which is left as it is (a process-wide setting).
+DETAIL_THREADS: int | None = None
+
+
+def detail_threads(windows: int) -> int:
+    """How many threads the float32 detail of `windows` windows runs on: `DETAIL_THREADS`, or the cores
+    this process may use, at most one per window."""
+    return max(1, min(DETAIL_THREADS or usable_cores(), windows))
 
 
 def _detail64(ref: Observation, run: _WindowRun, shared: SharedWork | None) -> TokenDetail:

@@ -108,6 +108,15 @@ def test_float32_gives_the_same_bits_whatever_the_threads_and_blocks(tmp_path, m
             assert getattr(other, name).tobytes() == getattr(runs[0], name).tobytes(), name
 
 
+def test_float32_detail_runs_a_thread_per_usable_core_at_most_one_per_window(monkeypatch):
+    monkeypatch.setattr(kld_detail, "usable_cores", lambda: 16)  # a GPU host's CPU, say
+    assert [kld_detail.detail_threads(w) for w in (1, 8, 40)] == [1, 8, 16]
+    monkeypatch.setattr(kld_detail, "usable_cores", lambda: 2)
+    assert [kld_detail.detail_threads(w) for w in (1, 8)] == [1, 2]
+    monkeypatch.setattr(kld_detail, "DETAIL_THREADS", 3)  # set by hand, it wins
+    assert kld_detail.detail_threads(8) == 3
+
+
 def test_float32_rows_of_infinite_logits_fall_back_to_the_definition(tmp_path):
     ref = torch.randn(4, 50) * 3
     ckpt = ref + torch.randn(4, 50) * 0.2
