@@ -16,6 +16,7 @@ import fnmatch
 import hashlib
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,9 +229,11 @@ def plan_observations(
     sides: dict[str, Side],
     digests: DigestCache,
     roles: tuple[str, ...] = ("ref", "ckpt", "pair"),
+    saved: Callable[[PlannedObservation], bool] | None = None,
 ) -> tuple[dict[str, PlannedObservation], dict[str, dict[str, str]]]:
     """Every distinct observation the model tasks need of the `roles` sides, by key, and which key each
-    task's label gets. A need that consumes others is planned after them (a task lists them first)."""
+    task's label gets. A need that consumes others is planned after them (a task lists them first).
+    `saved`: whether an observation is in the run folder already (`Need.alone` takes it where it is)."""
     planned: dict[str, PlannedObservation] = {}
     wiring: dict[str, dict[str, str]] = {}
     for t in tasks:
@@ -246,6 +249,12 @@ def plan_observations(
             if need.role == "pair":
                 partner = (sides["ref"], sides["ref"].options.streamed())
             options = side_options(side, need)
+            if need.alone is not None:
+                alone = dataclasses.replace(need, observer=need.alone, consumes=(), alone=None)
+                alone_key = observation_key(side, options, alone, inputs[t.name], digests)
+                consumed = [planned[key] for key in consumes.values() if key in planned]
+                if alone_key in consumes.values() or any(p.side.recording is not None for p in consumed):
+                    need, consumes = alone, {}
             key = observation_key(side, options, need, inputs[t.name], digests, consumes, partner)
             wiring[t.name][need.label] = key
             if key in planned:
@@ -262,11 +271,37 @@ def plan_observations(
                     partner_options=partner[1] if partner else None,
                     consumes=consumes,
                 )
+    _take_alone_where_made(planned, wiring, digests, saved)
     # The reference first (all its loads), then the candidate, then both at once: one model resident at a
     # time (a pair holds one layer of each). The sort is stable: what a need consumes stays before it.
     rank = {"ref": 0, "ckpt": 1, "pair": 2}
     order = sorted(planned.values(), key=lambda p: rank[p.role])
     return {p.key: p for p in order}, wiring
+
+
+def _take_alone_where_made(
+    planned: dict[str, PlannedObservation],
+    wiring: dict[str, dict[str, str]],
+    digests: DigestCache,
+    saved: Callable[[PlannedObservation], bool] | None,
+) -> None:
+    """A need planned with what it consumes (`Need.alone`) whose side's observation `alone` is planned by
+    another task anyway, or `saved` already (a run resumed with other tasks): the tasks that asked for it get
+    that one (nothing is observed twice)."""
+    for key, p in list(planned.items()):
+        if p.need.alone is None:
+            continue
+        alone = dataclasses.replace(p.need, observer=p.need.alone, consumes=(), alone=None)
+        alone_key = observation_key(p.side, p.options, alone, p.inputs, digests)
+        if alone_key not in planned:
+            instead = dataclasses.replace(p, key=alone_key, need=alone, tasks=[], consumes={})
+            if saved is None or not saved(instead):
+                continue
+            planned[alone_key] = instead
+        del planned[key]
+        for task_name in p.tasks:
+            planned[alone_key].tasks.append(task_name)
+            wiring[task_name] = {k: alone_key if v == key else v for k, v in wiring[task_name].items()}
 
 
 def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
@@ -296,8 +331,14 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
     for t in tasks:
         if t.name in inputs and not isinstance(t, ModelTask | FileTask):
             raise InputError(f"task `{t.name}` has neither needs/compare nor compare_files")
-    observations, wiring = plan_observations(tasks, inputs, {"ref": ref, "ckpt": ckpt}, digests)
     folder = RunFolder(request.out)
+    observations, wiring = plan_observations(
+        tasks,
+        inputs,
+        {"ref": ref, "ckpt": ckpt},
+        digests,
+        saved=(lambda planned: is_saved(folder, planned)) if request.resume else None,
+    )
     loads: set[tuple[str, BackendOptions]] = set()
     for planned in observations.values():
         if planned.side.recording is not None:

@@ -91,7 +91,10 @@ class Need:
     `StreamedBackend`). Role `pair` is both sides at once, streamed in lockstep: the observer is handed a
     `StreamedPair`, and the run refuses a recorded reference for it. `consumes` names needs of the same task,
     listed before this one, whose observations `observe` receives in `inputs["observed"]` by label; their
-    keys are part of this observation's key.
+    keys are part of this observation's key. `alone`, for a need that consumes others to keep less than an
+    observer of its side alone keeps: that observer, which the plan takes instead where its observation is
+    made anyway (another task needs it, or the side is the very one consumed: a checkpoint against itself)
+    or where what would be consumed is a recording.
     """
 
     label: str
@@ -101,6 +104,7 @@ class Need:
     conventions: tuple[tuple[str, Any], ...] = ()
     streamed: bool = False
     consumes: tuple[str, ...] = ()
+    alone: Observer | None = None
 
 
 @dataclass

@@ -89,18 +89,18 @@ class _ReducedWindowLogits(WindowObserver):
         positions = self.protocol.positions
         windows = window_tensor(inputs)
         step = progress(self.what, len(windows))
-        todo = [w for w in range(len(windows)) if not _part(folder, w).is_file()]
+        todo = [w for w in range(len(windows)) if not window_part(folder, w).is_file()]
         for _ in range(len(windows) - len(todo)):
             step()
         for w, states in zip(todo, self.scored_states(backend, windows[todo], positions), strict=True):
             targets = windows[w][positions + 1]
             blocks = _logit_blocks(states, self.head_rows, self.chunk_rows, backend.vocab_size)
-            _save_part(folder, w, self.reduce(w, _with_targets(blocks, targets), inputs))
+            save_window_part(folder, w, self.reduce(w, _with_targets(blocks, targets), inputs))
             step()
-        parts = [_load_part(folder, w) for w in range(len(windows))]
+        parts = [load_window_part(folder, w) for w in range(len(windows))]
         arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         for w in range(len(windows)):  # the observation's own arrays hold them now
-            _part(folder, w).unlink()
+            window_part(folder, w).unlink()
         meta = {
             **window_logits_meta(backend, inputs),
             "head_chunk_rows": self.head_rows,
@@ -286,19 +286,22 @@ def _with_targets(
         start += len(block)
 
 
-def _part(folder: Path, window: int) -> Path:
+def window_part(folder: Path, window: int) -> Path:
+    """Where an observation that reduces each window as it completes keeps that window's arrays until the
+    last is made."""
     return folder / f"window-{window:04d}.safetensors"
 
 
-def _save_part(folder: Path, window: int, arrays: dict[str, np.ndarray]) -> None:
+def save_window_part(folder: Path, window: int, arrays: dict[str, np.ndarray]) -> None:
     """One window's arrays, under their final name only once complete (a resumed run trusts what it finds)."""
     from safetensors.numpy import save_file
 
-    with atomic_target(_part(folder, window)) as tmp:
+    with atomic_target(window_part(folder, window)) as tmp:
         save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp))
 
 
-def _load_part(folder: Path, window: int) -> dict[str, np.ndarray]:
+def load_window_part(folder: Path, window: int) -> dict[str, np.ndarray]:
+    """The arrays `save_window_part` saved for a window."""
     from safetensors.numpy import load_file
 
-    return load_file(str(_part(folder, window)))
+    return load_file(str(window_part(folder, window)))

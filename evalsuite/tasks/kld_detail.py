@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import itertools
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,10 +136,10 @@ def token_detail(
 DETAIL_THREADS: int | None = None
 
 
-def detail_threads(windows: int) -> int:
-    """How many threads the float32 detail of `windows` windows runs on: `DETAIL_THREADS`, or the cores
-    this process may use, at most one per window."""
-    return max(1, min(DETAIL_THREADS or usable_cores(), windows))
+def detail_threads(parts: int) -> int:
+    """How many threads the float32 detail of `parts` parts (windows, or runs of rows) runs on:
+    `DETAIL_THREADS`, or the cores this process may use, at most one per part."""
+    return max(1, min(DETAIL_THREADS or usable_cores(), parts))
 
 
 def _detail64(ref: Observation, run: _WindowRun, shared: SharedWork | None) -> TokenDetail:
@@ -173,13 +174,19 @@ FLOAT32_BLOCK_BYTES = 16 << 20
 
 def _pair_windows(run: _WindowRun) -> list[logit_rows.PairRows]:
     """The float32 statistics of a run of windows (`logit_rows.pair_statistics`), a few rows at a time."""
-    out: list[logit_rows.PairRows] = []
-    scratch: logit_rows.RowScratch | None = None
     pairs = zip(
         read_rows(run.ref_paths, run.chunk_rows, run.ref_headers),
         read_rows(run.ckpt_paths, run.chunk_rows, run.ckpt_headers),
         strict=True,
     )
+    return pair_blocks(pairs)
+
+
+def pair_blocks(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[logit_rows.PairRows]:
+    """`logit_rows.pair_statistics` of successive blocks of both sides' rows (each block cut into a few rows
+    at a time): per row the same bits however the rows come in blocks."""
+    out: list[logit_rows.PairRows] = []
+    scratch: logit_rows.RowScratch | None = None
     for block_ref, block_ckpt in pairs:
         check_same_shape(block_ref, block_ckpt)
         if scratch is None:

@@ -34,6 +34,7 @@ from evalsuite.tasks.long_context import (
     scored_positions,
 )
 from evalsuite.tasks.noise_floor import NoiseFloorOptions, NoisyLogitsAtReference, NoisyWindowLogits
+from evalsuite.tasks.paired_window_logits import PairedWindowLogits, is_paired, paired_detail
 from evalsuite.tasks.window_logits import (
     FULL_VOCABULARY,
     RecordOptions,
@@ -138,7 +139,15 @@ class Perplexity:
             needs = long_window_needs(self.spec.protocol, self.spec.record, chunk_rows, head_rows)
         else:
             observer = WindowLogits(self.spec.protocol, self.spec.record, chunk_rows)
-            needs = [Need("ref", "ref", observer), Need("ckpt", "ckpt", observer)]
+            if self.spec.compare.precision == "float32":
+                # Each candidate window compared with the reference's as it is made (paired_window_logits).
+                paired = PairedWindowLogits(self.spec.protocol, self.spec.record, chunk_rows)
+                needs = [
+                    Need(REFERENCE_LABEL, "ref", observer),
+                    Need("ckpt", "ckpt", paired, consumes=(REFERENCE_LABEL,), alone=observer),
+                ]
+            else:
+                needs = [Need(REFERENCE_LABEL, "ref", observer), Need("ckpt", "ckpt", observer)]
         floor, protocol = self.spec.noise_floor, self.spec.protocol
         for i in range(floor.draws if floor.enabled else 0):
             if head_rows:  # as the candidate is observed on long windows: at the reference's ids
@@ -159,6 +168,9 @@ class Perplexity:
         chunk_rows, spec, shared = self.spec.compare.kld_chunk_rows, self.spec.compare, self.context.shared
         if is_at_reference(ckpt):
             detail, kld, estimator = detail_at_reference(ref, ckpt)
+        elif is_paired(ckpt):
+            detail = paired_detail(ref, ckpt)
+            kld, estimator = detail.kld, FULL_VOCABULARY
         elif (detail := token_detail(ref, ckpt, chunk_rows, spec.precision, shared)).kld is not None:
             kld, estimator = detail.kld, FULL_VOCABULARY
         else:

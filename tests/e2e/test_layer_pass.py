@@ -72,7 +72,8 @@ def test_ppl_moe_layers_and_the_floor_streamed_read_each_decoder_layer_of_each_s
     assert set(loads) == {"ref", "ckpt"}
     for side, observers in (
         ("ref", {"window-logits", "window-logits-noise", "moe-reference", "boundary-states"}),
-        ("ckpt", {"window-logits", "moe-errors", "layer-errors"}),
+        # the candidate's windows compared with the reference's as the head makes them (no logits kept)
+        ("ckpt", {"window-logits-paired", "moe-errors", "layer-errors"}),
     ):
         assert loads[side]["streamed"] is True
         assert set(loads[side]["observations"]) == observers
