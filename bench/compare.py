@@ -6,7 +6,11 @@ The candidates are the W4A8 copy and three copies of it with every weight scale 
   (a) `compare` (noise floor off, in this process) over the observations it cannot avoid: the reference's and
       the 4 candidates', each a load and the `ppl` windows forwarded, timed on their own in this process
       (goal <= 1.10 wall, <= 1.05 CPU: compare adds little beyond observing); `--rounds` rounds of both,
-      one after the other, each round's ratio and their median printed;
+      one after the other, each round's ratio and their median printed. Each of those observations stores
+      its side's logits, as `ppl` stores the reference's; `compare` stores no candidate's (each candidate
+      window is compared with the reference's as it is made: `evalsuite.tasks.paired_window_logits`), so
+      what its candidates skip counts in its favour, and their comparisons, made inside their
+      observations, against it;
   (b) `evalsuite compare` as a command over four separate `evalsuite run` commands, one per candidate, each
       a fresh process as a user runs them (goal <= 0.6: the reference is observed once, not four times);
   (a') `compare` over its own observations, timed inside that very call (every `observe_all` it makes: the
