@@ -149,3 +149,21 @@ def test_against_a_recording_the_candidates_logits_are_stored_as_before(tiny_pai
     )
     assert not is_paired(obs) and len(obs.files) == 4
     assert np.array_equal(obs.arrays["nll"], observed["stored"].arrays["nll"])
+
+
+def test_compared_beside_the_next_forward_the_observation_is_the_same(
+    tiny_pair, observed, tmp_path, monkeypatch
+):
+    """Where a core is free (a GPU, or more cores than torch's threads) each window is compared in a thread
+    beside the next forward: the same bytes as compared before it, as on this CPU."""
+    from evalsuite.tasks import paired_window_logits
+
+    beside: list[bool] = []
+    monkeypatch.setattr(
+        paired_window_logits, "core_left_for_writing", lambda logits: beside.append(True) or True
+    )
+    observer = PairedWindowLogits(PROTOCOL, RecordOptions(), 8)
+    obs = _observe(tiny_pair[TINY_W4A8], observer, observed["inputs"], tmp_path / "beside", "paired-key")
+    assert beside == [True] * 4
+    for name, array in observed["paired"].arrays.items():
+        assert obs.arrays[name].tobytes() == array.tobytes(), name
