@@ -85,7 +85,8 @@ class PairedWindowLogits(WindowLogits):
         if len(ref_paths) != len(windows) or any(tuple(h[0]) != expected for h in headers):
             raise InputError(
                 f"the reference's observation holds {len(ref_paths)} windows of logits shaped "
-                f"{sorted({tuple(h[0]) for h in headers})}; the candidate makes {len(windows)} of {expected}"
+                f"{sorted({tuple(h[0]) for h in headers})}; the candidate makes {len(windows)} of {expected}",
+                ref_paths[0].parent if ref_paths else None,
             )
         todo = [w for w in range(len(windows)) if not window_part(folder, w).is_file()]
         for _ in range(len(windows) - len(todo)):
@@ -102,7 +103,11 @@ class PairedWindowLogits(WindowLogits):
                 )
                 if pending is not None:
                     pending.result()
-                pending = beside.submit(job) if core_left_for_writing(logits) else job()
+                    pending = None
+                if core_left_for_writing(logits):
+                    pending = beside.submit(job)
+                else:
+                    job()
                 step()
             if pending is not None:
                 pending.result()
