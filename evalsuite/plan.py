@@ -249,12 +249,6 @@ def plan_observations(
             if need.role == "pair":
                 partner = (sides["ref"], sides["ref"].options.streamed())
             options = side_options(side, need)
-            if need.alone is not None:
-                alone = dataclasses.replace(need, observer=need.alone, consumes=(), alone=None)
-                alone_key = observation_key(side, options, alone, inputs[t.name], digests)
-                consumed = [planned[key] for key in consumes.values() if key in planned]
-                if alone_key in consumes.values() or any(p.side.recording is not None for p in consumed):
-                    need, consumes = alone, {}
             key = observation_key(side, options, need, inputs[t.name], digests, consumes, partner)
             wiring[t.name][need.label] = key
             if key in planned:
@@ -285,9 +279,10 @@ def _take_alone_where_made(
     digests: DigestCache,
     saved: Callable[[PlannedObservation], bool] | None,
 ) -> None:
-    """A need planned with what it consumes (`Need.alone`) whose side's observation `alone` is planned by
-    another task anyway, or `saved` already (a run resumed with other tasks): the tasks that asked for it get
-    that one (nothing is observed twice)."""
+    """A need planned with what it consumes (`Need.alone`) whose side's observation alone is planned anyway
+    (by another task, or as the very observation it consumes: a checkpoint against itself), is `saved`
+    already (a run resumed with other tasks), or that would consume a recording: the tasks that asked for it
+    get the observation alone (nothing is observed twice)."""
     for key, p in list(planned.items()):
         if p.need.alone is None:
             continue
@@ -295,7 +290,8 @@ def _take_alone_where_made(
         alone_key = observation_key(p.side, p.options, alone, p.inputs, digests)
         if alone_key not in planned:
             instead = dataclasses.replace(p, key=alone_key, need=alone, tasks=[], consumes={})
-            if saved is None or not saved(instead):
+            recorded = any(planned[k].side.recording is not None for k in p.consumes.values())
+            if not recorded and (saved is None or not saved(instead)):
                 continue
             planned[alone_key] = instead
         del planned[key]

@@ -97,10 +97,7 @@ class _ReducedWindowLogits(WindowObserver):
             blocks = _logit_blocks(states, self.head_rows, self.chunk_rows, backend.vocab_size)
             save_window_part(folder, w, self.reduce(w, _with_targets(blocks, targets), inputs))
             step()
-        parts = [load_window_part(folder, w) for w in range(len(windows))]
-        arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        for w in range(len(windows)):  # the observation's own arrays hold them now
-            window_part(folder, w).unlink()
+        arrays = joined_window_parts(folder, len(windows))
         meta = {
             **window_logits_meta(backend, inputs),
             "head_chunk_rows": self.head_rows,
@@ -298,6 +295,16 @@ def save_window_part(folder: Path, window: int, arrays: dict[str, np.ndarray]) -
 
     with atomic_target(window_part(folder, window)) as tmp:
         save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp))
+
+
+def joined_window_parts(folder: Path, windows: int) -> dict[str, np.ndarray]:
+    """Every window's saved arrays joined in window order, the parts removed (the observation's own arrays
+    hold them now)."""
+    parts = [load_window_part(folder, w) for w in range(windows)]
+    arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    for w in range(windows):
+        window_part(folder, w).unlink()
+    return arrays
 
 
 def load_window_part(folder: Path, window: int) -> dict[str, np.ndarray]:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import io
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -109,25 +109,7 @@ def token_detail(
         for a, b in itertools.pairwise(bounds)
         if b > a
     ]
-    if len(parts) == 1:
-        shares = [_pair_windows(parts[0])]
-    else:
-        with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="kld-detail") as pool:
-            shares = list(pool.map(_pair_windows, parts))
-    blocks = [block for share in shares for block in share]
-
-    def joined(name: str) -> np.ndarray:
-        return np.concatenate([getattr(block, name) for block in blocks])
-
-    return TokenDetail(
-        joined("ref_top_p"),
-        joined("top_ref"),
-        joined("top_ckpt"),
-        joined("reverse_kld"),
-        joined("kld"),
-        joined("same_top"),
-        joined("top_hits"),
-    )
+    return detail_of_pairs(pairs_in_threads(_pair_windows, parts))
 
 
 # Threads the float32 detail splits the windows between; None: one per core this process may use (no forward
@@ -170,6 +152,39 @@ def _detail64(ref: Observation, run: _WindowRun, shared: SharedWork | None) -> T
 # one. One thread alone runs as fast on blocks of a few rows as of a few dozen; two threads share the
 # interpreter between numpy calls, and fewer, larger blocks let them finish sooner (bench/ppl.py).
 FLOAT32_BLOCK_BYTES = 16 << 20
+
+
+# What the float32 detail keeps per row (`pairs_in_threads`): a `TokenDetail`'s arrays, by name.
+PAIR_ARRAYS = ("kld", "reverse_kld", "ref_top_p", "top_ref", "top_ckpt", "top_hits")
+_Part = TypeVar("_Part")
+
+
+def pairs_in_threads(
+    work: Callable[[_Part], list[logit_rows.PairRows]], parts: list[_Part]
+) -> dict[str, np.ndarray]:
+    """`work` of each part (the `PairRows` of its rows, a few at a time), each part on a thread of its own
+    (one part alone on this thread): `PAIR_ARRAYS`, joined in the parts' order."""
+    if len(parts) == 1:
+        shares = [work(parts[0])]
+    else:
+        with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="kld-detail") as pool:
+            shares = list(pool.map(work, parts))
+    blocks = [block for share in shares for block in share]
+    return {name: np.concatenate([getattr(block, name) for block in blocks]) for name in PAIR_ARRAYS}
+
+
+def detail_of_pairs(arrays: Mapping[str, np.ndarray]) -> TokenDetail:
+    """The `TokenDetail` of the float32 detail's arrays (`pairs_in_threads`, or a paired observation's)."""
+    hits = arrays["top_hits"]
+    return TokenDetail(
+        arrays["ref_top_p"],
+        arrays["top_ref"],
+        arrays["top_ckpt"],
+        arrays["reverse_kld"],
+        arrays["kld"],
+        same_top=hits[:, 0],  # column 0 is the same-top event
+        top_hits=hits,
+    )
 
 
 def _pair_windows(run: _WindowRun) -> list[logit_rows.PairRows]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,14 +36,21 @@ from evalsuite.observation import Observation
 from evalsuite.task import Inputs
 from evalsuite.tasks.compact_window_logits import (
     REFERENCE_LABEL,
-    load_window_part,
+    joined_window_parts,
     save_window_part,
     window_part,
 )
-from evalsuite.tasks.kld_detail import TokenDetail, detail_threads, pair_blocks
+from evalsuite.tasks.kld_detail import (
+    TokenDetail,
+    detail_of_pairs,
+    detail_threads,
+    pair_blocks,
+    pairs_in_threads,
+)
 from evalsuite.tasks.logits_file import Header, core_left_for_writing, read_header, read_rows
 from evalsuite.tasks.window_logits import (
     WindowLogits,
+    check_logits_shape,
     check_same_shape,
     window_logits_meta,
     window_paths,
@@ -54,8 +61,6 @@ if TYPE_CHECKING:
     from evalsuite.backends import Backend
 
 CANDIDATE_NAME = "window-logits-paired"
-# What a paired observation keeps per scored token beside its NLL and top token: a `TokenDetail`'s arrays.
-PAIR_ARRAYS = ("kld", "reverse_kld", "ref_top_p", "top_ref", "top_ckpt", "top_hits")
 # The fewest rows a thread takes when one window's rows are split between threads.
 ROWS_PER_THREAD = 16
 
@@ -94,10 +99,7 @@ class PairedWindowLogits(WindowLogits):
         pending: Future | None = None
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="window-pairs") as beside:
             for w, logits in zip(todo, logits_of(todo), strict=True):
-                if tuple(logits.shape) != expected:
-                    raise InputError(
-                        f"the model returned logits of shape {tuple(logits.shape)}, expected {expected}"
-                    )
+                check_logits_shape(logits, expected)
                 job = functools.partial(
                     self._compare_window, folder, w, ref_paths[w], headers[w], logits.cpu(), windows[w]
                 )
@@ -111,10 +113,7 @@ class PairedWindowLogits(WindowLogits):
                 step()
             if pending is not None:
                 pending.result()
-        parts = [load_window_part(folder, w) for w in range(len(windows))]
-        arrays = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
-        for w in range(len(windows)):  # the observation's own arrays hold them now
-            window_part(folder, w).unlink()
+        arrays = joined_window_parts(folder, len(windows))
         meta = {**window_logits_meta(backend, inputs), "kind": "paired", "paired_with": ref.key}
         return Observation(name=self.name, meta=meta, arrays=arrays)
 
@@ -129,18 +128,13 @@ class PairedWindowLogits(WindowLogits):
 
 
 def pair_rows(ref_rows: torch.Tensor, ckpt_rows: torch.Tensor) -> dict[str, np.ndarray]:
-    """The float32 detail of two sides' rows of logits in memory: `PAIR_ARRAYS` per row, the rows split
-    between `kld_detail.detail_threads` threads (per row the same bits however they are split)."""
+    """The float32 detail of two sides' rows of logits in memory: `kld_detail.PAIR_ARRAYS` per row, the rows
+    split between `kld_detail.detail_threads` threads (per row the same bits however they are split)."""
     check_same_shape(ref_rows, ckpt_rows)
     n = len(ref_rows)
     bounds = np.linspace(0, n, detail_threads(n // ROWS_PER_THREAD) + 1).round().astype(int)
     parts = [[(ref_rows[a:b], ckpt_rows[a:b])] for a, b in itertools.pairwise(bounds) if b > a]
-    if len(parts) == 1:
-        blocks = pair_blocks(parts[0])
-    else:
-        with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="kld-detail") as pool:
-            blocks = [block for share in pool.map(pair_blocks, parts) for block in share]
-    return {name: np.concatenate([getattr(block, name) for block in blocks]) for name in PAIR_ARRAYS}
+    return pairs_in_threads(pair_blocks, parts)
 
 
 def is_paired(obs: Observation) -> bool:
@@ -156,14 +150,4 @@ def paired_detail(ref: Observation, ckpt: Observation) -> TokenDetail:
             f"the candidate's observation was compared with reference {ckpt.meta.get('paired_with')}, "
             f"not with this run's ({ref.key})"
         )
-    a: Mapping[str, np.ndarray] = ckpt.arrays
-    hits = a["top_hits"]
-    return TokenDetail(
-        a["ref_top_p"],
-        a["top_ref"],
-        a["top_ckpt"],
-        a["reverse_kld"],
-        a["kld"],
-        same_top=hits[:, 0],  # column 0 is the same-top event
-        top_hits=hits,
-    )
+    return detail_of_pairs(ckpt.arrays)

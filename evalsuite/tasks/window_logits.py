@@ -278,10 +278,7 @@ class WindowLogits(WindowObserver):
         scores: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         try:
             for w, logits in zip(todo, logits_of(todo), strict=True):
-                if tuple(logits.shape) != expected:
-                    raise InputError(
-                        f"the model returned logits of shape {tuple(logits.shape)}, expected {expected}"
-                    )
+                check_logits_shape(logits, expected)
                 rows = logits.cpu()
                 writer.write(w, rows, background=core_left_for_writing(logits))
                 scores[w] = self._window_scores(rows.split(self.chunk_rows), windows[w], positions)
@@ -394,6 +391,12 @@ def same_inputs(observations: dict[str, Observation]) -> None:
         if len(set(map(str, values.values()))) > 1:
             shown = ", ".join(f"{label} {value}" for label, value in values.items())
             raise InputError(f"the observations were made on different inputs ({key}: {shown})")
+
+
+def check_logits_shape(logits: torch.Tensor, expected: tuple[int, int]) -> None:
+    """Refuse a window's logits that are not (scored positions, vocabulary) (InputError)."""
+    if tuple(logits.shape) != expected:
+        raise InputError(f"the model returned logits of shape {tuple(logits.shape)}, expected {expected}")
 
 
 def check_same_shape(x: torch.Tensor, y: torch.Tensor) -> None:

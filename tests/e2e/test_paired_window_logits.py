@@ -18,8 +18,8 @@ from evalsuite.errors import InputError
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
 from evalsuite.observation import Observation
 from evalsuite.task import no_progress
-from evalsuite.tasks.kld_detail import token_detail
-from evalsuite.tasks.paired_window_logits import PAIR_ARRAYS, PairedWindowLogits, is_paired, paired_detail
+from evalsuite.tasks.kld_detail import PAIR_ARRAYS, token_detail
+from evalsuite.tasks.paired_window_logits import PairedWindowLogits, is_paired, paired_detail
 from evalsuite.tasks.window_logits import RecordOptions, WindowLogits, WindowProtocol, tokens_sha256
 
 PROTOCOL = WindowProtocol(
