@@ -8,6 +8,10 @@ Prints ratios measured in this one run, each the median over pairs of whole proc
           the scored rows; nothing else), wall and CPU seconds (goal <= 1.10);
   lm-eval the same run over bench/sides/lmeval_rolling.py, lm-eval's rolling log-likelihood of each
           window's text for each model (goal <= 0.50);
+  floor   what no run can go below, over lm-eval: the bare side's whole seconds, and the seconds of its
+          forward loops alone (every perplexity run of these windows with these models makes those
+          forwards; lm-eval makes them too, one per window here): where the second is above a goal, no
+          work beyond the forwards, removed or overlapped, can meet it on this machine;
   memory  peak resident memory of a whole run (a child process), above its footprint before the first model
           loads, over the same figure for observing the larger side alone (goal <= 1.3: it holds only if one
           model is resident at a time). Also printed over the bytes of the larger model's parameters.
@@ -101,8 +105,8 @@ def child_peak(mode: str, ckpt: Path, ref: Path, out: Path, spec: Path | None) -
     return json.loads(proc.stdout.strip().splitlines()[-1])["above_baseline"]
 
 
-def whole(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Wall and CPU seconds (all its threads and children) of one command run to its end."""
+def whole(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """Wall and CPU seconds (all its threads and children) of one command run to its end, and its output."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -111,7 +115,13 @@ def whole(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
     if proc.returncode not in (0, 1):  # 1: a threshold failed, which the bench does not judge
         raise SystemExit(f"{cmd[1]} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu
+    return wall, cpu, proc.stdout
+
+
+def forward_seconds(output: str) -> float:
+    """The seconds bench/sides/bare_forward.py says it spent forwarding."""
+    (line,) = (line for line in output.splitlines() if line.startswith("forward_seconds "))
+    return float(line.split()[1])
 
 
 def main() -> None:
@@ -163,11 +173,15 @@ def main() -> None:
                 while fh.read(64 << 20):
                     pass
     times: dict[str, list[tuple[float, float]]] = {"evalsuite": [], **{name: [] for name in commands}}
+    forwarding: list[float] = []  # the bare side's seconds in its forward loops, per pair
     for i in range(args.pairs):
         order = ["evalsuite", *commands] if i % 2 == 0 else [*reversed(commands), "evalsuite"]
         for name in order:
             cmd = [*run, str(folder / f"run-{i}")] if name == "evalsuite" else commands[name]
-            times[name].append(whole(cmd, env))
+            wall, cpu, output = whole(cmd, env)
+            times[name].append((wall, cpu))
+            if name == "bare":
+                forwarding.append(forward_seconds(output))
             # A run keeps its observations (2 GB of logits on the wide pair): gone before the next command.
             shutil.rmtree(folder / f"run-{i}", ignore_errors=True)
             print(f"pair {i + 1}/{args.pairs}: {name} {times[name][-1][0]:.2f} s wall", file=sys.stderr)
@@ -206,6 +220,19 @@ def main() -> None:
                     median,
                     goal=f"<= {goal}" if what == "wall" else None,
                 )
+        # What no run can go below: a ratio to lm-eval is at least the bare side's, and at least its forward
+        # loops' alone (every perplexity run of these windows makes those forwards).
+        print(f"bare side's forward loops: s {', '.join(f'{s:.2f}' for s in forwarding)}")
+        if "lm-eval" in times:
+            for name, seconds in (
+                ("bare (whole) / lm-eval", [wall for wall, _ in times["bare"]]),
+                ("bare's forward loops alone / lm-eval", forwarding),
+            ):
+                ratios = [s / lm[0] for s, lm in zip(seconds, times["lm-eval"], strict=True)]
+                median = statistics.median(ratios)
+                shown = ", ".join(f"{r:.3f}" for r in ratios)
+                print(f"floor, {name}, wall: median {median:.3f} of {len(ratios)} pairs [{shown}]")
+                figures.add(f"floor, {name}, wall (median of {len(ratios)} pairs)", median)
         print(
             f"peak above baseline: run {peaks['run'] / mib:.0f} MiB, ref alone {peaks['ref'] / mib:.0f} MiB, "
             f"ckpt alone {peaks['ckpt'] / mib:.0f} MiB; larger model's tensors {param_bytes / mib:.0f} MiB"
@@ -215,7 +242,12 @@ def main() -> None:
         figures.add("memory, run / larger side alone", peaks["run"] / single, goal="<= 1.3")
         figures.add("memory, run / larger model's tensors", peaks["run"] / param_bytes)
         figures.add("peak above baseline, whole run", peaks["run"] / mib, "MiB")
-        figures.data = {"times": times, "peaks": peaks, "pair": [ref_path.name, ckpt_path.name]}
+        figures.data = {
+            "times": times,
+            "bare_forward_seconds": forwarding,
+            "peaks": peaks,
+            "pair": [ref_path.name, ckpt_path.name],
+        }
 
 
 if __name__ == "__main__":
