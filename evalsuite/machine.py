@@ -19,6 +19,7 @@ import sys
 import tempfile
 from importlib import resources
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 # Environment variables that choose which kernels run (and so change the last bits of the logits).
@@ -54,6 +55,29 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+# Where Linux describes the caches of the first core: index*/{level,type,size}.
+CACHE_FOLDER = "/sys/devices/system/cpu/cpu0/cache"
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+@functools.cache
+def largest_cache_bytes(folder: str = CACHE_FOLDER) -> int | None:
+    """The size of the largest data cache the first core uses (its last level, shared between cores), as
+    Linux's sysfs gives it; None where none is given (another platform, or a machine that hides it)."""
+    sizes = []
+    for index in Path(folder).glob("index*"):
+        try:
+            kind = (index / "type").read_text(encoding="ascii").strip()
+            text = (index / "size").read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        unit = _SIZE_UNITS.get(text[-1:].upper(), 1)
+        digits = text[:-1] if text[-1:].upper() in _SIZE_UNITS else text
+        if kind != "Instruction" and digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes) if sizes else None
 
 
 def _cpuinfo() -> tuple[str | None, list[str]]:

@@ -19,7 +19,7 @@ import torch
 
 from evalsuite import claims, logit_rows, metrics, token_ranks
 from evalsuite.errors import InputError
-from evalsuite.machine import usable_cores
+from evalsuite.machine import largest_cache_bytes, usable_cores
 from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
 from evalsuite.task import SharedWork
@@ -148,10 +148,22 @@ def _detail64(ref: Observation, run: _WindowRun, shared: SharedWork | None) -> T
     )
 
 
-# The float32 detail's four row buffers take this many bytes: 20 rows of a 49 k vocabulary, 4 of a 248 k
-# one. One thread alone runs as fast on blocks of a few rows as of a few dozen; two threads share the
-# interpreter between numpy calls, and fewer, larger blocks let them finish sooner (bench/ppl.py).
-FLOAT32_BLOCK_BYTES = 16 << 20
+# The bytes of the float32 detail's four row buffers, per thread; None: `float32_block_bytes`'s rule.
+FLOAT32_BLOCK_BYTES: int | None = None
+
+
+def float32_block_bytes() -> int:
+    """How many bytes of rows the float32 detail works on at once in each thread: `FLOAT32_BLOCK_BYTES`, or
+    the largest cache's share of each usable core, halved, within 4 to 16 MiB (8 MiB where the cache is not
+    known). Why: blocks of a few rows pay numpy's per-call cost many times over, and two threads share the
+    interpreter between calls; but where every thread's blocks together outgrow the shared cache, each
+    pass over them goes to memory, and two threads then took more time and more CPU than one alone."""
+    if FLOAT32_BLOCK_BYTES:
+        return FLOAT32_BLOCK_BYTES
+    cache = largest_cache_bytes()
+    if cache is None:
+        return 8 << 20
+    return min(16 << 20, max(4 << 20, cache // (2 * usable_cores())))
 
 
 # What the float32 detail keeps per row (`pairs_in_threads`): a `TokenDetail`'s arrays, by name.
@@ -206,7 +218,7 @@ def pair_blocks(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[logi
         check_same_shape(block_ref, block_ckpt)
         if scratch is None:
             vocab = block_ref.shape[-1]
-            scratch = logit_rows.RowScratch(max(1, FLOAT32_BLOCK_BYTES // (16 * vocab)), vocab)
+            scratch = logit_rows.RowScratch(max(1, float32_block_bytes() // (16 * vocab)), vocab)
         x_raw, y_raw = _raw(block_ref), _raw(block_ckpt)
         for i in range(0, len(x_raw), scratch.rows):
             rows = slice(i, i + scratch.rows)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from evalsuite.machine import describe_machine, execution_differences, replay_caveat
+from evalsuite.machine import describe_machine, execution_differences, largest_cache_bytes, replay_caveat
 
 
 def _environment(**machine):
@@ -55,3 +55,19 @@ def test_the_caveat_quotes_the_measured_drift_or_says_it_was_not_measured():
     measured = replay_caveat(differences, drift)
     assert "ONEDNN_MAX_CPU_ISA=AVX2: kld_mean 1.2e-05, ppl 11.6000 recorded, 11.6100 run" in measured
     assert "not measured" not in measured
+
+
+def test_the_largest_cache_is_the_largest_data_or_unified_one_sysfs_lists(tmp_path):
+    for name, kind, size in (
+        ("index0", "Data", "48K"),
+        ("index1", "Instruction", "64M"),  # instructions: not where rows of logits go
+        ("index2", "Unified", "2048K"),
+        ("index3", "Unified", "32M"),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "type").write_text(kind + "\n")
+        (tmp_path / name / "size").write_text(size + "\n")
+    assert largest_cache_bytes(str(tmp_path)) == 32 << 20
+    (tmp_path / "index3" / "size").write_text("unknown\n")  # unreadable: the next largest
+    assert largest_cache_bytes.__wrapped__(str(tmp_path)) == 2 << 20
+    assert largest_cache_bytes(str(tmp_path / "absent")) is None

@@ -117,6 +117,21 @@ def test_float32_detail_runs_a_thread_per_usable_core_at_most_one_per_window(mon
     assert kld_detail.detail_threads(8) == 3
 
 
+def test_float32_blocks_share_the_largest_cache_between_the_usable_cores_halved(monkeypatch):
+    mib = 1 << 20
+    monkeypatch.setattr(kld_detail, "usable_cores", lambda: 2)
+    monkeypatch.setattr(kld_detail, "largest_cache_bytes", lambda: 32 * mib)  # a 2-core EPYC slice's L3
+    assert kld_detail.float32_block_bytes() == 8 * mib
+    monkeypatch.setattr(kld_detail, "largest_cache_bytes", lambda: 105 * mib)  # larger: at most 16 MiB
+    assert kld_detail.float32_block_bytes() == 16 * mib
+    monkeypatch.setattr(kld_detail, "usable_cores", lambda: 16)  # many threads: never below 4 MiB
+    assert kld_detail.float32_block_bytes() == 4 * mib
+    monkeypatch.setattr(kld_detail, "largest_cache_bytes", lambda: None)  # not known
+    assert kld_detail.float32_block_bytes() == 8 * mib
+    monkeypatch.setattr(kld_detail, "FLOAT32_BLOCK_BYTES", 3 * mib)  # set by hand, it wins
+    assert kld_detail.float32_block_bytes() == 3 * mib
+
+
 def test_float32_rows_of_infinite_logits_fall_back_to_the_definition(tmp_path):
     ref = torch.randn(4, 50) * 3
     ckpt = ref + torch.randn(4, 50) * 0.2
