@@ -1,6 +1,7 @@
 """Per-row statistics of two sides' next-token logits in float32, in one pass over each row: what `ppl` and
 `compare` report per scored token (both KL divergences, the reference's top-1 probability, both sides'
-ranked top tokens, whether their most probable tokens agree).
+ranked top tokens, whether their most probable tokens agree, the candidate's log-normaliser that gives its
+NLL), and one side's NLL and top token (`row_scores`) in the same arithmetic.
 
 numpy on purpose, the ranking of top tokens included (`token_ranks.ranked_top`). numpy runs a ufunc on the
 calling thread only, so the caller may split rows between threads without touching torch's thread count, a
@@ -60,6 +61,7 @@ class PairRows:
     top_ckpt: np.ndarray
     same_top: np.ndarray  # some token is most probable on both sides (ties included)
     top_hits: np.ndarray  # (rows, k): the first 1 .. k tokens agree in order, ties included
+    ckpt_log_norm: np.ndarray  # log Σ e^y of the candidate's row, float64 (`log_normalisers`)
 
 
 # Entries ranked per row beyond the k compared: BF16 logits tie often, and a tie at the k-th value that runs
@@ -86,10 +88,8 @@ def pair_statistics(raw_x: np.ndarray, raw_y: np.ndarray, k: int, scratch: RowSc
         x, y, top_ref[:, :k], top_ckpt[:, :k], ranked=((top_ref, values_x), (top_ckpt, values_y))
     )
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        x -= mx
-        y -= my
-        ex, ey = np.exp(x, out=scratch.ex[:n]), np.exp(y, out=scratch.ey[:n])
-        sx, sy = ex.sum(axis=1, dtype=np.float64), ey.sum(axis=1, dtype=np.float64)
+        ex, ey = scratch.ex[:n], scratch.ey[:n]
+        sx, sy = shifted_exps(x, mx, ex), shifted_exps(y, my, ey)
         # log p − log q = (x − mx − log sx) − (y − my − log sy) = t − c with t the shifted x less the shifted
         # y, in float32; c in float32 too, and what its rounding lost, c − c32, added back once (Σ p = 1).
         c = np.log(sx) - np.log(sy)
@@ -100,6 +100,7 @@ def pair_statistics(raw_x: np.ndarray, raw_y: np.ndarray, k: int, scratch: RowSc
         forward = terms.sum(axis=1, dtype=np.float64) / sx - (c - c32)
         np.multiply(ey, t, out=terms)
         reverse = (c - c32) - terms.sum(axis=1, dtype=np.float64) / sy
+        log_norm = log_normalisers(my, sy)
     bad = ~(np.isfinite(forward) & np.isfinite(reverse))
     if bad.any():
         rows = np.flatnonzero(bad)
@@ -108,7 +109,35 @@ def pair_statistics(raw_x: np.ndarray, raw_y: np.ndarray, k: int, scratch: RowSc
         ]
         forward[rows], reverse[rows] = _kld_rows64(*again)
     # The first of the top-k hits is the same-top event (`top_k_hits_tied`'s column 0).
-    return PairRows(forward, reverse, 1.0 / sx, top_ref[:, :k], top_ckpt[:, :k], hits[:, 0], hits)
+    return PairRows(forward, reverse, 1.0 / sx, top_ref[:, :k], top_ckpt[:, :k], hits[:, 0], hits, log_norm)
+
+
+def shifted_exps(x: np.ndarray, m: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Rows `x` less their maxima `m` (in place), e to those in `out`, and each row's sum of them in
+    float64."""
+    x -= m
+    np.exp(x, out=out)
+    return out.sum(axis=1, dtype=np.float64)
+
+
+def log_normalisers(m: np.ndarray, sums: np.ndarray) -> np.ndarray:
+    """log Σ e^x of rows whose maxima are `m` (rows, 1) and whose `shifted_exps` sums are `sums`, in
+    float64: a token's NLL is this less its logit."""
+    return m[:, 0].astype(np.float64) + np.log(sums)
+
+
+def row_scores(raw: np.ndarray, targets: np.ndarray, scratch: RowScratch) -> tuple[np.ndarray, np.ndarray]:
+    """One side's rows of stored logits (as `as_float32` reads them): the NLL of each row's `targets` token
+    (float64) and its most probable token (ties by lower id, a NaN never), in `scratch` (two of its buffers).
+    The arithmetic `pair_statistics` gives the candidate's rows, so a token's NLL has the same bits whether
+    its side was observed alone or compared as it was made."""
+    n = len(raw)
+    rows, e = as_float32(raw, scratch.x[:n]), scratch.ex[:n]
+    target_logits = rows[np.arange(n), targets].astype(np.float64)
+    top, values = token_ranks.ranked_top(rows, 1)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        sums = shifted_exps(rows, values[:, :1], e)
+        return log_normalisers(values[:, :1], sums) - target_logits, top[:, 0]
 
 
 def _kld_rows64(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -37,6 +37,7 @@ from evalsuite.tasks.kld_detail import TOP_K_AGREEMENT, TokenDetail, kld_at_refe
 from evalsuite.tasks.window_logits import (
     COMPACT_ARRAYS,
     RecordOptions,
+    RowScores,
     WindowObserver,
     WindowProtocol,
     compact_rows,
@@ -143,8 +144,9 @@ class CompactWindowLogits(_ReducedWindowLogits):
         seed = hashlib.sha256(f"{opts.seed}:{window}".encode()).digest()[:8]
         generator = torch.Generator().manual_seed(int.from_bytes(seed, "little") >> 1)
         parts: dict[str, list[np.ndarray]] = {k: [] for k in ("nll", "top", "ranked", *COMPACT_ARRAYS)}
+        scores = RowScores()
         for block, targets in blocks:
-            _add_nll_and_top(parts, block, targets)
+            _add_nll_and_top(parts, scores, block, targets)
             lp = log_softmax64(block)
             # Ranked apart from the top-k: how torch orders equal BF16 logits depends on k, and top-K
             # agreement must rank as the 512-token protocol does (`token_detail`: top-5 on each side).
@@ -193,10 +195,11 @@ class LogitsAtReference(_ReducedWindowLogits):
         start = window * len(self.protocol.positions)
         names = ("nll", "top", "ranked", "at_top", "at_tail", "same_top", "top_hits")
         parts: dict[str, list[np.ndarray]] = {k: [] for k in names}
+        scores = RowScores()
         for block, targets in blocks:
             rows = slice(start, start + len(block))
             start += len(block)
-            _add_nll_and_top(parts, block, targets)
+            _add_nll_and_top(parts, scores, block, targets)
             lp = log_softmax64(block)
             parts["ranked"].append(lp.topk(TOP_K_AGREEMENT, dim=-1).indices.int().numpy())
             at_top = lp.gather(1, torch.from_numpy(ref["top_ids"][rows]).long())
@@ -266,12 +269,14 @@ def _logit_blocks(
         yield from logits.split(chunk_rows)
 
 
-def _add_nll_and_top(parts: dict[str, list[np.ndarray]], block: torch.Tensor, targets: torch.Tensor) -> None:
+def _add_nll_and_top(
+    parts: dict[str, list[np.ndarray]], scores: RowScores, block: torch.Tensor, targets: torch.Tensor
+) -> None:
     """The true next token's NLL and the top token of a block of logit rows, as the 512-token protocol takes
-    them from its stored logits (`WindowLogits`: log-softmax in float32): the same numbers, bit for bit."""
-    lp = torch.log_softmax(block, dim=-1, dtype=torch.float32)
-    parts["nll"].append(-lp.gather(1, targets[:, None])[:, 0].double().numpy())
-    parts["top"].append(lp.argmax(dim=-1).numpy())
+    them from its stored logits (`WindowLogits`, `RowScores`): the same numbers, bit for bit."""
+    nll, top = scores(block, targets)
+    parts["nll"].append(nll)
+    parts["top"].append(top)
 
 
 def _with_targets(

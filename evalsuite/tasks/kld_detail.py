@@ -24,7 +24,7 @@ from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
 from evalsuite.task import SharedWork
 from evalsuite.tasks.logits_file import Header, read_header, read_rows
-from evalsuite.tasks.window_logits import check_same_shape, kld_per_token, window_paths
+from evalsuite.tasks.window_logits import check_same_shape, kld_per_token, numpy_rows, window_paths
 
 TOP_K_AGREEMENT = 5  # top-K agreement is reported for K = 1 .. 5
 TOKENS_ARTIFACT = "ppl_tokens.npz"
@@ -166,8 +166,9 @@ def float32_block_bytes() -> int:
     return min(16 << 20, max(4 << 20, cache // (2 * usable_cores())))
 
 
-# What the float32 detail keeps per row (`pairs_in_threads`): a `TokenDetail`'s arrays, by name.
-PAIR_ARRAYS = ("kld", "reverse_kld", "ref_top_p", "top_ref", "top_ckpt", "top_hits")
+# What the float32 detail keeps per row (`pairs_in_threads`): a `TokenDetail`'s arrays, by name, and the
+# candidate's log-normaliser (its NLL, where its rows are compared as they are made).
+PAIR_ARRAYS = ("kld", "reverse_kld", "ref_top_p", "top_ref", "top_ckpt", "top_hits", "ckpt_log_norm")
 _Part = TypeVar("_Part")
 
 
@@ -219,16 +220,11 @@ def pair_blocks(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[logi
         if scratch is None:
             vocab = block_ref.shape[-1]
             scratch = logit_rows.RowScratch(max(1, float32_block_bytes() // (16 * vocab)), vocab)
-        x_raw, y_raw = _raw(block_ref), _raw(block_ckpt)
+        x_raw, y_raw = numpy_rows(block_ref), numpy_rows(block_ckpt)
         for i in range(0, len(x_raw), scratch.rows):
             rows = slice(i, i + scratch.rows)
             out.append(logit_rows.pair_statistics(x_raw[rows], y_raw[rows], TOP_K_AGREEMENT, scratch))
     return out
-
-
-def _raw(block: torch.Tensor) -> np.ndarray:
-    """A block of stored logits as numpy holds them (bf16 as its 16 bits)."""
-    return (block.view(torch.uint16) if block.dtype == torch.bfloat16 else block).numpy()
 
 
 @dataclass

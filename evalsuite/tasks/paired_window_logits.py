@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from evalsuite.errors import InputError
+from evalsuite.logit_rows import as_float32
 from evalsuite.observation import Observation
 from evalsuite.task import Inputs
 from evalsuite.tasks.compact_window_logits import (
@@ -52,6 +53,7 @@ from evalsuite.tasks.window_logits import (
     WindowLogits,
     check_logits_shape,
     check_same_shape,
+    numpy_rows,
     window_logits_meta,
     window_paths,
     window_tensor,
@@ -120,11 +122,16 @@ class PairedWindowLogits(WindowLogits):
     def _compare_window(
         self, folder: Path, w: int, ref_path: Path, header: Header, rows: torch.Tensor, window: torch.Tensor
     ) -> None:
-        """One window's comparison with the reference's file of it, and its NLL and top tokens, saved."""
+        """One window's comparison with the reference's file of it, and its NLL and top tokens (from the
+        comparison's own pass: the bits `WindowLogits` gives them), saved."""
         (ref_rows,) = read_rows([ref_path], len(rows), [header])
         arrays = pair_rows(ref_rows, rows)
-        nll, top = self._window_scores(rows.split(self.chunk_rows), window, self.protocol.positions)
-        save_window_part(folder, w, {**arrays, "nll": nll, "top": top.astype(np.int64)})
+        targets = window[self.protocol.positions + 1].numpy()
+        picked = numpy_rows(rows)[np.arange(len(rows)), targets]
+        target_logits = as_float32(picked, np.empty(len(picked), np.float32)).astype(np.float64)
+        nll = arrays.pop("ckpt_log_norm") - target_logits
+        top = arrays["top_ckpt"][:, 0].astype(np.int64)
+        save_window_part(folder, w, {**arrays, "nll": nll, "top": top})
 
 
 def pair_rows(ref_rows: torch.Tensor, ckpt_rows: torch.Tensor) -> dict[str, np.ndarray]:

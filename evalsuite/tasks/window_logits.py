@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from pydantic import model_validator
 
-from evalsuite import metrics
+from evalsuite import logit_rows, metrics
 from evalsuite.backends.layer_pass import LayerVisitor, QuietVisitor
 from evalsuite.checkpoint import TOKENIZER_FILES
 from evalsuite.errors import InputError
@@ -302,17 +302,15 @@ class WindowLogits(WindowObserver):
     def _window_scores(
         blocks: Iterable[torch.Tensor], window: torch.Tensor, positions: torch.Tensor
     ) -> tuple[np.ndarray, np.ndarray]:
-        """NLL of the true next token (log-softmax in float32, as the forward's own dtype allows) and the top
-        token of every scored position of one window, from its logit rows in successive blocks."""
+        """NLL of the true next token and the top token of every scored position of one window, from its logit
+        rows in successive blocks (`logit_rows.row_scores`: float32 exps, float64 sums, the arithmetic a
+        candidate compared as it is made gets from its comparison)."""
         targets = window[positions + 1]
-        nll, top, offset = [], [], 0
+        scores, nll, top, offset = RowScores(), [], [], 0
         for block in blocks:
-            lp = torch.log_softmax(block, dim=-1, dtype=torch.float32)
-            rows = targets[offset : offset + len(block)]
-            nll.append(-lp.gather(1, rows[:, None])[:, 0].double().numpy())
-            # numpy's argmax (first of equal maxima, as torch's): torch's took several times as long on the
-            # CPU, longer than the log-softmax (bench/ppl.py).
-            top.append(lp.numpy().argmax(axis=-1))
+            block_nll, block_top = scores(block, targets[offset : offset + len(block)])
+            nll.append(block_nll)
+            top.append(block_top)
             offset += len(block)
         return np.concatenate(nll), np.concatenate(top)
 
@@ -397,6 +395,25 @@ def check_logits_shape(logits: torch.Tensor, expected: tuple[int, int]) -> None:
     """Refuse a window's logits that are not (scored positions, vocabulary) (InputError)."""
     if tuple(logits.shape) != expected:
         raise InputError(f"the model returned logits of shape {tuple(logits.shape)}, expected {expected}")
+
+
+class RowScores:
+    """The NLL of the true next token and the top token of successive blocks of one side's logit rows
+    (`logit_rows.row_scores`), in buffers kept from block to block."""
+
+    def __init__(self) -> None:
+        self.scratch: logit_rows.RowScratch | None = None
+
+    def __call__(self, block: torch.Tensor, targets: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        n, vocab = block.shape
+        if self.scratch is None or self.scratch.rows < n or self.scratch.vocab != vocab:
+            self.scratch = logit_rows.RowScratch(n, vocab)  # np.empty: the two buffers unused cost nothing
+        return logit_rows.row_scores(numpy_rows(block.cpu()), targets.cpu().numpy(), self.scratch)
+
+
+def numpy_rows(block: torch.Tensor) -> np.ndarray:
+    """A block of logits as numpy holds them (bf16 as its 16 bits: numpy has no bfloat16)."""
+    return (block.view(torch.uint16) if block.dtype == torch.bfloat16 else block).numpy()
 
 
 def check_same_shape(x: torch.Tensor, y: torch.Tensor) -> None:
