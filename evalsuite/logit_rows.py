@@ -97,9 +97,9 @@ def pair_statistics(raw_x: np.ndarray, raw_y: np.ndarray, k: int, scratch: RowSc
         t = np.subtract(x, y, out=x)
         t -= c32[:, None]
         terms = np.multiply(ex, t, out=y)
-        forward = terms.sum(axis=1, dtype=np.float64) / sx - (c - c32)
+        forward = row_sums(terms) / sx - (c - c32)
         np.multiply(ey, t, out=terms)
-        reverse = (c - c32) - terms.sum(axis=1, dtype=np.float64) / sy
+        reverse = (c - c32) - row_sums(terms) / sy
         log_norm = log_normalisers(my, sy)
     bad = ~(np.isfinite(forward) & np.isfinite(reverse))
     if bad.any():
@@ -117,7 +117,14 @@ def shifted_exps(x: np.ndarray, m: np.ndarray, out: np.ndarray) -> np.ndarray:
     float64."""
     x -= m
     np.exp(x, out=out)
-    return out.sum(axis=1, dtype=np.float64)
+    return row_sums(out)
+
+
+def row_sums(rows: np.ndarray) -> np.ndarray:
+    """Each row's sum, accumulated in float64. einsum, not `sum(dtype=float64)`: the same float64
+    accumulation without the buffered cast, a quarter faster, and a row's bits do not depend on the rows
+    beside it."""
+    return np.einsum("ij->i", rows, dtype=np.float64)
 
 
 def log_normalisers(m: np.ndarray, sums: np.ndarray) -> np.ndarray:
