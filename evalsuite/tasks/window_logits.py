@@ -280,8 +280,12 @@ class WindowLogits(WindowObserver):
             for w, logits in zip(todo, logits_of(todo), strict=True):
                 check_logits_shape(logits, expected)
                 rows = logits.cpu()
-                writer.write(w, rows, background=core_left_for_writing(logits))
+                # The write runs beside the scores, which take one core; where no core is free for it beside
+                # the next forward, it is finished before that forward starts.
+                writer.write(w, rows)
                 scores[w] = self._window_scores(rows.split(self.chunk_rows), windows[w], positions)
+                if not core_left_for_writing(logits):
+                    writer.flush()
                 step()
         finally:
             writer.close()
