@@ -140,11 +140,17 @@ def row_scores(raw: np.ndarray, targets: np.ndarray, scratch: RowScratch) -> tup
     its side was observed alone or compared as it was made."""
     n = len(raw)
     rows, e = as_float32(raw, scratch.x[:n]), scratch.ex[:n]
-    target_logits = rows[np.arange(n), targets].astype(np.float64)
     top, values = token_ranks.ranked_top(rows, 1)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         sums = shifted_exps(rows, values[:, :1], e)
-        return log_normalisers(values[:, :1], sums) - target_logits, top[:, 0]
+        return target_nll(log_normalisers(values[:, :1], sums), raw, targets), top[:, 0]
+
+
+def target_nll(log_norm: np.ndarray, raw: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Each row's NLL of its `targets` token, in float64: its log-normaliser (`log_normalisers`) less that
+    token's logit in the stored rows `raw` (as `as_float32` reads them)."""
+    picked = raw[np.arange(len(raw)), targets]
+    return log_norm - as_float32(picked, np.empty(len(picked), np.float32)).astype(np.float64)
 
 
 def _kld_rows64(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from evalsuite.errors import InputError
-from evalsuite.logit_rows import as_float32
+from evalsuite.logit_rows import target_nll
 from evalsuite.observation import Observation
 from evalsuite.task import Inputs
 from evalsuite.tasks.compact_window_logits import (
@@ -127,9 +127,7 @@ class PairedWindowLogits(WindowLogits):
         (ref_rows,) = read_rows([ref_path], len(rows), [header])
         arrays = pair_rows(ref_rows, rows)
         targets = window[self.protocol.positions + 1].numpy()
-        picked = numpy_rows(rows)[np.arange(len(rows)), targets]
-        target_logits = as_float32(picked, np.empty(len(picked), np.float32)).astype(np.float64)
-        nll = arrays.pop("ckpt_log_norm") - target_logits
+        nll = target_nll(arrays.pop("ckpt_log_norm"), numpy_rows(rows), targets)
         top = arrays["top_ckpt"][:, 0].astype(np.int64)
         save_window_part(folder, w, {**arrays, "nll": nll, "top": top})
 
