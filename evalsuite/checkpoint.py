@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from safetensors import safe_open
 
 from evalsuite.errors import DependencyError, InputError
-from evalsuite.mapped_tensors import MappedRead
+from evalsuite.file_identity import FileIdentity, check_unchanged
+from evalsuite.mapped_tensors import MappedRead, check_little_endian, mapped_shard
 from evalsuite.safetensors_files import (
     DTYPE_SIZES,
     FLOAT_DTYPES,
@@ -110,7 +111,8 @@ class Checkpoint:
     fixed order (sorted by their path in the folder). A GGUF checkpoint has no `tensors` and no `shards`:
     its one file is `gguf_file`. `fingerprint` is a sha256 over config.json's canonical JSON and each shard's
     name and raw header (not the tensor data), a cheap identity of the checkpoint. `total_bytes` is the size
-    of the weight files on disk.
+    of the weight files on disk. `identities` holds each weight file's identity as its header was read
+    (`evalsuite.file_identity`): every read of its bytes checks it, and `check_unchanged` checks them all.
     """
 
     path: Path
@@ -121,6 +123,7 @@ class Checkpoint:
     gguf_file: Path | None
     fingerprint: str
     total_bytes: int
+    identities: dict[Path, FileIdentity] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, source: str | Path) -> Checkpoint:
@@ -129,6 +132,7 @@ class Checkpoint:
         The hub is never contacted: the cache is the one `HF_HUB_CACHE` (or `HF_HOME`/hub) names when this
         is called. Raises `InputError` for a bad folder and `DependencyError` for a repo id not cached.
         """
+        check_little_endian()
         path = Path(source).expanduser()
         if path.is_dir():
             return _open_folder(path.resolve(), extra_roots=())
@@ -208,10 +212,16 @@ class Checkpoint:
             msg = text.splitlines()[0] if text else type(exc).__name__
             raise InputError(f"cannot load the tokenizer: {msg}", self.path) from None
 
+    def check_unchanged(self) -> None:
+        """Raise `FileChangedError` (exit 2, naming it) where a weight file is no longer the one whose header
+        was read: replaced, rewritten or cut short since the checkpoint was opened."""
+        for path, identity in self.identities.items():
+            check_unchanged(path, identity)
+
     def read_tensor(self, name: str) -> torch.Tensor:
         """Read one tensor (a CPU copy) through safetensors."""
         info = self._info(name)
-        with safe_open(info.shard, framework="pt") as f:
+        with self._reading(info.shard), safe_open(info.shard, framework="pt", backend="pread") as f:
             return f.get_tensor(name)
 
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -230,9 +240,26 @@ class Checkpoint:
         for shard in self.shards:
             if shard not in by_shard:
                 continue
-            with safe_open(shard, framework="pt") as f:
+            with self._reading(shard), safe_open(shard, framework="pt", backend="pread") as f:
                 for info in by_shard[shard]:
                     yield info.name, f.get_tensor(info.name)
+
+    @contextlib.contextmanager
+    def _reading(self, shard: Path) -> Iterator[None]:
+        # Read by safetensors (by `pread`: a file cut short under it is an error, never a SIGBUS), between two
+        # checks of the file's identity: what was read is the file whose header was checked, or the read is
+        # refused. A read that fails because the file changed under it says so, not what failed.
+        identity = self.identities.get(shard)
+        if identity is not None:
+            check_unchanged(shard, identity)
+        try:
+            yield
+        except Exception:
+            if identity is not None:
+                check_unchanged(shard, identity)
+            raise
+        if identity is not None:
+            check_unchanged(shard, identity)
 
     @contextlib.contextmanager
     def open_tensors(self, names: Iterable[str]) -> Iterator[dict[str, MappedRead]]:
@@ -242,28 +269,27 @@ class Checkpoint:
         while the tensor lives, unlike a mapped shard's. Only the shards holding `names` are opened.
         Unknown names are rejected before anything is opened."""
         infos = [self._info(n) for n in names]
-        by_shard: dict[Path, list[str]] = {}
-        for info in infos:
-            by_shard.setdefault(info.shard, []).append(info.name)
-        with contextlib.ExitStack() as stack:
-            handles: dict[str, MappedRead] = {}
-            for shard in self.shards:
-                if shard in by_shard:
-                    reader = stack.enter_context(safe_open(shard, framework="pt", backend="pread"))
-                    fd = stack.enter_context(shard.open("rb")).fileno()
-                    for name in by_shard[shard]:
-                        handles[name] = MappedRead(reader.get_slice(name), fd, self.tensors[name])
-            yield handles
+        mappings = {}
+        for shard in dict.fromkeys(info.shard for info in infos):
+            mappings[shard] = mapped_shard(shard, self._identity(shard))
+        yield {info.name: MappedRead(mappings[info.shard], info) for info in infos}
 
     def read_bytes(self, name: str) -> bytes:
         """The tensor's data exactly as stored in its shard."""
         info = self._info(name)
         with info.shard.open("rb") as f:
+            check_unchanged(info.shard, self._identity(info.shard), os.fstat(f.fileno()))
             f.seek(info.data_begin)
             data = f.read(info.nbytes)
         if len(data) != info.nbytes:
             raise InputError(f"truncated shard: tensor {name!r} ends past the end of the file", info.shard)
         return data
+
+    def _identity(self, shard: Path) -> FileIdentity:
+        identity = self.identities.get(shard)
+        if identity is None:  # a Checkpoint built by hand, without identities: the file as it is now
+            identity = FileIdentity.of(os.stat(shard))
+        return identity
 
     def _info(self, name: str) -> TensorInfo:
         try:
@@ -331,10 +357,12 @@ def _open_folder(folder: Path, extra_roots: tuple[Path, ...]) -> Checkpoint:
     hash_parts(fingerprint, b"config.json", canonical_json(config))
     tensors: dict[str, TensorInfo] = {}
     total_bytes = 0
+    identities: dict[Path, FileIdentity] = {}
     for shard in shards:
-        raw_header, infos, size = read_header(shard)
+        raw_header, infos, identity = read_header(shard)
         hash_parts(fingerprint, shard.relative_to(folder).as_posix().encode(), raw_header)
-        total_bytes += size
+        identities[shard] = identity
+        total_bytes += identity.size
         for info in infos:
             if (first := tensors.get(info.name)) is not None:
                 raise InputError(f"tensor {info.name!r} is also stored in {first.shard.name}", shard)
@@ -351,7 +379,9 @@ def _open_folder(folder: Path, extra_roots: tuple[Path, ...]) -> Checkpoint:
         check_inside(gguf_file, roots)
         total_bytes = gguf_file.stat().st_size
         with gguf_file.open("rb") as f:
+            identities[gguf_file] = FileIdentity.of(os.fstat(f.fileno()))
             head = f.read(GGUF_FINGERPRINT_BYTES)
+        total_bytes = identities[gguf_file].size
         hash_parts(fingerprint, gguf_file.name.encode(), str(total_bytes).encode(), head)
 
     return Checkpoint(
@@ -363,6 +393,7 @@ def _open_folder(folder: Path, extra_roots: tuple[Path, ...]) -> Checkpoint:
         gguf_file=gguf_file,
         fingerprint=fingerprint.hexdigest(),
         total_bytes=total_bytes,
+        identities=identities,
     )
 
 

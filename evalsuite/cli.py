@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from typer.exceptions import TyperException
 
-from evalsuite import plot_process
+from evalsuite import file_leases, plot_process
 
 # read_thresholds, the demo's names, PROGRESS_LINES and ProgressLines are named here too, where callers have
 # always found them.
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"evalsuite: error: {exc}", file=sys.stderr)
         sys.exit(4)
     except EvalsuiteError as exc:
-        print(f"evalsuite: error: {exc}", file=sys.stderr)
+        print(f"evalsuite: error: {file_leases.change_heard() or exc}", file=sys.stderr)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         print(
@@ -503,6 +503,10 @@ def write_traceback(exc: BaseException) -> str:
     for candidate in ([folder / TRACEBACK_NAME] if folder is not None else []) + [
         Path(tempfile.gettempdir()) / f"evalsuite-traceback-{os.getpid()}.txt"
     ]:
+        # A leased file about to change ended the run, whatever a handler made of its error on the way out.
+        if changed := file_leases.change_heard():
+            print(f"evalsuite: error: {changed}", file=sys.stderr)
+            sys.exit(2)
         try:
             write_atomic(candidate, text)
         except OSError:

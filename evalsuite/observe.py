@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from evalsuite import file_leases
 from evalsuite.backends import load_backend, load_pair
 from evalsuite.backends.c_heap import release_freed_memory
 from evalsuite.backends.options import BackendOptions
@@ -45,26 +46,29 @@ def observe_all(
             observed[planned.key] = Observation.load(saved_folder(folder, planned))
             continue
         groups.setdefault((planned.role, planned.options, planned.partner_options), []).append(planned)
-    for (role, options, partner_options), todo in groups.items():
-        side, partner = todo[0].side, todo[0].partner
-        if on_load is not None:
+    # Each shard mapped while a side is observed is leased, so that a process about to change one ends the
+    # run first, with one line naming it (`evalsuite.file_leases`).
+    with file_leases.watching():
+        for (role, options, partner_options), todo in groups.items():
+            side, partner = todo[0].side, todo[0].partner
+            if on_load is not None:
+                if partner is not None:
+                    on_load(partner, partner_options)
+                on_load(side, options)
             if partner is not None:
-                on_load(partner, partner_options)
-            on_load(side, options)
-        if partner is not None:
-            backend = load_pair(partner.checkpoint, partner_options, side.checkpoint, options)
-        else:
-            backend = load_backend(side.checkpoint, options)
-        try:
-            loads_before = getattr(backend, "layer_loads", None)
-            for batch in _passes(todo, observed, backend):
-                _observe_batch(batch, backend, folder, resume, progress, observed, plan.allow_download)
-            if log is not None:
-                log.append(_load_entry(role, options, todo, backend, loads_before))
-        finally:
-            backend.close()
-            # The next side loads into what this one leaves: its freed heaps go back to the system first.
-            release_freed_memory()
+                backend = load_pair(partner.checkpoint, partner_options, side.checkpoint, options)
+            else:
+                backend = load_backend(side.checkpoint, options)
+            try:
+                loads_before = getattr(backend, "layer_loads", None)
+                for batch in _passes(todo, observed, backend):
+                    _observe_batch(batch, backend, folder, resume, progress, observed, plan.allow_download)
+                if log is not None:
+                    log.append(_load_entry(role, options, todo, backend, loads_before))
+            finally:
+                backend.close()
+                # The next side loads into what this one leaves: its freed heaps go back to the system first.
+                release_freed_memory()
     return observed
 
 
@@ -133,6 +137,12 @@ def _observe_batch(
         ]
         step = labelled(f"layers ({names})", backend.n_layers)
         made = run_layer_pass(backend, window_tensor(batch[0].inputs), visitors, step)
+    # What was observed is saved under the digest of files that must still be those files: one replaced
+    # by a rename since its header was read (no lease hears of that) ends the run here, naming it.
+    for planned in batch[:1]:
+        for side in (planned.side, planned.partner):
+            if side is not None and side.checkpoint is not None:
+                side.checkpoint.check_unchanged()
     for planned, obs, work in zip(batch, made, works, strict=True):
         obs.key = planned.key
         obs.meta["tasks"] = sorted(planned.tasks)

@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from evalsuite.errors import InputError
+from evalsuite.file_identity import FileIdentity
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -50,7 +51,8 @@ FLOAT_DTYPES = frozenset(d for d in DTYPE_SIZES if d.startswith(("F", "BF")))
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor lives: its shard file and the absolute byte range of its data in that file."""
+    """Where one tensor lives: its shard file and the absolute byte range of its data in that file; for a
+    shard's header, the identity its file had when the header was read (`evalsuite.file_identity`)."""
 
     name: str
     shard: Path
@@ -58,6 +60,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     data_begin: int
     data_end: int
+    identity: FileIdentity | None = None
 
     @property
     def nbytes(self) -> int:
@@ -119,11 +122,12 @@ def check_index_matches_headers(
             )
 
 
-def read_header(shard: Path) -> tuple[bytes, list[TensorInfo], int]:
+def read_header(shard: Path) -> tuple[bytes, list[TensorInfo], FileIdentity]:
     """Parse and check one shard's header; returns the raw header (length prefix included), its tensors in
-    file order, and the file size."""
+    file order, and the file's identity as the header was read (its size among it)."""
     with shard.open("rb") as f:
-        size = os.fstat(f.fileno()).st_size
+        identity = FileIdentity.of(os.fstat(f.fileno()))
+        size = identity.size
         prefix = f.read(8)
         if len(prefix) < 8:
             raise InputError(f"truncated shard: {size} bytes, too short for the 8-byte header length", shard)
@@ -166,10 +170,10 @@ def read_header(shard: Path) -> tuple[bytes, list[TensorInfo], int]:
         raise InputError(f"{data_size - expected} bytes after the last tensor's data", shard)
 
     infos = [
-        TensorInfo(name, shard, dtype, shape, data_start + begin, data_start + end)
+        TensorInfo(name, shard, dtype, shape, data_start + begin, data_start + end, identity)
         for name, dtype, shape, begin, end in entries
     ]
-    return prefix + raw, infos, size
+    return prefix + raw, infos, identity
 
 
 def _header_entry(shard: Path, name: str, entry: Any) -> tuple[str, str, tuple[int, ...], int, int]:

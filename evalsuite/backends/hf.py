@@ -227,9 +227,9 @@ def from_pretrained_with_report(
     compressed = checkpoint.format == "compressed-tensors"
     fix = zero_points_packed_on_meta() if compressed else contextlib.nullcontext()
     # Transformers maps every shard for the whole load, and mapped pages count as resident memory: a loaded
-    # model would peak at its tensors plus every page of its files. The model class is given each tensor
-    # mapped on its own instead (`Checkpoint.open_tensors`), which it loads by the same conversions. A GGUF
-    # file is Transformers' to read, a load on the meta device reads nothing, and a remote-code class is
+    # model would peak at its tensors plus every page of its files. The model class is given each tensor as
+    # a view whose pages go with it instead (`Checkpoint.open_tensors`), loaded by the same conversions. A
+    # GGUF file is Transformers' to read, a load on the meta device reads nothing, and a remote-code class is
     # only reached through its Auto class, which takes no tensors with a folder.
     model_class = _registered_class(cls, config)
     by_handles = checkpoint.format != "gguf" and device_map != "meta" and model_class is not None

@@ -5,9 +5,9 @@ device otherwise). A side whose load would peak above `FIT_FRACTION` of it runs 
 (`evalsuite.backends.streamed`) without being asked; `--stream` streams it whatever it needs. A load peaks
 at the model's weights once loaded plus its largest decoder layer once more (`loaded_peak_bytes`: a layer's
 file tensors are held beside what Transformers converts them into, its routed experts fused from per-expert
-tensors, a compressed-tensors module beside its decompressed weight); each tensor is mapped on its own and
-its pages go with it, so the files' pages add nothing more (`Checkpoint.open_tensors`). The estimate is made
-from the safetensors headers alone, before anything loads:
+tensors, a compressed-tensors module beside its decompressed weight); each tensor is a view of its shard's
+mapping whose pages are handed back with it, so the files' pages add nothing more (`Checkpoint.open_tensors`).
+The estimate is made from the safetensors headers alone, before anything loads:
 
 - backend `hf` holds every weight in the compute dtype: Transformers decompresses compressed-tensors weights
   (a `weight_packed` tensor holds weights of its group's `num_bits`: an INT4 int32 word is eight, an NVFP4 or

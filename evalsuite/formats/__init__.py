@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any, BinaryIO, Literal, Protocol
 import numpy as np
 
 from evalsuite.checkpoint import TensorInfo
+from evalsuite.file_identity import check_unchanged
 
 ModuleKind = Literal["linear", "embedding", "router", "state", "norm", "other"]
 Part = Literal["text", "head", "vision", "mtp"]
@@ -112,12 +114,16 @@ class ShardReader:
         handle = self._files.get(info.shard)
         if handle is None:
             handle = self._files[info.shard] = info.shard.open("rb", buffering=0)
+            if info.identity is not None:  # the file whose header gave these offsets, or none
+                check_unchanged(info.shard, info.identity, os.fstat(handle.fileno()))
         handle.seek(info.data_begin + begin)
         view = memoryview(out).cast("B")
         done = 0
         while done < len(view):
             got = handle.readinto(view[done:])
             if not got:
+                if info.identity is not None:
+                    check_unchanged(info.shard, info.identity, os.fstat(handle.fileno()))
                 raise EOFError(f"{info.shard}: tensor {info.name!r} ends past the end of the file")
             done += got
         return out
