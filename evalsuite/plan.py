@@ -186,9 +186,10 @@ def observation_key(
     consumes: dict[str, str] | None = None,
     partner: tuple[Side, BackendOptions] | None = None,
 ) -> str:
-    """Identity of an observation: every byte of the side's weights, its execution with its conventions,
-    the observer and what shapes it, the inputs' hashes, the evalsuite version; and for an observation made
-    from others, their keys; for a pair, the reference side's weights and execution too."""
+    """Identity of an observation: every byte of the side's weights, its execution with its conventions (on
+    a CPU, `cpu_threads` too), the observer and what shapes it, the inputs' hashes, the evalsuite version;
+    and for an observation made from others, their keys; for a pair, the reference side's weights and
+    execution too."""
     doc: dict[str, Any] = {
         "observer": need.observer.name,
         "identity": need.observer.identity(),
@@ -201,6 +202,8 @@ def observation_key(
         # A recording holds the compact form a comparison needs, not what the observer makes live: a live
         # candidate of the very checkpoint that was recorded must not take the recording's place.
         doc["recorded"] = True
+    elif options.device == "cpu":
+        doc["cpu_threads"] = cpu_threads()
     if consumes:
         doc["consumes"] = consumes
     if partner is not None:
@@ -209,6 +212,16 @@ def observation_key(
             "execution": partner[1].to_json(),
         }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def cpu_threads() -> int:
+    """The threads torch's CPU kernels run on: part of a CPU observation's identity, because oneDNN's matrix
+    products (a bf16 Linear) add in an order set by the thread count, so that one and two threads round some
+    logits the other way (with AMX as without; docs/reproducibility.md). A run resumed under another count
+    observes its windows again rather than mixing two executions' windows in one observation."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def prepare_all(tasks: list[Task], ref: Side, ckpt: Side) -> tuple[dict[str, Inputs], dict[str, TaskResult]]:

@@ -99,22 +99,26 @@ class CliResult:
         return [line for line in self.stderr.splitlines() if line.startswith("evalsuite: error:")]
 
 
+def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of an evalsuite child process of this session, with `env` added. Under pytest-xdist
+    each child gets one OpenMP thread unless the caller's environment sets a count: its second thread would
+    spin in barriers against the other worker (README: the default tier's time with and without it). Every
+    child of a test takes it from here: the thread count is part of a CPU observation's key, so a child run
+    under another count would not resume or reuse its siblings' observations."""
+    threads = {"OMP_NUM_THREADS": "1"} if os.environ.get("PYTEST_XDIST_WORKER") else {}
+    return {**threads, **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
 def run_cli(
     *args: str | Path, cwd: Path | None = None, timeout: float = 1200, env: dict[str, str] | None = None
 ) -> CliResult:
-    """Run `evalsuite ARGS` as a subprocess, the way users and CI run it (`env` adds variables).
-
-    Under pytest-xdist each child gets one OpenMP thread unless the caller's environment sets a count: its
-    second thread would spin in barriers against the other worker (README: the default tier's time with and
-    without it)."""
-    threads = {"OMP_NUM_THREADS": "1"} if os.environ.get("PYTEST_XDIST_WORKER") else {}
-    env = {**threads, **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    """Run `evalsuite ARGS` as a subprocess, the way users and CI run it (`env` adds variables, `cli_env`)."""
     proc = subprocess.run(
         [sys.executable, "-m", "evalsuite.cli", *map(str, args)],
         capture_output=True,
         text=True,
         cwd=cwd,
-        env=env,
+        env=cli_env(env),
         timeout=timeout,
         check=False,
     )
