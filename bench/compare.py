@@ -52,6 +52,7 @@ from figures import TEST_FIXTURES, add_arguments, recorded
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from evalsuite import tune_allocator
 from evalsuite.backends import load_backend
 from evalsuite.backends.options import BackendOptions
 from evalsuite.cli import DEFAULT_FIXTURES
@@ -149,6 +150,7 @@ def main() -> None:
     )  # fmt: skip
     add_arguments(parser)
     args = parser.parse_args()
+    tune_allocator()  # glibc's thresholds as the command line sets them, measured as it runs
     if args.quick:
         args.pair, args.rounds, args.parts, args.fixtures = "tiny", 1, "a", TEST_FIXTURES
     source, quantized = (SMOLLM2_BF16, SMOLLM2_W4A8) if args.pair == "smollm2" else (TINY_BF16, TINY_W4A8)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
 
+from evalsuite import tune_allocator
 from evalsuite.backends import load_backend
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.cli import DEFAULT_FIXTURES
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="observations per backend; the fastest counts")
     add_arguments(parser)
     args = parser.parse_args()
+    tune_allocator()  # glibc's thresholds as the command line sets them, measured as it runs
     source, quantized = (TINY_BF16, TINY_W4A8) if args.quick else (SMOLLM2_BF16, SMOLLM2_W4A8)
     pair = build_fixtures(TEST_FIXTURES if args.quick else args.fixtures, [source, quantized])
     ref_ckpt, w4a8 = Checkpoint.open(pair[source]), Checkpoint.open(pair[quantized])

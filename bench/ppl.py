@@ -64,12 +64,14 @@ CHILD = r"""
 import json, resource, sys
 from pathlib import Path
 import psutil
+from evalsuite import tune_allocator
 from evalsuite.backends import load_backend
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.runner import RunRequest, build_tasks, run
 from evalsuite.side import BackendOptions, Side
 from evalsuite.task import RunContext, no_progress
 mode, ckpt, ref, out, spec = sys.argv[1:6]
+tune_allocator()  # glibc's thresholds as the command line sets them, measured as it runs
 specs = {"ppl": Path(spec)} if spec else {}
 first_load = []
 def on_load(side, options=None):

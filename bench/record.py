@@ -23,6 +23,7 @@ from pathlib import Path
 
 from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
 
+from evalsuite import tune_allocator
 from evalsuite.cli import DEFAULT_FIXTURES
 from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
 from evalsuite.runner import RecordRequest, RunRequest, record, run
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
     add_arguments(parser)
     args = parser.parse_args()
+    tune_allocator()  # glibc's thresholds as the command line sets them, measured as it runs
     source, quantized = (TINY_BF16, TINY_W4A8) if args.quick else (SMOLLM2_BF16, SMOLLM2_W4A8)
     pair = build_fixtures(TEST_FIXTURES if args.quick else args.fixtures, [source, quantized])
     ref, ckpt = pair[source], pair[quantized]

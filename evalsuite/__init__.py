@@ -12,10 +12,12 @@ from evalsuite.api import (
     CompareOutcome,
     RecordOutcome,
     RunOutcome,
+    cache,
     compare,
     record,
     report,
     run,
+    tune_allocator,
 )
 from evalsuite.errors import Cancelled, DependencyError, EvalsuiteError, InputError, ResourceError
 from evalsuite.results import (
@@ -48,6 +50,7 @@ __all__ = [
     "RunOutcome",
     "TaskRecord",
     "__version__",
+    "cache",
     "compare",
     "json_schema",
     "load_comparison",
@@ -56,4 +59,5 @@ __all__ = [
     "record",
     "report",
     "run",
+    "tune_allocator",
 ]

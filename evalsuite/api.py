@@ -27,6 +27,7 @@ from evalsuite.run_folder import write_atomic
 if TYPE_CHECKING:
     from evalsuite.backends.options import BackendOptions
     from evalsuite.observe import OnLoad
+    from evalsuite.run_cache import CacheKind
     from evalsuite.runner import RecordRequest, RunRequest
     from evalsuite.task import Progress
 
@@ -538,3 +539,33 @@ def report(run_dir: Path, format: ReportFormat = "md") -> Path:
         raise InputError(f"unknown format {format!r}; use model-card, md or json")
     write_atomic(target, text)
     return target
+
+
+def tune_allocator() -> bool:
+    """Let evalsuite set glibc's malloc thresholds in this process, as the command line does; whether it will
+    (False on another C library, where nothing is ever set). It lasts as long as the process.
+
+    Why a program opts in: a load keeps its temporaries in the heaps (dequantizing a W4A8 pack expert by
+    expert would otherwise pay a page fault per page of each), and a long window's reduction maps its large
+    blocks (else the heaps fragment to many times its working memory). Both need `mallopt`, and once
+    `mallopt` has set a threshold glibc turns its dynamic thresholds off for good and cannot report what they
+    were: the calling program's allocator would be evalsuite's from then on. So `run`, `compare` and `record`
+    leave the allocator alone unless this was called; the command line calls it as it starts.
+    """
+    from evalsuite.backends.c_heap import allow_thresholds
+
+    return allow_thresholds()
+
+
+def cache(*, clear: bool = False, fixtures: Path = DEFAULT_FIXTURES) -> list[CacheKind]:
+    """What evalsuite keeps between runs (`evalsuite cache`): each kind's folder, entries and bytes. Token
+    ids and passed load plans (`$EVALSUITE_CACHE`) are kept under `$EVALSUITE_CACHE_MAX_MB` together, the
+    least recently used dropped first; file digests are not evicted; fixtures are shown, never removed here.
+
+    Args:
+        clear: first remove every kind but the fixtures; what each held before is returned.
+        fixtures: the fixtures folder to show.
+    """
+    from evalsuite.run_cache import cache_usage, clear_cache
+
+    return clear_cache(fixtures) if clear else cache_usage(fixtures)

@@ -79,7 +79,15 @@ _QUANT_METHODS: dict[str, CheckpointFormat] = {
     "modelopt": "modelopt",
 }
 
-# Files that hold what a tokenizer does; two checkpoints whose files are byte-identical tokenize alike.
+# Every file of a folder a tokenizer load may read, as glob patterns in the folder: two checkpoints whose such
+# files are byte-identical tokenize alike, and the token cache (`evalsuite.run_cache`) is keyed by them. From
+# Transformers 5.24's `PreTrainedTokenizerBase.from_pretrained`: the files every class reads beside its own
+# (added_tokens.json and special_tokens_map.json among them: "kept only for legacy", but read), a versioned
+# fast tokenizer file, the extra chat templates, the SentencePiece / tiktoken / tekken files it falls back to
+# (any `*.model` in the folder); then every tokenizer class's `VOCAB_FILES_NAMES`. config.json, from which
+# AutoTokenizer may pick the class, is keyed beside them where it matters. The first eight come first, in
+# their old order: a folder holding only those keeps its hash. tests/unit/test_tokenizer_files.py checks the
+# list against the installed Transformers.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -89,6 +97,26 @@ TOKENIZER_FILES = (
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
+    "added_tokens.json",
+    "tokenizer.*.json",
+    "additional_chat_templates/*.jinja",
+    "*.model",
+    "tokenizer.model.*",
+    "*tekken*.json",
+    "*.tiktoken",
+    "*.spm",
+    "vocab.*",
+    "vocab-*.json",
+    "bpe.codes",
+    "byte_maps.json",
+    "dict.txt",
+    "emoji.json",
+    "entity_vocab.json",
+    "normalizer.json",
+    "prophetnet.tokenizer",
+    "target_vocab.json",
+    "word_pronunciation.json",
+    "word_shape.json",
 )
 # Files of a checkpoint folder that say nothing about how the model computes: documentation, pictures,
 # repository metadata, file manifests. Every other top-level file is part of the checkpoint's content.
@@ -190,13 +218,21 @@ class Checkpoint:
 
     @property
     def tokenizer_sha256(self) -> str:
-        """Hash of the tokenizer files present in the folder (names and bytes)."""
+        """Hash of the tokenizer files present in the folder (`tokenizer_files`: names and bytes)."""
         digest = hashlib.sha256()
-        for name in TOKENIZER_FILES:
-            path = self.path / name
-            if path.is_file():
-                digest.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+        for path in self.tokenizer_files():
+            name = path.relative_to(self.path).as_posix()
+            digest.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
         return digest.hexdigest()
+
+    def tokenizer_files(self) -> list[Path]:
+        """The files of the folder a tokenizer load may read (`TOKENIZER_FILES`), each once, in that order."""
+        found: dict[Path, None] = {}
+        for pattern in TOKENIZER_FILES:
+            for path in sorted(self.path.glob(pattern)):
+                if path.is_file():
+                    found.setdefault(path, None)
+        return list(found)
 
     def load_tokenizer(self, *, trust_remote_code: bool = False) -> Any:
         """The checkpoint's own tokenizer, read from its files by Transformers (no model)."""

@@ -1,4 +1,5 @@
-"""The command line: `run`, `compare`, `record`, `report`, `fixtures`, `demo`, `manifest`, `tasks`, `inspect`.
+"""The command line: `run`, `compare`, `record`, `report`, `fixtures`, `demo`, `manifest`, `tasks`, `inspect`,
+`cache`.
 
 Exit codes: 0 every check passed, 1 a check failed (a regression), 2 the run could not be done (bad input, a
 missing dependency), 3 an internal error (any other exception: a bug, a changed library), 4 out of resources
@@ -30,6 +31,7 @@ from evalsuite.api import (  # noqa: F401
     default_run_folder,
     read_thresholds,
     resolve_source,
+    tune_allocator,
 )
 from evalsuite.cli_demo import DEMO_CKPT, DEMO_OUT, DEMO_TASKS, DEMO_THRESHOLDS, VISION_DEMO_OUT  # noqa: F401
 from evalsuite.cli_output import (  # noqa: F401
@@ -443,6 +445,27 @@ def inspect_command(
     return 0
 
 
+@app.command("cache")
+def cache_command(
+    clear: Annotated[bool, typer.Option("--clear", help="Remove every kind but the fixtures.")] = False,
+    fixtures: Annotated[Path, typer.Option(help="The fixtures folder to show.")] = DEFAULT_FIXTURES,
+) -> int:
+    """Show what evalsuite keeps between runs: each kind's entries, bytes and folder.
+
+    Token ids and passed load plans ($EVALSUITE_CACHE, default ~/.cache/evalsuite) are kept under
+    $EVALSUITE_CACHE_MAX_MB megabytes together (default 256), the least recently used dropped first; file
+    digests are not evicted (dropping one costs hashing its checkpoint again); fixtures are shown, never
+    removed here (`evalsuite fixtures` rebuilds them, in minutes). `--clear` removes all but the fixtures.
+    """
+    from evalsuite import api
+
+    for kind in api.cache(clear=clear, fixtures=fixtures):
+        what = "removed" if clear and kind.clearable else "kept" if clear else ""
+        line = f"{kind.name}\t{kind.entries} entries\t{kind.size_bytes:,} bytes\t{kind.folder}\t{what}"
+        print(line.rstrip("\t"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: map evalsuite errors to one line and exit code 2 (4 out of resources)."""
     args = sys.argv[1:] if argv is None else argv
@@ -459,6 +482,7 @@ def main(argv: list[str] | None = None) -> None:
         # Piped help is typer's rich panels at 80 columns, which cut option names: give it room.
         os.environ.setdefault("TERMINAL_WIDTH", "120")
     output_folder.set(None)  # an in-process caller may run several commands
+    tune_allocator()  # the process is evalsuite's own: its loads keep their temporaries in the heaps
     try:
         code = app(args=args, prog_name="evalsuite", standalone_mode=False)
         if code == 130:  # typer turns Ctrl-C into exit code 130, silently

@@ -4,6 +4,11 @@ glibc serves an allocation below its mmap threshold from its heaps, which keep f
 than return them; the threshold rises (to 32 MiB at most on 64-bit) each time a mapped chunk is freed. A load
 keeps its temporaries in the heaps for reuse (`heap_kept_while_loading`); a long window's reduction maps its
 large ones (`map_large_allocations`). Nothing here exists outside glibc: elsewhere every function is a no-op.
+
+The thresholds are the process's, and glibc cannot give them back: once `mallopt` has set the mmap or the trim
+threshold, its dynamic adjustment of both is off for good, and it reports neither. So they are set only in a
+process that chose them (`allow_thresholds`): the command line does, as it starts; a program that calls
+`evalsuite.run` keeps its own allocator unless it calls `evalsuite.tune_allocator` first.
 """
 
 from __future__ import annotations
@@ -41,9 +46,20 @@ def _glibc() -> Any:
 
 
 _LIBC = _glibc()
+# Whether this process chose evalsuite's thresholds (`allow_thresholds`): until it does, nothing is set.
+_allowed = False
 # The threshold outside a load, restored after each (glibc does not report it): its usual ceiling, or
 # `LARGE_MMAP_THRESHOLD` once `map_large_allocations` has made that the process's for good.
 _running_threshold = RUNNING_MMAP_THRESHOLD
+
+
+def allow_thresholds() -> bool:
+    """Let evalsuite set glibc's thresholds in this process from now on, for good (a load's, then the running
+    ones; `map_large_allocations`); whether they will be (not on another C library). The command line calls
+    it as it starts; a program calls it through `evalsuite.tune_allocator`."""
+    global _allowed
+    _allowed = _LIBC is not None
+    return _allowed
 
 
 def release_freed_memory() -> None:
@@ -63,8 +79,11 @@ def heap_kept_while_loading() -> Iterator[None]:
     temporaries of the per-expert tensors' sizes, hundreds of times a layer. Mapped each time, or trimmed from
     the heap's top each time they are freed (glibc trims above 128 KiB once the threshold is set by hand),
     every page of every temporary costs a page fault; kept, the next expert reuses them (bench/ppl.py: the
-    wide W4A8 load, and its peak, which this does not raise)."""
-    if _LIBC is None:
+    wide W4A8 load, and its peak, which this does not raise).
+
+    Only where the process chose evalsuite's thresholds (`allow_thresholds`): elsewhere the load runs under
+    the caller's allocator, as it found it, since what the thresholds were before cannot be read back."""
+    if not _allowed:
         yield
         return
     _LIBC.mallopt(_M_TRIM_THRESHOLD, LOADING_TRIM_THRESHOLD)
@@ -79,17 +98,17 @@ def heap_kept_while_loading() -> Iterator[None]:
 
 def map_large_allocations() -> bool:
     """From now on in this process, every allocation of 1 MiB or more (`LARGE_MMAP_THRESHOLD`) is mapped
-    on its own and returned to the system when freed, loads or not; whether it applied (not on another C
-    library).
+    on its own and returned to the system when freed, loads or not; whether it applied.
 
     Why: a long window's reduction allocates thousands of same-sized temporaries (a block of float64
     log-probs, its copies: 6 MB at a 49 k vocabulary, 32 MB at 248 k) between small results that live on, in
     the arena of whichever torch thread asked: the small results split the freed blocks, the next block does
     not fit the holes, and the arenas grow by a block each time, to many times the window's own working
     memory (bench/long_context.py measures the whole process). A load still keeps its own temporaries in the
-    heaps, and trims them when done (`heap_kept_while_loading`)."""
+    heaps, and trims them when done (`heap_kept_while_loading`). Nothing is set (False) unless the process
+    chose evalsuite's thresholds (`allow_thresholds`)."""
     global _running_threshold
-    if _LIBC is None:
+    if not _allowed:
         return False
     _running_threshold = LARGE_MMAP_THRESHOLD
     return bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, _running_threshold))

@@ -20,7 +20,6 @@ from pydantic import model_validator
 
 from evalsuite import logit_rows, metrics
 from evalsuite.backends.layer_pass import LayerVisitor, QuietVisitor
-from evalsuite.checkpoint import TOKENIZER_FILES
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.run_cache import RunCache
@@ -141,7 +140,7 @@ def _token_cache_key(side: Side, corpus: Corpus, protocol: WindowProtocol) -> di
     checkpoint = side.checkpoint
     if side.options.trust_remote_code or checkpoint.gguf_file is not None:
         return None
-    if not any((checkpoint.path / name).is_file() for name in TOKENIZER_FILES):
+    if not checkpoint.tokenizer_files():
         return None
     config = checkpoint.path / "config.json"
     config_sha = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else ""
