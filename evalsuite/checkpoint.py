@@ -299,11 +299,11 @@ class Checkpoint:
 
     @contextlib.contextmanager
     def open_tensors(self, names: Iterable[str]) -> Iterator[dict[str, MappedRead]]:
-        """Lazy handles of `names` for the duration of the block: safetensors slices, each read only when
-        indexed, as Transformers' own loader takes them; a whole read (`handle[...]`) is a private mapping
-        of that tensor's bytes alone (`evalsuite.mapped_tensors`), whose pages count in resident memory only
-        while the tensor lives, unlike a mapped shard's. Only the shards holding `names` are opened.
-        Unknown names are rejected before anything is opened."""
+        """Lazy handles of `names` for the duration of the block, as Transformers' own loader takes
+        safetensors slices: a whole read (`handle[...]`) is a view of the shard's private mapping whose pages
+        are handed back when the tensor is freed (`evalsuite.mapped_tensors`), one mapping per shard however
+        many tensors it holds. Only the shards holding `names` are mapped, each checked to be the file whose
+        header was read. Unknown names are rejected before anything is opened."""
         infos = [self._info(n) for n in names]
         mappings = {}
         for shard in dict.fromkeys(info.shard for info in infos):
@@ -413,7 +413,6 @@ def _open_folder(folder: Path, extra_roots: tuple[Path, ...]) -> Checkpoint:
             raise InputError(f"several .gguf files ({names}): pass a folder with one", folder)
         gguf_file = ggufs[0]
         check_inside(gguf_file, roots)
-        total_bytes = gguf_file.stat().st_size
         with gguf_file.open("rb") as f:
             identities[gguf_file] = FileIdentity.of(os.fstat(f.fileno()))
             head = f.read(GGUF_FINGERPRINT_BYTES)

@@ -503,6 +503,10 @@ def main(argv: list[str] | None = None) -> None:
         exc.show()
         sys.exit(2)
     except Exception as exc:
+        # A leased file about to change ended the run, whatever a handler made of its error on the way out.
+        if changed := file_leases.change_heard():
+            print(f"evalsuite: error: {changed}", file=sys.stderr)
+            sys.exit(2)
         if is_out_of_memory(exc):  # wherever it happens: the machine's limit, not a bug (exit 4)
             print(f"evalsuite: error: {out_of_memory_line(exc)}; {write_traceback(exc)}", file=sys.stderr)
             sys.exit(4)
@@ -527,10 +531,6 @@ def write_traceback(exc: BaseException) -> str:
     for candidate in ([folder / TRACEBACK_NAME] if folder is not None else []) + [
         Path(tempfile.gettempdir()) / f"evalsuite-traceback-{os.getpid()}.txt"
     ]:
-        # A leased file about to change ended the run, whatever a handler made of its error on the way out.
-        if changed := file_leases.change_heard():
-            print(f"evalsuite: error: {changed}", file=sys.stderr)
-            sys.exit(2)
         try:
             write_atomic(candidate, text)
         except OSError:
