@@ -8,7 +8,7 @@ The candidates are the W4A8 copy and three copies of it with every weight scale 
       (goal <= 1.10 wall, <= 1.05 CPU: compare adds little beyond observing); `--rounds` rounds of both,
       one after the other, each round's ratio and their median printed. Each of those observations stores
       its side's logits, as `ppl` stores the reference's; `compare` stores no candidate's (each candidate
-      window is compared with the reference's as it is made: `evalsuite.tasks.paired_window_logits`), so
+      window is compared with the reference's as it is made: `evalsuite.observers.paired_window_logits`), so
       what its candidates skip counts in its favour, and their comparisons, made inside their
       observations, against it;
   (b) `evalsuite compare` as a command over four separate `evalsuite run` commands, one per candidate, each

@@ -26,7 +26,7 @@ from evalsuite.checkpoint import Checkpoint
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.exl3_encoder import encode_weight
 from evalsuite.formats.exl3 import block_tile_errors, decoded_blocks
-from evalsuite.tasks.tensor_verification._exl3 import TILE_OUTLIER_RATIO, TILE_SIGNAL_FRACTION
+from evalsuite.tasks.tensors._verification._exl3 import TILE_OUTLIER_RATIO, TILE_SIGNAL_FRACTION
 
 PAIRS = (
     ("tiny-minicpmv47-bf16", "tiny-minicpmv47-exl3"),

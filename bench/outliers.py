@@ -25,8 +25,8 @@ from figures import TEST_FIXTURES, Figures, add_arguments, recorded
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.names import TINY_BF16, TINY_W4A8
-from evalsuite.tasks.tensor_verification import ModuleRules, verify_tensors
-from evalsuite.tasks.tensor_verification._outliers import TENSOR_RATIO, TENSOR_Z
+from evalsuite.tasks.tensors._verification import ModuleRules, verify_tensors
+from evalsuite.tasks.tensors._verification._outliers import TENSOR_RATIO, TENSOR_Z
 
 PAIRS = (
     ("tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"),

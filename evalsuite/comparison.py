@@ -20,11 +20,11 @@ from evalsuite import claims, metrics, plots
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.model_card import render_alternatives
 from evalsuite.observation import Observation
+from evalsuite.observers.kld_detail import read_tokens
 from evalsuite.results import COMPARE_SCHEMA as SCHEMA
 from evalsuite.results import SCHEMA_VERSION
 from evalsuite.run_folder import RunFolder, write_atomic
 from evalsuite.run_report import format_number
-from evalsuite.tasks.kld_detail import read_tokens
 from evalsuite.tasks.lmeval import OBSERVER_NAME as LMEVAL_OBSERVER
 from evalsuite.tasks.lmeval import compare_task
 

@@ -75,29 +75,71 @@ def observe_all(
 def _passes(
     todo: list[PlannedObservation], observed: dict[str, Observation], backend: Any
 ) -> list[list[PlannedObservation]]:
-    """The side's observations in batches made together: on a streamed side, those that can ride a layer
-    pass (their observer offers a `visitor`, what they consume is observed) on the same windows form one
-    batch; every other observation is a batch of its own, in plan order."""
+    """The side's observations in batches made together. On a streamed side, every observation that can
+    ride a layer pass (its observer offers a `visitor` and says which sequences it runs) rides one: first the
+    observations the pass consumes (a reference's answers, generated before they are forced), then the pass,
+    then what consumes the pass (a candidate's continuations after its divergence); each other observation is
+    a batch of its own, in plan order."""
     from evalsuite.backends.streamed import StreamedBackend
 
-    batches: list[list[PlannedObservation]] = []
-    by_windows: dict[str, list[PlannedObservation]] = {}
-    for planned in todo:
-        rides = (
-            isinstance(backend, StreamedBackend)
-            and callable(getattr(planned.need.observer, "visitor", None))
-            and all(key in observed for key in planned.consumes.values())
-            and "tokens_sha256" in planned.inputs
-        )
-        if not rides:
-            batches.append([planned])
-            continue
-        windows = str(planned.inputs["tokens_sha256"])
-        if windows not in by_windows:
-            by_windows[windows] = []
-            batches.append(by_windows[windows])
-        by_windows[windows].append(planned)
-    return batches
+    if not isinstance(backend, StreamedBackend):
+        return [[planned] for planned in todo]
+    riders = [p for p in todo if _can_ride(p)]
+    made = set(observed)
+    before: list[PlannedObservation] = []
+    waiting = [p for p in todo if p not in riders]
+    progressed = True
+    while progressed:  # what the pass needs, made first, in plan order
+        progressed = False
+        for planned in list(waiting):
+            if set(planned.consumes.values()) <= made and _needed_by(planned, riders, todo):
+                before.append(planned)
+                waiting.remove(planned)
+                made.add(planned.key)
+                progressed = True
+    shared = [p for p in riders if set(p.consumes.values()) <= made]
+    after = [p for p in todo if p not in before and p not in shared]
+    return [[p] for p in before] + ([shared] if shared else []) + [[p] for p in after]
+
+
+def _needed_by(
+    planned: PlannedObservation, riders: list[PlannedObservation], todo: list[PlannedObservation]
+) -> bool:
+    """Whether a rider of the pass consumes `planned`, directly or through other observations."""
+    wanted = {key for rider in riders for key in rider.consumes.values()}
+    by_key = {p.key: p for p in todo}
+    seen: set[str] = set()
+    while wanted - seen:
+        key = (wanted - seen).pop()
+        seen.add(key)
+        if key == planned.key:
+            return True
+        if key in by_key:
+            wanted |= set(by_key[key].consumes.values())
+    return False
+
+
+def _can_ride(planned: PlannedObservation) -> bool:
+    """Whether an observation can be made in a layer pass: its observer offers a `visitor` and says which
+    sequences it runs (`pass_sequences`), or runs a protocol's windows."""
+    observer = planned.need.observer
+    if not callable(getattr(observer, "visitor", None)):
+        return False
+    return callable(getattr(observer, "pass_sequences", None)) or (
+        "tokens_sha256" in planned.inputs and "windows" in planned.inputs
+    )
+
+
+def _sequences(planned: PlannedObservation, inputs: dict[str, Any]) -> list[Any]:
+    """The sequences an observation runs in a layer pass (`_can_ride`), given its inputs (what it consumes
+    among them)."""
+    from evalsuite.backends.layer_pass import window_sequences
+    from evalsuite.observers.window_logits import window_tensor
+
+    observer = planned.need.observer
+    if callable(getattr(observer, "pass_sequences", None)):
+        return observer.pass_sequences(inputs)
+    return window_sequences(window_tensor(inputs), str(inputs["tokens_sha256"]))
 
 
 def _observe_batch(
@@ -129,14 +171,14 @@ def _observe_batch(
             made = [batch[0].need.observer.observe(backend, inputs[0], works[0], labelled)]
     else:
         from evalsuite.backends.layer_pass import run_layer_pass
-        from evalsuite.tasks.window_logits import window_tensor
 
         names = ", ".join(p.need.observer.name for p in batch)
         visitors = [
-            (p.need.observer.visitor(backend, i, w), w) for p, i, w in zip(batch, inputs, works, strict=True)
+            (p.need.observer.visitor(backend, i, w), w, _sequences(p, i))
+            for p, i, w in zip(batch, inputs, works, strict=True)
         ]
         step = labelled(f"layers ({names})", backend.n_layers)
-        made = run_layer_pass(backend, window_tensor(batch[0].inputs), visitors, step)
+        made = run_layer_pass(backend, visitors, step)
     # What was observed is saved under the digest of files that must still be those files: one replaced
     # by a rename since its header was read (no lease hears of that) ends the run here, naming it.
     for planned in batch[:1]:

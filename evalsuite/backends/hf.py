@@ -7,15 +7,14 @@ import copy
 import functools
 import gc
 import io
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from evalsuite.backends.c_heap import heap_kept_while_loading
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
+from evalsuite.backends.greedy import Generation, greedy_batch
 from evalsuite.backends.intref_plan import DYNAMIC_INT8_PER_TOKEN
 from evalsuite.backends.load_lock import MODEL_LOADS, tensors_read_when_converted
 from evalsuite.backends.options import (
@@ -107,17 +106,6 @@ def _meta_model(config: Any, dtype: torch.dtype, checkpoint: Checkpoint, buffers
         ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
-
-
-@dataclass
-class Generation:
-    """A greedy generation: the new tokens and, per step, the top-k ids and log-probs (and optionally the
-    full log-prob rows of the first steps)."""
-
-    tokens: list[int]
-    top_ids: np.ndarray  # (steps, k) int64
-    top_logp: np.ndarray  # (steps, k) float32
-    full_logp: np.ndarray  # (min(full_steps, steps), vocab) float32
 
 
 def transformers_config(checkpoint: Checkpoint, options: BackendOptions) -> tuple[Any, dict[str, Any]]:
@@ -417,40 +405,21 @@ class HFBackend:
         one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         return self.model(input_ids=one, use_cache=False).logits
 
-    @torch.inference_mode()
     def generate_greedy(
         self, inputs: dict[str, torch.Tensor], max_new_tokens: int, top_k: int = 5, full_steps: int = 0
     ) -> Generation:
-        """Greedy decoding of one prompt, with the top-k log-probs of every step.
+        """Greedy decoding of one prompt, with the top-k log-probs of every step (`greedy.greedy_batch`)."""
+        return greedy_batch(self.model, self.device, [inputs], [max_new_tokens], top_k, full_steps)[0]
 
-        A fresh GenerationConfig: the checkpoint's own generation_config.json (sampling, repetition penalty)
-        must not change what "greedy" means between two sides. The log-probs are of the raw logits, which
-        greedy decoding takes the argmax of. `full_steps` keeps the whole distribution of the first steps.
-        """
-        from transformers import GenerationConfig
-
-        eos = self.model.generation_config.eos_token_id
-        config = GenerationConfig(
-            do_sample=False,
-            num_beams=1,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=self.model.generation_config.pad_token_id or (eos if isinstance(eos, int) else None),
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        out = self.model.generate(**batch, generation_config=config)
-        prompt_length = batch["input_ids"].shape[1]
-        tokens = out.sequences[0, prompt_length:].tolist()
-        logp = torch.log_softmax(torch.cat(out.logits).float(), dim=-1).cpu()  # (steps, vocab)
-        top_logp, top_ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
-        return Generation(
-            tokens=tokens,
-            top_ids=top_ids.numpy(),
-            top_logp=top_logp.numpy(),
-            full_logp=logp[:full_steps].numpy().copy(),
-        )
+    def generate_greedy_batch(
+        self,
+        prompts: Sequence[dict[str, torch.Tensor]],
+        max_new_tokens: Sequence[int],
+        top_k: int = 5,
+        full_steps: int = 0,
+    ) -> list[Generation]:
+        """Greedy decoding of `prompts` as one batch (`greedy.greedy_batch`), each up to its own length."""
+        return greedy_batch(self.model, self.device, prompts, max_new_tokens, top_k, full_steps)
 
     def image_features(self, inputs: dict[str, Any]) -> torch.Tensor:
         """The vision tower and merger's output for the visual inputs (see the module's `image_features`)."""

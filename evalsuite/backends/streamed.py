@@ -39,7 +39,8 @@ Transformers' loading internals used here (`convert_and_load_state_dict_in_model
 Backend `exl3`: the pack's Transformers model from `DecodedSkeleton`, each unit's EXL3 Linears decoded on the
 CPU when it is materialised, as a whole load decodes them (`DecodedExl3Layers`).
 
-Generation does not apply: decoding one token at a time would read every layer from the files per token.
+Generation (`generate_greedy_batch`): the model's own `generate`, each decoder layer read from the files for
+each of its forwards, one per new token for a whole batch of prompts (`evalsuite.backends.greedy`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import contextlib
 import functools
 import gc
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ from torch import nn
 
 from evalsuite.backends.c_heap import release_freed_memory
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
+from evalsuite.backends.greedy import Generation, greedy_batch
 from evalsuite.backends.hf import (
     hf_execution,
     image_features,
@@ -139,6 +141,28 @@ class _Replay(_StandIn):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return hidden_states if self.output is None else self.output
+
+
+class _ReadPerCall(_StandIn):
+    """Stands for decoder layer `index` during the model's own forward (its `generate`), materialising the
+    layer from the files for each call, then freeing it: a forward reads each layer once."""
+
+    def __init__(self, layer: nn.Module, index: int, backend: StreamedBackend) -> None:
+        super().__init__(layer)
+        self.__dict__["_backend"] = backend
+        self.index = index
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        backend, index = self.__dict__["_backend"], self.index
+        # The loader materialises the module the model holds at this place: the layer itself, for the call.
+        backend.layers[index] = self.__dict__["_replaced"]
+        try:
+            with backend.resident(index) as layer, torch.inference_mode():
+                return layer(hidden_states, *args, **kwargs)
+        finally:
+            # Freeing may have put a fresh skeleton in the layer's place (`TransformersLayers.free_layer`).
+            self.__dict__["_replaced"] = backend.layers[index]
+            backend.layers[index] = self
 
 
 class StreamedBackend:
@@ -224,15 +248,24 @@ class StreamedBackend:
     def capture(self, window: torch.Tensor) -> WindowCall:
         """Run the model's own forward on one window (token ids) up to its decoder layers, recording what it
         hands each of them."""
+        return self._capture(window, {"input_ids": window.reshape(1, -1)})
+
+    def capture_inputs(self, inputs: dict[str, Any]) -> WindowCall:
+        """`capture` of a sequence the model takes with other inputs than its token ids (a question about an
+        image, processed): the vision tower read first, the model's own forward merging its features."""
+        self._load_vision()
+        return self._capture(inputs["input_ids"].reshape(-1), inputs)
+
+    def _capture(self, window: torch.Tensor, inputs: dict[str, Any]) -> WindowCall:
         call = WindowCall(window=window, layer_args=[None] * self.n_layers)
-        ids = window.reshape(1, -1).to(self.device)
+        model_inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         last = self.n_layers - 1
         with (
             self._standing_in(lambda i, layer: _Recorder(layer, i, call, i == last)),
             torch.inference_mode(),
             contextlib.suppress(_StopForward),
         ):
-            self.model(input_ids=ids, use_cache=False)
+            self.model(**model_inputs, use_cache=False)
         if call.hidden is None or any(args is None for args in call.layer_args):
             raise InputError(
                 f"the forward of {type(self.model).__name__} did not call each of its decoder layers once: "
@@ -333,17 +366,46 @@ class StreamedBackend:
 
     def generate_greedy(
         self, inputs: dict[str, torch.Tensor], max_new_tokens: int, top_k: int = 5, full_steps: int = 0
-    ) -> Any:
-        """Not available: generating would read every layer from the files for every new token."""
-        raise InputError("streamed execution does not generate; tasks that generate load the whole model")
+    ) -> Generation:
+        """Greedy decoding of one prompt (`generate_greedy_batch`)."""
+        return self.generate_greedy_batch([inputs], [max_new_tokens], top_k, full_steps)[0]
+
+    def generate_greedy_batch(
+        self,
+        prompts: Sequence[dict[str, Any]],
+        max_new_tokens: Sequence[int],
+        top_k: int = 5,
+        full_steps: int = 0,
+    ) -> list[Generation]:
+        """Greedy decoding of `prompts` as one batch by the model's own `generate` (`greedy.greedy_batch`),
+        each decoder layer materialised from the files for each forward and freed after it: the prompts'
+        first forward, then one per new token for the whole batch, each reading every layer once (counted in
+        `layer_loads`). The caches (attention's keys and values, a linear-attention layer's recurrent and
+        convolution states) are Transformers' own, kept between forwards as in a loaded model's generation;
+        the layer is the module a loaded model holds, so the answers are a loaded run's of the same batch."""
+        if any("pixel_values" in p or any("video" in k for k in p) for p in prompts):
+            self._load_vision()
+        real = list(self.layers)
+        for index, layer in enumerate(real):
+            self.layers[index] = _ReadPerCall(layer, index, self)
+        try:
+            return greedy_batch(self.model, self.device, prompts, max_new_tokens, top_k, full_steps)
+        finally:
+            for index in range(self.n_layers):
+                stand_in = self.layers[index]
+                if isinstance(stand_in, _ReadPerCall):
+                    self.layers[index] = stand_in.__dict__["_replaced"]
 
     def image_features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The vision tower and merger's output: read at the first image, resident from then on."""
+        self._load_vision()
+        return image_features(self.model, self.device, inputs, self.checkpoint)
+
+    def _load_vision(self) -> None:
         if not self._vision_loaded:
             with contextlib.redirect_stderr(io.StringIO()):
                 self.loader.load_vision()
             self._vision_loaded = True
-        return image_features(self.model, self.device, inputs, self.checkpoint)
 
     def close(self) -> None:
         del self.model, self.layers, self.loader

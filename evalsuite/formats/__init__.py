@@ -4,7 +4,7 @@ quantized format provides.
 A format module (`compressed_tensors`, `exl3`) knows what a quantized module stores in place of its source
 weight, how its scheme and bits are read from the stored tensors and the config, and how it decodes
 (`ct_decode` is the independent compressed-tensors decoder). Verifying a candidate against its source is
-the `tensors` task's business (`evalsuite.tasks.tensor_verification`), not a format's. This module imports
+the `tensors` task's business (`evalsuite.tasks.tensors._verification`), not a format's. This module imports
 none of its submodules: they import it.
 
 Memory is bounded by a block of rows, not by the tensor: every tensor is read in row blocks from its shard,

@@ -17,7 +17,7 @@ its `stored_tensors` (shape, n_bytes, dtype as `str(torch dtype)`), and for an E
 embedding even where the source tied them (`tie_word_embeddings` becomes false).
 
 The tensors task checks the stored tensors and these claims against each other and against the source
-(`evalsuite.tasks.tensor_verification`); the `exl3` backend runs the decoded weights.
+(`evalsuite.tasks.tensors._verification`); the `exl3` backend runs the decoded weights.
 """
 
 from __future__ import annotations

@@ -37,17 +37,17 @@ from torch import nn
 from evalsuite import metrics, plots
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
-from evalsuite.side import Side
-from evalsuite.spec import StrictModel, TaskSpec
-from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, TaskSkipped, task
-from evalsuite.tasks.boundary_states import BoundaryStates, check_same_model, read_boundary
-from evalsuite.tasks.ppl import CompareOptions
-from evalsuite.tasks.window_logits import (
+from evalsuite.observers.boundary_states import BoundaryStates, check_same_model, read_boundary
+from evalsuite.observers.window_logits import (
     WindowProtocol,
     log_softmax64,
     prepare_windows,
     window_tensor,
 )
+from evalsuite.side import Side
+from evalsuite.spec import StrictModel, TaskSpec
+from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.tasks.ppl import CompareOptions
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedPair

@@ -22,13 +22,9 @@ from evalsuite.backends.intref_plan import ActivationConvention, integer_modules
 from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
-from evalsuite.side import Side
-from evalsuite.spec import TaskSpec
-from evalsuite.task import Inputs, Need, RunContext, TaskResult, TaskSkipped, task
-from evalsuite.tasks.kld_detail import against_floor
-from evalsuite.tasks.noise_floor import NoiseFloorOptions, NoisyWindowLogits
-from evalsuite.tasks.ppl import CompareOptions
-from evalsuite.tasks.window_logits import (
+from evalsuite.observers.kld_detail import against_floor
+from evalsuite.observers.noise_floor import NoiseFloorOptions, NoisyWindowLogits
+from evalsuite.observers.window_logits import (
     RecordOptions,
     WindowLogits,
     WindowProtocol,
@@ -37,6 +33,10 @@ from evalsuite.tasks.window_logits import (
     prepare_windows,
     same_inputs,
 )
+from evalsuite.side import Side
+from evalsuite.spec import TaskSpec
+from evalsuite.task import Inputs, Need, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.tasks.ppl import CompareOptions
 
 
 class IntrefSpec(TaskSpec):

@@ -15,7 +15,7 @@ Design (one model resident at a time): the reference's states at every layer bou
 (`Need.consumes`) and streams the candidate alone, feeding each of its layers both its own states and the
 reference's, read back from the boundary files. No moment holds a layer of each side, let alone two models,
 and a recorded reference serves without its weights. The price is the reference's boundary states on disk:
-(layers + 1) × hidden × 2 bytes per token in bf16 (`evalsuite.tasks.boundary_states`).
+(layers + 1) × hidden × 2 bytes per token in bf16 (`evalsuite.observers.boundary_states`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,7 @@ import torch
 from evalsuite import plots
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, ReferenceInput, observe_alone
 from evalsuite.observation import Observation
-from evalsuite.side import Side
-from evalsuite.spec import TaskSpec
-from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, task
-from evalsuite.tasks.boundary_states import (
+from evalsuite.observers.boundary_states import (
     BoundaryStates,
     FedOptions,
     FedWindowObserver,
@@ -42,7 +39,10 @@ from evalsuite.tasks.boundary_states import (
     state_errors,
     summed_errors,
 )
-from evalsuite.tasks.window_logits import WindowProtocol, prepare_windows, window_tensor
+from evalsuite.observers.window_logits import WindowProtocol, prepare_windows, window_tensor
+from evalsuite.side import Side
+from evalsuite.spec import TaskSpec
+from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, task
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend, WindowCall

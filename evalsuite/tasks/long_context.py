@@ -2,7 +2,7 @@
 by position in the window.
 
 How a long window is observed (the head applied a chunk of positions at a time, each chunk reduced at once to
-what the comparison needs) is `evalsuite.tasks.compact_window_logits`.
+what the comparison needs) is `evalsuite.observers.compact_window_logits`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pydantic import Field
 
 from evalsuite import metrics
 from evalsuite.errors import InputError
+from evalsuite.observers.window_logits import WindowProtocol
 from evalsuite.spec import StrictModel
 from evalsuite.task import Inputs
-from evalsuite.tasks.window_logits import WindowProtocol
 
 if TYPE_CHECKING:
     from evalsuite.side import Side

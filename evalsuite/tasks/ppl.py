@@ -11,31 +11,22 @@ import numpy as np
 
 from evalsuite import claims, metrics, plots
 from evalsuite.observation import Observation
-from evalsuite.side import Side
-from evalsuite.spec import StrictModel, TaskSpec
-from evalsuite.task import Inputs, Need, RunContext, TaskResult, task
-from evalsuite.tasks.compact_window_logits import (
+from evalsuite.observers.compact_window_logits import (
     REFERENCE_LABEL,
     detail_at_reference,
     is_at_reference,
     long_window_needs,
 )
-from evalsuite.tasks.kld_detail import (
+from evalsuite.observers.kld_detail import (
     Precision,
     detail_metrics,
     floor_metrics,
     token_detail,
     write_tokens,
 )
-from evalsuite.tasks.long_context import (
-    LongContext,
-    check_long_windows,
-    position_bucket_metrics,
-    scored_positions,
-)
-from evalsuite.tasks.noise_floor import NoiseFloorOptions, NoisyLogitsAtReference, NoisyWindowLogits
-from evalsuite.tasks.paired_window_logits import PairedWindowLogits, is_paired, paired_detail
-from evalsuite.tasks.window_logits import (
+from evalsuite.observers.noise_floor import NoiseFloorOptions, NoisyLogitsAtReference, NoisyWindowLogits
+from evalsuite.observers.paired_window_logits import PairedWindowLogits, is_paired, paired_detail
+from evalsuite.observers.window_logits import (
     FULL_VOCABULARY,
     RecordOptions,
     WindowLogits,
@@ -44,6 +35,15 @@ from evalsuite.tasks.window_logits import (
     ppl_summary,
     prepare_windows,
     same_inputs,
+)
+from evalsuite.side import Side
+from evalsuite.spec import StrictModel, TaskSpec
+from evalsuite.task import Inputs, Need, RunContext, TaskResult, task
+from evalsuite.tasks.long_context import (
+    LongContext,
+    check_long_windows,
+    position_bucket_metrics,
+    scored_positions,
 )
 
 

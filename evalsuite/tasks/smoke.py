@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 
 from evalsuite import metrics
 from evalsuite.errors import InputError
@@ -25,13 +25,22 @@ if TYPE_CHECKING:
     from evalsuite.backends import Backend
 
 DIVERGENCE_MARK = "⟦"  # where the two answers part, inside each answer in report.md
-Category = Literal["factual", "code", "arithmetic", "chinese", "instruction"]
+Category = Literal["factual", "code", "arithmetic", "chinese", "instruction", "mathematics", "chat"]
+
+
+class Message(StrictModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
 
 
 class Prompt(StrictModel):
     id: str
     category: Category
-    prompt: str
+    language: Literal["en", "zh"] = "en"
+    # One user turn (`prompt`), or a whole chat (`messages`, ending with the user's turn): either way through
+    # the side's chat template, with its generation prompt.
+    prompt: str | None = None
+    messages: list[Message] | None = None
     max_new_tokens: int
     expect: str
     # An answer that also matches `reject` fails: "Jupiter, but it's actually Saturn" names the expected
@@ -56,6 +65,20 @@ class Prompt(StrictModel):
             raise ValueError("must be between 1 and 4096")
         return value
 
+    @model_validator(mode="after")
+    def _one_form(self) -> Prompt:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` (one user turn) and `messages` (a chat)")
+        if self.messages is not None and (not self.messages or self.messages[-1].role != "user"):
+            raise ValueError("`messages` must end with the user's turn")
+        return self
+
+    def chat(self) -> list[dict[str, str]]:
+        """The prompt as chat messages."""
+        if self.messages is not None:
+            return [m.model_dump() for m in self.messages]
+        return [{"role": "user", "content": self.prompt or ""}]
+
     def matches(self, answer: str) -> bool:
         """The answer holds the expected answer and nothing the prompt rejects (case-insensitive)."""
         if self.reject is not None and re.search(self.reject, answer, flags=re.IGNORECASE):
@@ -78,15 +101,14 @@ class SmokeSpec(TaskSpec):
             raise ValueError(f"prompt ids must be unique: {sorted({i for i in ids if ids.count(i) > 1})}")
 
 
-def prompt_ids(side: Side, prompt: str) -> list[int]:
-    """The prompt through the side's chat template (generation prompt on), or plain text without one."""
+def prompt_ids(side: Side, prompt: Prompt) -> list[int]:
+    """The prompt through the side's chat template (generation prompt on), or, without a template, its turns'
+    text one after the other."""
     tokenizer = side.tokenizer
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
+        ids = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return list(tokenizer(prompt)["input_ids"])
+    return list(tokenizer("\n".join(m["content"] for m in prompt.chat()))["input_ids"])
 
 
 def ids_sha256(prompts: list[list[int]]) -> str:
@@ -105,7 +127,10 @@ class SmokeGenerations:
     def identity(self) -> dict[str, Any]:
         # The expected answers are compare-only: changing a regex never re-runs a model.
         prompts = [
-            p.model_dump(mode="json", include={"id", "prompt", "max_new_tokens"}) for p in self.spec.prompts
+            p.model_dump(
+                mode="json", include={"id", "prompt", "messages", "max_new_tokens"}, exclude_none=True
+            )
+            for p in self.spec.prompts
         ]
         return {"top_k": self.spec.generation.top_k, "prompts": prompts}
 
@@ -200,9 +225,9 @@ class Smoke:
         """Prompt ids made once (with the reference tokenizer), hashed; the candidate must agree."""
         skip_if_cannot_generate(ref, ckpt, "smoke")
         source = ckpt if ref.is_recorded else ref
-        ids = [prompt_ids(source, p.prompt) for p in self.spec.prompts]
+        ids = [prompt_ids(source, p) for p in self.spec.prompts]
         if not ref.is_recorded and ref.checkpoint.tokenizer_sha256 != ckpt.checkpoint.tokenizer_sha256:
-            other = [prompt_ids(ckpt, p.prompt) for p in self.spec.prompts]
+            other = [prompt_ids(ckpt, p) for p in self.spec.prompts]
             for prompt, a, b in zip(self.spec.prompts, ids, other, strict=True):
                 if a != b:
                     raise InputError(

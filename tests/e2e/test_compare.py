@@ -24,7 +24,7 @@ from conftest import (
 )
 
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
-from evalsuite.tasks.noise_floor import NoiseFloorOptions
+from evalsuite.observers.noise_floor import NoiseFloorOptions
 
 
 @dataclass

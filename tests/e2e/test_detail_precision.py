@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from evalsuite.observation import Observation
-from evalsuite.tasks.kld_detail import token_detail
+from evalsuite.observers.kld_detail import token_detail
 
 
 def _live_pairs(run_folder: Path) -> list[tuple[Observation, Observation]]:

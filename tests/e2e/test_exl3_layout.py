@@ -188,7 +188,7 @@ def clean_tile_scores(pack: Path, source: Path) -> list[tuple[str, int, float, f
 
 @pytest.mark.slow  # the default tier's clean runs assert tile_outliers == 0 already; this adds the margins
 def test_no_clean_tiny_pack_raises_the_tile_check(tiny_exl3_pair, tiny_mtp_exl3_pair):
-    from evalsuite.tasks.tensor_verification._exl3 import TILE_OUTLIER_RATIO, TILE_SIGNAL_FRACTION
+    from evalsuite.tasks.tensors._verification._exl3 import TILE_OUTLIER_RATIO, TILE_SIGNAL_FRACTION
 
     for pack, source in (
         (tiny_exl3_pair[TINY_EXL3], tiny_exl3_pair[TINY_BF16]),

@@ -154,7 +154,7 @@ def test_read_without_undoing_the_permutation_the_query_and_key_projections_fail
     tiny_llama, tmp_path, monkeypatch
 ):
     """What the permutation is worth: the same file read as if nothing were permuted fails on q and k."""
-    from evalsuite.tasks.tensor_verification import _gguf
+    from evalsuite.tasks.tensors._verification import _gguf
 
     (tmp_path / "pack").mkdir()
     write_llama_gguf(tiny_llama, tmp_path / "pack" / "tiny.Q8_0.gguf", "Q8_0")

@@ -24,13 +24,13 @@ from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed import StreamedBackend
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
-from evalsuite.task import no_progress
-from evalsuite.tasks.compact_window_logits import (
+from evalsuite.observers.compact_window_logits import (
     CompactWindowLogits,
     LogitsAtReference,
     detail_at_reference,
 )
-from evalsuite.tasks.window_logits import RecordOptions, WindowProtocol, tokens_sha256
+from evalsuite.observers.window_logits import RecordOptions, WindowProtocol, tokens_sha256
+from evalsuite.task import no_progress
 from tests.conftest import assert_refused, cli_in_process
 
 WINDOW = 1024

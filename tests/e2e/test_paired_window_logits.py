@@ -17,10 +17,10 @@ from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
 from evalsuite.observation import Observation
+from evalsuite.observers.kld_detail import PAIR_ARRAYS, token_detail
+from evalsuite.observers.paired_window_logits import PairedWindowLogits, is_paired, paired_detail
+from evalsuite.observers.window_logits import RecordOptions, WindowLogits, WindowProtocol, tokens_sha256
 from evalsuite.task import no_progress
-from evalsuite.tasks.kld_detail import PAIR_ARRAYS, token_detail
-from evalsuite.tasks.paired_window_logits import PairedWindowLogits, is_paired, paired_detail
-from evalsuite.tasks.window_logits import RecordOptions, WindowLogits, WindowProtocol, tokens_sha256
 
 PROTOCOL = WindowProtocol(
     window=64, starts={"first": 0, "step": 64, "count": 4}, scored={"first": 16, "last": 62}
@@ -157,7 +157,7 @@ def test_compared_beside_the_next_forward_the_observation_is_the_same(
 ):
     """Where a core is free (a GPU, or more cores than torch's threads) each window is compared in a thread
     beside the next forward: the same bytes as compared before it, as on this CPU."""
-    from evalsuite.tasks import paired_window_logits
+    from evalsuite.observers import paired_window_logits
 
     beside: list[bool] = []
     monkeypatch.setattr(

@@ -284,7 +284,7 @@ def test_a_plain_linear_target_on_an_moe_model_never_takes_its_routers(tiny_pair
     ignore list without the routers. Targets are matched on the model Transformers builds, where the router is
     no Linear, so no router is said to be targeted; a stand-in Linear would have said so for each of them."""
     from evalsuite.formats.compressed_tensors import SchemeLookup
-    from evalsuite.tasks.tensor_verification._modules import skeleton_modules
+    from evalsuite.tasks.tensors._verification._modules import skeleton_modules
 
     config = json.loads((candidate / "config.json").read_text())
     qc = config["quantization_config"]

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from evalsuite.errors import InputError
+from evalsuite.observers.noise_floor import NoiseFloorOptions
 from evalsuite.run_report import write_reports
 from evalsuite.runner import RunRequest, run
 from evalsuite.task import RunContext
-from evalsuite.tasks.noise_floor import NoiseFloorOptions
 from tests.conftest import Models, copy_checkpoint, edit_tensors, rerun, run_cli
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"

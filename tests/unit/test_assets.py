@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from evalsuite.spec import default_spec_path, load_spec
-from evalsuite.tasks.assets import SHOWN_PER_FILE, AssetRules, asset_files, compare_assets
 from evalsuite.tasks.tensors import TensorsSpec
+from evalsuite.tasks.tensors._assets import SHOWN_PER_FILE, AssetRules, asset_files, compare_assets
 
 SHIPPED = load_spec(TensorsSpec, default_spec_path("tensors")).assets
 
@@ -162,7 +162,7 @@ def test_shipped_rules_skip_tensor_maps_docs_manifests_and_weights(tmp_path):
 
 
 def test_loading_only_keys_are_no_difference_but_behaviour_is():
-    from evalsuite.tasks.assets import as_loaded
+    from evalsuite.tasks.tensors._assets import as_loaded
 
     source = {"padding_side": "right", "image_token": "<img>", "model_max_length": 512}
     saved = {

@@ -12,8 +12,8 @@ import pytest
 from scipy import stats
 
 from evalsuite import claims, metrics, token_ranks
+from evalsuite.observers.kld_detail import TokenDetail, detail_metrics
 from evalsuite.spec import Threshold, apply_threshold
-from evalsuite.tasks.kld_detail import TokenDetail, detail_metrics
 
 PER_WINDOW = 255
 

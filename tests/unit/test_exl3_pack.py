@@ -17,7 +17,7 @@ from evalsuite.errors import InputError
 from evalsuite.fixtures.exl3_encoder import encode_weight
 from evalsuite.formats import exl3
 from evalsuite.formats.exl3_decode import unpack_states
-from evalsuite.tasks.tensor_verification import ModuleRules, pair_tensors, verify_tensors
+from evalsuite.tasks.tensors._verification import ModuleRules, pair_tensors, verify_tensors
 
 MUL1 = exl3.CODEBOOK_MULTIPLIERS["mul1"]
 

@@ -15,7 +15,7 @@ from evalsuite import tensor_errors
 from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.formats import ShardReader, ct_decode, exl3
 from evalsuite.formats import compressed_tensors as ct
-from evalsuite.tasks.tensor_verification import (
+from evalsuite.tasks.tensors._verification import (
     ErrorAccumulator,
     ModuleRules,
     layer_and_projection,
@@ -207,7 +207,7 @@ def test_the_library_decodes_a_sample_of_rows_or_every_row_when_asked(tmp_path):
 
 @pytest.mark.parametrize("check", ["sample", "all"])
 def test_a_library_decode_that_differs_is_named_at_the_first_row_it_decoded(tmp_path, monkeypatch, check):
-    from evalsuite.tasks.tensor_verification import _compressed_tensors
+    from evalsuite.tasks.tensors._verification import _compressed_tensors
 
     def shifted(*args, **kwargs):
         decoded = ct.library_decode(*args, **kwargs)
@@ -558,7 +558,7 @@ def _nvfp4_library_calls(llmc_tiny, monkeypatch, differ_when_batched: bool):
     """verify_tensors of llm-compressor's NVFP4A16 pack of the tiny Llama, with every call of the library's
     decoder recorded (the real decoder; with `differ_when_batched`, a call holding rows of several tensors
     returns column 1 decoded differently)."""
-    from evalsuite.tasks.tensor_verification import _compressed_tensors
+    from evalsuite.tasks.tensors._verification import _compressed_tensors
 
     calls: list[int] = []
 

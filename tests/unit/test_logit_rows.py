@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from evalsuite import logit_rows
-from evalsuite.tasks.window_logits import numpy_rows
+from evalsuite.observers.window_logits import numpy_rows
 
 
 def _rows(dtype: torch.dtype, n: int = 12, vocab: int = 3000) -> torch.Tensor:

@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from evalsuite.tasks.logits_file import (
+from evalsuite.observers.logits_file import (
     LogitsWriter,
     core_left_for_writing,
     is_complete,
@@ -43,7 +43,7 @@ def test_a_window_written_at_once_is_the_file_written_in_the_background(tmp_path
 
 
 def test_a_background_write_only_where_a_core_is_left_for_it(monkeypatch):
-    import evalsuite.tasks.logits_file as logits_file
+    import evalsuite.observers.logits_file as logits_file
 
     logits = torch.zeros(2, 3)
     monkeypatch.setattr(logits_file, "usable_cores", lambda: 2)

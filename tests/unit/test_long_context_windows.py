@@ -10,9 +10,9 @@ from pydantic import ValidationError
 
 from evalsuite import metrics
 from evalsuite.errors import InputError
-from evalsuite.tasks.logits_file import read_rows, window_file, write_window_chunks
+from evalsuite.observers.logits_file import read_rows, window_file, write_window_chunks
+from evalsuite.observers.window_logits import WindowProtocol
 from evalsuite.tasks.long_context import LongContext, position_bucket_metrics
-from evalsuite.tasks.window_logits import WindowProtocol
 
 
 def test_position_buckets_split_by_edges_and_name_their_ranges():

@@ -11,7 +11,7 @@ import pytest
 
 from evalsuite import metrics, tensor_errors
 from evalsuite.errors import InputError
-from evalsuite.tasks.boundary_states import FedOptions
+from evalsuite.observers.boundary_states import FedOptions
 from evalsuite.tasks.moe import COVERAGE_SCHEMA, expert_count, read_coverage
 
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from evalsuite.tasks.tensor_verification._outliers import (
+from evalsuite.tasks.tensors._verification._outliers import (
     CHANNEL_RATIO,
     CHANNEL_Z,
     MIN_CHANNELS,

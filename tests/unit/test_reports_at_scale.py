@@ -19,8 +19,8 @@ from evalsuite.run_report import render_markdown
 from evalsuite.spec import default_spec_path, load_spec
 from evalsuite.task import RunContext, TaskResult
 from evalsuite.tasks.moe import COVERAGE_SCHEMA, MODES, MixtureOfExperts, MoeSpec, read_coverage
-from evalsuite.tasks.tensor_verification import TensorRow
 from evalsuite.tasks.tensors import summary_tables
+from evalsuite.tasks.tensors._verification import TensorRow
 from tests.documents import results_document
 
 N_LAYERS, N_EXPERTS, TOP_K, N_WINDOWS, WINDOW = 40, 256, 8, 8, 512

@@ -18,8 +18,8 @@ from evalsuite.corpus import load_corpus
 from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
 from evalsuite.fixtures import TINY_BF16
+from evalsuite.observers.window_logits import WindowProtocol, prepare_windows
 from evalsuite.side import open_side
-from evalsuite.tasks.window_logits import WindowProtocol, prepare_windows
 from tests.conftest import copy_checkpoint, run_cli
 
 PROTOCOL = WindowProtocol(window=64, starts={"first": 0, "step": 64, "count": 2})

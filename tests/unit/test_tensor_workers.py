@@ -9,8 +9,8 @@ import pytest
 
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_BF16, TINY_EXL3, TINY_W4A8
-from evalsuite.tasks.tensor_verification import verify_tensors
-from evalsuite.tasks.tensor_verification._engine import default_worker_kind
+from evalsuite.tasks.tensors._verification import verify_tensors
+from evalsuite.tasks.tensors._verification._engine import default_worker_kind
 from tests.conftest import copy_checkpoint, edit_tensors, wrong_scale_copy
 from tests.unit.test_formats import RULES
 

@@ -7,10 +7,10 @@ import torch
 
 from evalsuite import metrics, token_ranks
 from evalsuite.observation import Observation
+from evalsuite.observers import kld_detail
+from evalsuite.observers.logits_file import window_file, write_window_chunks
+from evalsuite.observers.window_logits import log_softmax64
 from evalsuite.task import SharedWork
-from evalsuite.tasks import kld_detail
-from evalsuite.tasks.logits_file import window_file, write_window_chunks
-from evalsuite.tasks.window_logits import log_softmax64
 
 
 def _observation(folder, windows: list[torch.Tensor], key: str) -> Observation:

@@ -23,7 +23,7 @@ from evalsuite.offline import hub_offline
 from evalsuite.side import Side
 from evalsuite.spec import TaskSpec
 from evalsuite.task import Inputs, Need, RunContext, TaskResult, TaskSkipped, task
-from evalsuite.tasks.lmeval_harness import (
+from evalsuite.tasks.lmeval._harness import (
     LmEvalSpec,
     lm_eval_api,
     load_tasks,
@@ -34,8 +34,8 @@ from evalsuite.tasks.lmeval_harness import (
     task_digest,
     without_environment_survey,
 )
-from evalsuite.tasks.lmeval_pairing import compare_task, plus_minus, side_answer, text_head, text_tail
-from evalsuite.tasks.lmeval_samples import (
+from evalsuite.tasks.lmeval._pairing import compare_task, plus_minus, side_answer, text_head, text_tail
+from evalsuite.tasks.lmeval._samples import (
     OBSERVER_NAME,
     LmEvalSamples,
     chosen_answers,

@@ -12,7 +12,7 @@ import numpy as np
 from evalsuite import tensor_errors
 from evalsuite.formats import ModuleKind, Part
 from evalsuite.formats.compressed_tensors import StoredQuantization
-from evalsuite.tasks.tensor_verification._outliers import ChannelOutliers, channel_outliers
+from evalsuite.tasks.tensors._verification._outliers import ChannelOutliers, channel_outliers
 
 TensorClass = Literal["quantized", "protected", "missing"]
 

@@ -31,10 +31,8 @@ import torch
 from evalsuite.backends.c_heap import map_large_allocations
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
-from evalsuite.run_folder import atomic_target
-from evalsuite.task import Inputs, Need, Progress
-from evalsuite.tasks.kld_detail import TOP_K_AGREEMENT, TokenDetail, kld_at_reference, top_hits_recorded
-from evalsuite.tasks.window_logits import (
+from evalsuite.observers.kld_detail import TOP_K_AGREEMENT, TokenDetail, kld_at_reference, top_hits_recorded
+from evalsuite.observers.window_logits import (
     COMPACT_ARRAYS,
     RecordOptions,
     RowScores,
@@ -45,6 +43,8 @@ from evalsuite.tasks.window_logits import (
     window_logits_meta,
     window_tensor,
 )
+from evalsuite.run_folder import atomic_target
+from evalsuite.task import Inputs, Need, Progress
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend, ChunkedHead

@@ -27,8 +27,8 @@ from evalsuite.run_folder import write_atomic, write_csv
 from evalsuite.side import Side
 from evalsuite.spec import Check, StrictModel, TaskSpec
 from evalsuite.task import Inputs, Progress, RunContext, TaskResult, TaskSkipped, no_progress, task
-from evalsuite.tasks.assets import AssetComparison, AssetRules, compare_assets
-from evalsuite.tasks.tensor_verification import (
+from evalsuite.tasks.tensors._assets import AssetComparison, AssetRules, compare_assets
+from evalsuite.tasks.tensors._verification import (
     LibraryCheck,
     ModuleRules,
     TensorRow,

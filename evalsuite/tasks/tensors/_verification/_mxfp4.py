@@ -15,8 +15,8 @@ from evalsuite.formats.ct_decode import first_difference
 from evalsuite.formats.mxfp4 import BLOCK, Mxfp4Format, decode, library_decode
 
 __all__ = ["Mxfp4Format", "Mxfp4Verifier"]
-from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
-from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
+from evalsuite.tasks.tensors._verification._one_by_one import OneByOneVerifier
+from evalsuite.tasks.tensors._verification._rows import ErrorAccumulator, Problem, TensorRow
 
 
 class Mxfp4Verifier(OneByOneVerifier):

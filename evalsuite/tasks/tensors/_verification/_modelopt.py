@@ -21,8 +21,8 @@ from evalsuite.formats.modelopt import (
     decode_nvfp4,
     layout_problems,
 )
-from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
-from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
+from evalsuite.tasks.tensors._verification._one_by_one import OneByOneVerifier
+from evalsuite.tasks.tensors._verification._rows import ErrorAccumulator, Problem, TensorRow
 
 __all__ = ["ModeloptFormat", "ModeloptVerifier"]
 

@@ -24,8 +24,8 @@ from evalsuite.formats.exl3 import (
     storage_problems,
     stored_bits,
 )
-from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
-from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
+from evalsuite.tasks.tensors._verification._one_by_one import OneByOneVerifier
+from evalsuite.tasks.tensors._verification._rows import ErrorAccumulator, Problem, TensorRow
 
 # What the decode reads of a Linear (the markers only by their presence).
 _DECODED = ("trellis", "suh", "su", "svh", "sv")

@@ -14,8 +14,8 @@ from evalsuite.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader, as_float32, row_blocks
 from evalsuite.formats.ct_decode import first_difference
 from evalsuite.formats.fp8_block import Fp8BlockFormat, decode, library_decode
-from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
-from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
+from evalsuite.tasks.tensors._verification._one_by_one import OneByOneVerifier
+from evalsuite.tasks.tensors._verification._rows import ErrorAccumulator, Problem, TensorRow
 
 
 class Fp8BlockVerifier(OneByOneVerifier):

@@ -8,7 +8,7 @@ from typing import Any
 
 from evalsuite.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader
-from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow
+from evalsuite.tasks.tensors._verification._rows import Problem, TensorRow
 
 
 class OneByOneVerifier:

@@ -51,9 +51,9 @@ from evalsuite.formats.gguf import (
     read_gguf,
     row_bytes,
 )
-from evalsuite.tasks.tensor_verification._compressed_tensors import LibraryCheck, library_runs, runs_within
-from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
-from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
+from evalsuite.tasks.tensors._verification._compressed_tensors import LibraryCheck, library_runs, runs_within
+from evalsuite.tasks.tensors._verification._one_by_one import OneByOneVerifier
+from evalsuite.tasks.tensors._verification._rows import ErrorAccumulator, Problem, TensorRow
 
 # A ggml block is broken when its largest error, over the larger of its own largest source weight and the
 # tensor's median block's, exceeds BLOCK_OUTLIER_RATIO × the tensor's median block's (itself taken as at least

@@ -11,7 +11,7 @@ import numpy as np
 
 from evalsuite.checkpoint import DTYPE_SIZES, FLOAT_DTYPES, TensorInfo
 from evalsuite.formats import NUMPY_DTYPES, ShardReader, as_float32, row_blocks, rows_and_cols
-from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
+from evalsuite.tasks.tensors._verification._rows import ErrorAccumulator, Problem, TensorRow
 
 # Floating-point dtypes a tensor may be cast between, by their bits.
 DTYPE_BITS = {"BF16": 16, "F16": 16, "F32": 32, "F64": 64}

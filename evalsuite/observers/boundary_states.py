@@ -27,10 +27,10 @@ from evalsuite import tensor_errors
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, observe_alone
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
+from evalsuite.observers.window_logits import WindowObserver, WindowProtocol, window_tensor
 from evalsuite.run_folder import atomic_target
 from evalsuite.spec import StrictModel
 from evalsuite.task import Inputs, Progress
-from evalsuite.tasks.window_logits import WindowObserver, WindowProtocol, window_tensor
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend, WindowCall

@@ -22,10 +22,10 @@ from evalsuite import logit_rows, metrics
 from evalsuite.backends.layer_pass import LayerVisitor, QuietVisitor
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
+from evalsuite.observers.logits_file import LogitsWriter, core_left_for_writing, read_rows, window_file
 from evalsuite.run_cache import RunCache
 from evalsuite.spec import StrictModel
 from evalsuite.task import Inputs, Progress, SharedWork
-from evalsuite.tasks.logits_file import LogitsWriter, core_left_for_writing, read_rows, window_file
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend

@@ -18,24 +18,24 @@ each tensor against its siblings, `_modules` tells modules apart by name and sha
 skeleton targets are matched on), `_rows` holds the typed rows of tensors.json, `_engine` pairs and streams.
 """
 
-from evalsuite.tasks.tensor_verification._compressed_tensors import LibraryCheck, library_runs
-from evalsuite.tasks.tensor_verification._engine import (
+from evalsuite.tasks.tensors._verification._compressed_tensors import LibraryCheck, library_runs
+from evalsuite.tasks.tensors._verification._engine import (
     FormatVerifier,
     Verification,
     format_verifier,
     verify_tensors,
 )
-from evalsuite.tasks.tensor_verification._gguf import check_gguf_source
-from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection
-from evalsuite.tasks.tensor_verification._pairing import Pair, pair_tensors
-from evalsuite.tasks.tensor_verification._rows import (
+from evalsuite.tasks.tensors._verification._gguf import check_gguf_source
+from evalsuite.tasks.tensors._verification._modules import ModuleRules, layer_and_projection
+from evalsuite.tasks.tensors._verification._pairing import Pair, pair_tensors
+from evalsuite.tasks.tensors._verification._rows import (
     ErrorAccumulator,
     Problem,
     TensorClass,
     TensorRow,
     UnexpectedRow,
 )
-from evalsuite.tasks.tensor_verification._same import compare_same
+from evalsuite.tasks.tensors._verification._same import compare_same
 
 __all__ = [
     "ErrorAccumulator",

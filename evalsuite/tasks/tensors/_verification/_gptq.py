@@ -15,8 +15,8 @@ import numpy as np
 from evalsuite.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader, as_float32
 from evalsuite.formats.gptq import GptqFormat, decode, layout_problems, unpack_words
-from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
-from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
+from evalsuite.tasks.tensors._verification._one_by_one import OneByOneVerifier
+from evalsuite.tasks.tensors._verification._rows import ErrorAccumulator, Problem, TensorRow
 
 
 class GptqVerifier(OneByOneVerifier):

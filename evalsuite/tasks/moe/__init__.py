@@ -44,14 +44,14 @@ from pydantic import Field
 from evalsuite import plots
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
+from evalsuite.observers.boundary_states import FedOptions, summed_errors
+from evalsuite.observers.window_logits import WindowProtocol, prepare_windows
 from evalsuite.run_folder import write_csv
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
 from evalsuite.task import Inputs, Need, RunContext, TaskResult, TaskSkipped, task
-from evalsuite.tasks.boundary_states import FedOptions, summed_errors
-from evalsuite.tasks.moe_observe import EXPERT_COUNT_FIELDS, MODES, MoeErrors, MoeReference, expert_count
-from evalsuite.tasks.moe_tables import COVERAGE_SCHEMA, ExpertTable, expert_name, read_coverage
-from evalsuite.tasks.window_logits import WindowProtocol, prepare_windows
+from evalsuite.tasks.moe._observe import EXPERT_COUNT_FIELDS, MODES, MoeErrors, MoeReference, expert_count
+from evalsuite.tasks.moe._tables import COVERAGE_SCHEMA, ExpertTable, expert_name, read_coverage
 
 # Names of moe_observe and moe_tables that callers have always imported from here.
 __all__ = ["COVERAGE_SCHEMA", "MODES", "MixtureOfExperts", "MoeSpec", "expert_count", "read_coverage"]

@@ -18,7 +18,7 @@ from evalsuite.errors import DependencyError, InputError
 from evalsuite.observation import Observation
 from evalsuite.run_folder import write_atomic
 from evalsuite.task import Inputs, Progress
-from evalsuite.tasks.lmeval_harness import (
+from evalsuite.tasks.lmeval._harness import (
     LmEvalSpec,
     lm_eval_api,
     quiet_lm_eval,

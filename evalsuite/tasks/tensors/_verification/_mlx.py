@@ -13,8 +13,8 @@ from evalsuite.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader, as_float32, row_blocks
 from evalsuite.formats.ct_decode import first_difference
 from evalsuite.formats.mlx import BITS, SCALE_BYTES, MlxFormat, decode, layout_problems, library_decode
-from evalsuite.tasks.tensor_verification._one_by_one import OneByOneVerifier
-from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
+from evalsuite.tasks.tensors._verification._one_by_one import OneByOneVerifier
+from evalsuite.tasks.tensors._verification._rows import ErrorAccumulator, Problem, TensorRow
 
 
 class MlxVerifier(OneByOneVerifier):

@@ -30,7 +30,7 @@ from evalsuite.formats.compressed_tensors import (
     stored_quantization,
 )
 from evalsuite.formats.ct_decode import first_difference, reference_decode, unpack_offset_binary
-from evalsuite.tasks.tensor_verification._rows import ErrorAccumulator, Problem, TensorRow
+from evalsuite.tasks.tensors._verification._rows import ErrorAccumulator, Problem, TensorRow
 
 # Which rows compressed-tensors' decompressor decodes a second time, beside evalsuite's decode of every row:
 # "sample" a run of LIBRARY_RUN_ROWS consecutive rows in every LIBRARY_WINDOW_ROWS rows of each tensor, "all"

@@ -13,10 +13,10 @@ from pydantic import Field
 from evalsuite.backends.layer_noise import BF16_ROUNDING, noisy_scored_states, noisy_window_logits, perturbed
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor
 from evalsuite.observation import Observation
+from evalsuite.observers.compact_window_logits import CANDIDATE_NAME, LogitsAtReference
+from evalsuite.observers.window_logits import WindowLogits, WindowLogitsVisitor
 from evalsuite.spec import StrictModel
 from evalsuite.task import Inputs, Progress
-from evalsuite.tasks.compact_window_logits import CANDIDATE_NAME, LogitsAtReference
-from evalsuite.tasks.window_logits import WindowLogits, WindowLogitsVisitor
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend, ChunkedHead

@@ -34,22 +34,21 @@ import torch
 from evalsuite.errors import InputError
 from evalsuite.logit_rows import target_nll
 from evalsuite.observation import Observation
-from evalsuite.task import Inputs
-from evalsuite.tasks.compact_window_logits import (
+from evalsuite.observers.compact_window_logits import (
     REFERENCE_LABEL,
     joined_window_parts,
     save_window_part,
     window_part,
 )
-from evalsuite.tasks.kld_detail import (
+from evalsuite.observers.kld_detail import (
     TokenDetail,
     detail_of_pairs,
     detail_threads,
     pair_blocks,
     pairs_in_threads,
 )
-from evalsuite.tasks.logits_file import Header, core_left_for_writing, read_header, read_rows
-from evalsuite.tasks.window_logits import (
+from evalsuite.observers.logits_file import Header, core_left_for_writing, read_header, read_rows
+from evalsuite.observers.window_logits import (
     WindowLogits,
     check_logits_shape,
     check_same_shape,
@@ -58,6 +57,7 @@ from evalsuite.tasks.window_logits import (
     window_paths,
     window_tensor,
 )
+from evalsuite.task import Inputs
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend

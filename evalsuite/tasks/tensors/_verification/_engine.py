@@ -25,24 +25,24 @@ from evalsuite.formats.gptq import METHODS as GPTQ_METHODS
 from evalsuite.formats.gptq import GptqFormat
 from evalsuite.machine import usable_cores
 from evalsuite.task import Progress, no_progress
-from evalsuite.tasks.tensor_verification._compressed_tensors import CompressedTensorsVerifier, LibraryCheck
-from evalsuite.tasks.tensor_verification._exl3 import Exl3Verifier
-from evalsuite.tasks.tensor_verification._fp8_block import Fp8BlockVerifier
-from evalsuite.tasks.tensor_verification._gguf import GgufVerifier
-from evalsuite.tasks.tensor_verification._gptq import GptqVerifier
-from evalsuite.tasks.tensor_verification._mlx import MlxFormat, MlxVerifier
-from evalsuite.tasks.tensor_verification._modelopt import ModeloptFormat, ModeloptVerifier
-from evalsuite.tasks.tensor_verification._modules import ModuleRules, layer_and_projection, skeleton_modules
-from evalsuite.tasks.tensor_verification._mxfp4 import Mxfp4Format, Mxfp4Verifier
-from evalsuite.tasks.tensor_verification._outliers import (
+from evalsuite.tasks.tensors._verification._compressed_tensors import CompressedTensorsVerifier, LibraryCheck
+from evalsuite.tasks.tensors._verification._exl3 import Exl3Verifier
+from evalsuite.tasks.tensors._verification._fp8_block import Fp8BlockVerifier
+from evalsuite.tasks.tensors._verification._gguf import GgufVerifier
+from evalsuite.tasks.tensors._verification._gptq import GptqVerifier
+from evalsuite.tasks.tensors._verification._mlx import MlxFormat, MlxVerifier
+from evalsuite.tasks.tensors._verification._modelopt import ModeloptFormat, ModeloptVerifier
+from evalsuite.tasks.tensors._verification._modules import ModuleRules, layer_and_projection, skeleton_modules
+from evalsuite.tasks.tensors._verification._mxfp4 import Mxfp4Format, Mxfp4Verifier
+from evalsuite.tasks.tensors._verification._outliers import (
     channel_detail,
     is_sibling_outlier,
     sibling_detail,
     sibling_outliers,
 )
-from evalsuite.tasks.tensor_verification._pairing import Pair, pair_tensors, tied_head
-from evalsuite.tasks.tensor_verification._rows import Problem, TensorRow, UnexpectedRow
-from evalsuite.tasks.tensor_verification._same import compare_same
+from evalsuite.tasks.tensors._verification._pairing import Pair, pair_tensors, tied_head
+from evalsuite.tasks.tensors._verification._rows import Problem, TensorRow, UnexpectedRow
+from evalsuite.tasks.tensors._verification._same import compare_same
 
 # A worker's unit of work: consecutive pairs, at most this many and about this many source bytes: a layer's
 # small experts share a job (and the decodes of their sampled rows); the workers stay busy to the end.

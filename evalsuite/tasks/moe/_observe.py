@@ -20,9 +20,7 @@ from evalsuite import metrics, tensor_errors
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, ReferenceInput, observe_alone
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
-from evalsuite.run_folder import atomic_target
-from evalsuite.task import Inputs, Progress
-from evalsuite.tasks.boundary_states import (
+from evalsuite.observers.boundary_states import (
     FedOptions,
     FedWindowObserver,
     ReferenceBoundaries,
@@ -31,7 +29,9 @@ from evalsuite.tasks.boundary_states import (
     state_errors,
     write_boundary,
 )
-from evalsuite.tasks.window_logits import log_softmax64, window_tensor
+from evalsuite.observers.window_logits import log_softmax64, window_tensor
+from evalsuite.run_folder import atomic_target
+from evalsuite.task import Inputs, Progress
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend, WindowCall
