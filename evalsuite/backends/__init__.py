@@ -173,6 +173,12 @@ def check_load_internals(checkpoint: Checkpoint, options: BackendOptions) -> Non
 
 
 def _check_load_plan(checkpoint: Checkpoint, options: BackendOptions) -> None:
+    if checkpoint.gguf_file is not None:
+        from evalsuite.formats.gguf import read_gguf
+
+        # Transformers reads a GGUF file's tensor table with its own reader, which holds it to no layout:
+        # the file is refused here, for every backend, where llama.cpp would refuse it (formats.gguf).
+        read_gguf(checkpoint.gguf_file)
     if options.backend == "llamacpp":
         from evalsuite.backends.llamacpp import check_llamacpp_load_plan
 

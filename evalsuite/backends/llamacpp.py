@@ -18,15 +18,23 @@ ids, but it folds the log-probabilities of a token that ends inside a UTF-8 char
 (a Chinese answer loses the top-k of half its steps), and `smoke` compares every step's top-k. Those tasks
 are skipped on this backend with that reason (`NO_GENERATION`).
 
-The server listens on a loopback port of its own for as long as the side is loaded; nothing else is
-reached. A window's token ids are sent as they are (no BOS added): the count of states returned is checked
-against the window, and the prompt's token count against the prompt.
+Why HTTP at all: the binding's in-process call, `Server.handle_embeddings`, is the OpenAI-style route, which
+refuses pooling `none` (it has no per-position states); only the server's own `/embedding` route gives them.
+So the server listens for as long as the side is loaded, on a loopback port the system picks (port 0: never
+one another run or service holds, so runs at once each have their own), its routes under a path and behind
+an API key both drawn at random for it. It is asked through an opener that ignores the proxy settings
+(`http_proxy` would otherwise carry the token ids to the proxy and its answer back as states), and before
+the first window it is checked to be the server this side started: under its secret path, its `/props` names
+this file. Nothing else is reached. A window's token ids are sent as they are (no BOS added): the count of
+states returned is checked against the window.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import secrets
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from importlib.metadata import version
@@ -49,6 +57,8 @@ HEAD_TENSORS = ("output.weight", "token_embd.weight")
 # Cohere's and Granite's scales).
 HEAD_TRANSFORMS = (".final_logit_softcapping", ".logit_scale", ".logits_scaling")
 INSTALL_HINT = "pip install 'evalsuite[llamacpp]'"
+# Requests to the side's own server: no proxy handler, whatever http_proxy and its kin say.
+LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 NO_GENERATION = (
     "backend llamacpp does not generate: llama.cpp's server folds the top-k log-probs of a token that ends "
     "inside a UTF-8 character into the next token's"
@@ -124,6 +134,8 @@ class LlamaCppBackend:
         self.vocab_size = int(self.head.shape[0])
         self._server: Any = None
         self._context = 0  # the running server's context, in tokens
+        self._base = ""  # the running server's address and secret path
+        self._key = ""  # its API key
 
     @functools.cached_property
     def tokenizer(self) -> Any:
@@ -164,28 +176,53 @@ class LlamaCppBackend:
         params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_NONE
         params.embd_normalize = -1  # the states as the final norm gives them
         params.verbosity = 0
+        params.hostnames = ["127.0.0.1"]
+        params.port = 0  # the system's pick of a free port (module docstring)
+        secret = secrets.token_hex(16)
+        params.api_keys = [secret]
+        params.api_prefix = f"/{secret}"
         try:
             self._server = xllamacpp.Server(params)
         except Exception as exc:
             raise InputError(f"llama.cpp cannot load the file: {exc}", self.checkpoint.gguf_file) from None
-        self._context = tokens
+        address = self._server.listening_address.rstrip("/")
+        if not address.startswith("http://127.0.0.1:"):
+            self._stop()
+            raise DependencyError(f"xllamacpp's server listens on {address}, not on this machine's loopback")
+        self._base, self._key, self._context = address + params.api_prefix, secret, tokens
+        props = self._ask("/props")
+        if not isinstance(props, dict) or props.get("model_path") != str(self.checkpoint.gguf_file):
+            self._stop()
+            raise DependencyError(
+                f"the server at {address} is not the one evalsuite started for {self.checkpoint.gguf_file}: "
+                f"it serves {props.get('model_path') if isinstance(props, dict) else type(props).__name__}"
+            )
         return self._server
+
+    def _ask(self, route: str, body: dict[str, Any] | None = None) -> Any:
+        """The JSON answer of the side's own server to a GET of `route` (a POST of `body`), asked on the
+        loopback with no proxy."""
+        request = urllib.request.Request(
+            self._base + route,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self._key}"},
+        )
+        try:
+            with LOOPBACK.open(request, timeout=3600) as response:
+                return json.loads(response.read())
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", None) or exc
+            raise DependencyError(
+                f"llama.cpp's server at {self._base.rsplit('/', 1)[0]} did not answer {route}: {reason}"
+            ) from None
 
     def final_states(self, window: torch.Tensor) -> torch.Tensor:
         """llama.cpp's final-norm output at every position of one window of token ids, float32
         (tokens, hidden)."""
         ids = [int(t) for t in window.reshape(-1)]
-        address = self._started(len(ids)).listening_address.rstrip("/")
-        if not address.startswith(("http://127.0.0.1:", "http://localhost:")):
-            raise InputError(f"xllamacpp's server listens on {address}, not on this machine's loopback")
-        request = urllib.request.Request(
-            address + "/embedding",
-            data=json.dumps({"content": ids}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=3600) as response:
-            doc = json.loads(response.read())
-        rows = doc[0]["embedding"] if isinstance(doc, list) and doc else None
+        self._started(len(ids))
+        doc = self._ask("/embedding", {"content": ids})
+        rows = doc[0].get("embedding") if isinstance(doc, list) and doc and isinstance(doc[0], dict) else None
         if not isinstance(rows, list) or len(rows) != len(ids):
             got = len(rows) if isinstance(rows, list) else type(doc).__name__
             raise InputError(
@@ -209,7 +246,7 @@ class LlamaCppBackend:
 
     def _stop(self) -> None:
         self._server = None  # its destructor stops the server's loop and frees the model
-        self._context = 0
+        self._context, self._base, self._key = 0, "", ""
 
     def close(self) -> None:
         self._stop()

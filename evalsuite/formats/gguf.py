@@ -13,6 +13,12 @@ What the file claims of itself is metadata: `general.architecture`, `general.fil
 rules), and the architecture's hyperparameters. The header is input from whoever published the file: any
 failure to parse it, a tensor whose bytes leave the file, or a type the `gguf` package does not know is an
 `InputError` naming the file.
+
+The layout is held to llama.cpp's rule (`gguf_init_from_file` in ggml's gguf.cpp): the tensors' data lie in
+the tensor table's order, each beginning where the one before it ends padded to the file's alignment
+(`general.alignment`, 32 when absent), the first at the data section's start. llama.cpp refuses any other
+file, so one whose tensors share bytes (two names aliasing one range, or overlapping) or leave gaps is
+refused here too, naming the tensors, before any task or backend judges what it reads there.
 """
 
 from __future__ import annotations
@@ -106,6 +112,8 @@ def read_gguf(path: Path) -> GgufFile:
         except Exception:  # a value the reader cannot show (a nested array) is not configuration either
             continue
     tensors = []
+    alignment, data_start = int(reader.alignment), int(reader.data_offset)
+    expected = 0  # where llama.cpp expects the next tensor's data, from the data section's start
     for tensor in reader.tensors:
         type_name = tensor.tensor_type.name
         block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
@@ -118,11 +126,37 @@ def read_gguf(path: Path) -> GgufFile:
             )
         nbytes = math.prod(shape) // block_size * type_size
         begin = int(tensor.data_offset)
+        if begin - data_start != expected:
+            _refuse_layout(path, tensors, tensor.name, begin, nbytes, data_start + expected)
         if begin + nbytes > size:
             raise InputError(f"tensor {tensor.name!r} ends past the end of the file ({size} bytes)", path)
         tensors.append(GgufTensor(tensor.name, type_name, shape, begin, begin + nbytes))
+        expected += -(-nbytes // alignment) * alignment
     del reader  # its memory map of the whole file
     return GgufFile(path, tensors, metadata)
+
+
+def _refuse_layout(
+    path: Path, earlier: list[GgufTensor], name: str, begin: int, nbytes: int, expected: int
+) -> None:
+    """Raise the one line for tensor `name` whose data begin at `begin` rather than at `expected`: the
+    earlier tensor whose bytes it shares where there is one (llama.cpp's check names only the offsets)."""
+    shared = next((t for t in earlier if t.data_begin < begin + max(nbytes, 1) and begin < t.data_end), None)
+    if shared is not None:
+        raise InputError(
+            f"tensors {shared.name!r} and {name!r} share bytes (data at bytes {shared.data_begin}.."
+            f"{shared.data_end} and {begin}..{begin + nbytes}): llama.cpp refuses a file whose tensors "
+            "alias or overlap",
+            path,
+        )
+    where = (
+        f"where {earlier[-1].name!r} ends, padded to the file's alignment" if earlier else "the data's start"
+    )
+    raise InputError(
+        f"tensor {name!r} has its data at byte {begin}, not at {expected} ({where}): llama.cpp refuses "
+        "tensors out of the table's order or with gaps between them",
+        path,
+    )
 
 
 def _first_line(exc: BaseException) -> str:

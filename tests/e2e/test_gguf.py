@@ -225,6 +225,32 @@ def test_a_truncated_gguf_is_refused_in_one_line_naming_the_file(tiny_llama, tin
     assert len(done.error_lines) == 1 and str(path.name) in done.error_lines[0], done.stderr
 
 
+def alias_second_tensor(path: Path) -> str:
+    """Point the file's second tensor info at the first's bytes (llama.cpp refuses such a file); what the
+    refusal names: "tensors 'first' and 'second'"."""
+    import gguf
+
+    reader = gguf.GGUFReader(path, "r+")
+    first, second = reader.tensors[:2]
+    second.field.parts[-1][0] = first.field.parts[-1][0]
+    names = f"tensors {first.name!r} and {second.name!r}"
+    del reader  # flushes the memory map
+    return names
+
+
+@pytest.mark.format_evidence(claim="refused")
+def test_a_gguf_whose_tensors_share_bytes_is_refused_in_one_line_naming_the_file_and_them(
+    tiny_llama, tiny_ggufs, tmp_path
+):
+    folder, path = gguf_copy(tiny_ggufs["q8_0"], tmp_path / "pack")
+    names = alias_second_tensor(path)
+    done = run_cli("run", "--ckpt", folder, "--ref", tiny_llama, "--tasks", "tensors",
+                   "--out", tmp_path / "run", "--quiet")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert len(done.error_lines) == 1, done.stderr
+    assert str(path) in done.error_lines[0] and f"{names} share bytes" in done.error_lines[0], done.stderr
+
+
 def test_the_memory_plan_of_a_gguf_file_is_its_source_s_dequantized(tiny_llama, tiny_ggufs):
     """Transformers dequantizes a GGUF file into the compute dtype: the plan counts its tensors (read from
     the GGUF header) at the dtype's bytes, as it counts the BF16 source's (0 bytes once: no safetensors)."""

@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from evalsuite.fixtures.smollm2 import smollm2_gguf_path
 from tests.conftest import FIXTURES, run_cli
+from tests.e2e.test_gguf import alias_second_tensor
 from tests.e2e.test_streamed import TWO_WINDOWS
 
 PPL_SPEC = TWO_WINDOWS + "[thresholds]\nppl_ratio = { max = 1.05 }\n"
+# The variables urllib (and most HTTP clients) take a proxy from.
+PROXY_VARIABLES = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +33,31 @@ def q4_1(smollm2_pair, tmp_path_factory) -> Path:
     return folder
 
 
-def ppl_run(ckpt: Path, ref: Path, backend: str, out: Path, tasks: str = "ppl") -> dict:
+def ppl_run(
+    ckpt: Path,
+    ref: Path,
+    backend: str,
+    out: Path,
+    tasks: str = "ppl",
+    env: dict[str, str] | None = None,
+    codes: tuple[int, ...] = (0, 1),
+) -> dict:
     spec = out.parent / f"{out.name}-ppl.toml"
     spec.write_text(PPL_SPEC)
     args = ["run", "--ckpt", ckpt, "--ref", ref, "--tasks", tasks, "--backend", backend]
     res = run_cli(
-        *args, "--spec", f"ppl={spec}", "--corpus", "python-docs", "--out", out, "--quiet", "--no-plots"
+        *args,
+        "--spec",
+        f"ppl={spec}",
+        "--corpus",
+        "python-docs",
+        "--out",
+        out,
+        "--quiet",
+        "--no-plots",
+        env=env,
     )
-    assert res.returncode in (0, 1), res.stderr
+    assert res.returncode in codes, res.stderr
     return json.loads((out / "results.json").read_text())
 
 
@@ -92,4 +115,64 @@ def test_what_llamacpp_cannot_run_is_refused_in_one_line_before_loading(case, q4
     assert res.returncode == 2, res.stderr
     last = res.stderr.strip().splitlines()[-1]
     assert ("runs GGUF files" if case == "safetensors" else "not streamed") in last, last
+    assert "loading" not in res.stderr
+
+
+@pytest.fixture
+def dead_proxy() -> Iterator[dict[str, str]]:
+    """Every proxy variable set to a loopback port held but not listening (a connection to it is refused,
+    and nothing else can take the port meanwhile), and no host exempted from the proxy."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{held.getsockname()[1]}"
+        yield {**dict.fromkeys(PROXY_VARIABLES, url), "no_proxy": "", "NO_PROXY": ""}
+
+
+def test_two_runs_at_once_behind_a_dead_proxy_score_as_a_run_without_it(
+    runs, q4_1, smollm2_pair, tmp_path, dead_proxy
+):
+    """The llama.cpp side's token ids go to its own server, not to a proxy, and two runs at once each have
+    their own: both pass with the metrics of the run made without a proxy."""
+    bf16 = smollm2_pair["smollm2-135m-bf16"]
+    with ThreadPoolExecutor(2) as pool:
+        done = list(
+            pool.map(
+                lambda name: ppl_run(q4_1, bf16, "llamacpp", tmp_path / name, env=dead_proxy, codes=(0,)),
+                ["first", "second"],
+            )
+        )
+    alone = runs["llamacpp"]["tasks"]["ppl"]["metrics"]
+    for doc in done:
+        assert doc["tasks"]["ppl"]["metrics"] == alone
+
+
+def test_a_service_on_llama_cpps_default_port_does_not_break_a_run(runs, q4_1, smollm2_pair, tmp_path):
+    bf16 = smollm2_pair["smollm2-135m-bf16"]
+    with socket.socket() as service:
+        try:
+            service.bind(("127.0.0.1", 8080))  # llama-server's default port
+            service.listen()
+        except OSError:
+            pass  # a service holds it already: the case itself
+        doc = ppl_run(q4_1, bf16, "llamacpp", tmp_path / "run", codes=(0,))
+    assert doc["tasks"]["ppl"]["metrics"] == runs["llamacpp"]["tasks"]["ppl"]["metrics"]
+
+
+@pytest.mark.parametrize("backend", ["hf", "llamacpp"])
+def test_a_gguf_whose_tensors_share_bytes_is_refused_before_any_model_loads(
+    backend, q4_1, smollm2_pair, tmp_path
+):
+    """Transformers reads a GGUF file with its own reader, which would score the aliased tensors: the file is
+    refused from its tensor table, as llama.cpp refuses it, before the reference loads."""
+    folder = tmp_path / "pack"
+    shutil.copytree(q4_1, folder)
+    path = next(folder.glob("*.gguf"))
+    names = alias_second_tensor(path)
+    res = run_cli(
+        "run", "--ckpt", folder, "--ref", smollm2_pair["smollm2-135m-bf16"], "--tasks", "ppl",
+        "--backend", backend, "--corpus", "python-docs", "--out", tmp_path / "out", "--quiet",
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert len(res.error_lines) == 1 and str(path) in res.error_lines[0], res.stderr
+    assert f"{names} share bytes" in res.error_lines[0], res.stderr
     assert "loading" not in res.stderr

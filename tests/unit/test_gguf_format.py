@@ -71,6 +71,74 @@ def test_a_truncated_file_is_refused_naming_it(tmp_path, where):
     assert "a.gguf" in str(caught.value) and "\n" not in str(caught.value)
 
 
+def _three_tensor_file(path: Path) -> list[str]:
+    """Three Q8_0 tensors of 4 rows of 64 weights (272 bytes each, 288 padded to 32), laid out as llama.cpp
+    writes them; their names in the table's order."""
+    writer = gguf.GGUFWriter(path, "llama")
+    names = [f"blk.{i}.ffn_up.weight" for i in range(3)]
+    for i, name in enumerate(names):
+        data = gguf.quants.quantize(np.full((4, 64), i + 1, np.float32), gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return names
+
+
+def move_tensor_data(path: Path, moves: dict[int, int | str]) -> None:
+    """Rewrite tensor infos' data offsets in place (relative to the data section, as the file stores them):
+    tensor index → a byte offset, or the name of another tensor whose offset it takes."""
+    reader = gguf.GGUFReader(path, "r+")
+    offsets = {t.name: int(t.field.parts[-1][0]) for t in reader.tensors}
+    for index, to in moves.items():
+        reader.tensors[index].field.parts[-1][0] = offsets[to] if isinstance(to, str) else to
+    del reader  # flushes the memory map
+
+
+# Each layout llama.cpp refuses, and what the one line says: two infos on the same bytes, one starting
+# inside the tensor before it, one past a gap, and two tensors' places swapped (no byte shared).
+BAD_LAYOUTS = {
+    "aliased": ({1: "blk.0.ffn_up.weight"}, "tensors 'blk.0.ffn_up.weight' and 'blk.1.ffn_up.weight' share"),
+    "overlapping": ({2: 288 + 32}, "tensors 'blk.1.ffn_up.weight' and 'blk.2.ffn_up.weight' share"),
+    "gap": ({1: 288 + 32}, "tensor 'blk.1.ffn_up.weight' has its data at byte"),
+    "out of order": ({0: 288, 1: 0}, "tensor 'blk.0.ffn_up.weight' has its data at byte"),
+}
+
+
+@pytest.mark.parametrize("layout", BAD_LAYOUTS)
+def test_tensors_that_share_bytes_or_leave_llama_cpps_layout_are_refused_naming_them(tmp_path, layout):
+    path = tmp_path / "a.gguf"
+    _three_tensor_file(path)
+    assert len(read_gguf(path).tensors) == 3  # as written: each tensor where the one before it ends
+    moves, line = BAD_LAYOUTS[layout]
+    move_tensor_data(path, moves)
+    with pytest.raises(InputError) as caught:
+        read_gguf(path)
+    message = str(caught.value)
+    assert message.startswith(str(path)) and line in message and "\n" not in message, message
+
+
+def test_a_files_own_alignment_places_its_tensors(tmp_path):
+    """`general.alignment` 64: the second tensor's data begin 64-aligned after the first's 272 bytes."""
+    path = tmp_path / "a.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_custom_alignment(64)
+    for i in range(2):
+        data = gguf.quants.quantize(np.ones((4, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    first, second = read_gguf(path).tensors
+    assert second.data_begin - first.data_begin == 320
+    move_tensor_data(path, {1: 288})  # where a 32-byte alignment would put it
+    with pytest.raises(InputError) as caught:
+        read_gguf(path)
+    assert "'blk.1.ffn_up.weight' has its data at byte" in str(caught.value)
+
+
 def head_file(path: Path, key: str | None = None, bias: bool = False) -> SimpleNamespace:
     """A GGUF holding a tied (vocab 8, hidden 4) embedding, with a logit transform key or an output bias."""
     writer = gguf.GGUFWriter(path, "llama")
