@@ -1,5 +1,5 @@
 """What a figure lets a report claim: confidence bounds, equivalence, tests between candidates, and how small
-a difference the text could have shown. Pure functions; no model, no I/O.
+a difference the text could have shown. Pure functions on numbers and arrays; no model, no I/O.
 
 Every per-token statistic of a window protocol is clustered by window (the tokens of one window are not
 independent): its standard error comes from G window clusters, and the reference distribution of
@@ -12,17 +12,26 @@ anything from, and every function here says `undetermined` rather than guess.
   upper 95% bound of the difference lies at or below the margin, `above` when the lower bound lies above it,
   else `undetermined`. Failing to show a difference is never taken for showing its absence (Schuirmann's
   one-sided tests; Wellek, *Testing Statistical Hypotheses of Equivalence and Noninferiority*, 2010).
+  Against a floor measured on the same tokens (`against_floor`), the difference is the per-token
+  kld − (1 + margin) · floor, and the margin 0: the floor's own error is part of the test.
 - **Tests** between candidates: the two-sided p-value of a paired, clustered t statistic, with Holm's
   step-down correction when several pairs are claimed at once (Holm 1979).
-- **Minimum detectable effect**: the smallest true difference a two-sided 5% test finds with 80% power,
-  (t_{0.975, G−1} + t_{0.80, G−1}) · stderr.
+- **Minimum detectable effect**: the smallest true difference a two-sided test at level α finds with 80%
+  power, (t_{1−α/2, G−1} + t_{0.80, G−1}) · stderr, with the stderr of the comparison it describes (a pair
+  of candidates: their per-token difference, paired by token) and the α its verdict uses (Holm's over m
+  claims: α / m, its strictest step, so that the difference is found whatever the other claims show).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from evalsuite import metrics
 
 MIN_CLUSTERS = 3
 LEVEL = 0.95
@@ -137,10 +146,88 @@ def holm(pvalues: Sequence[float]) -> list[float]:
     return adjusted
 
 
-def minimum_detectable_effect(stderr: float, clusters: int) -> float:
-    """The smallest true difference a two-sided 5% test of an estimate with this clustered `stderr` detects
-    with 80% power; NaN with too few clusters."""
+def minimum_detectable_effect(stderr: float, clusters: int, alpha: float = ALPHA) -> float:
+    """The smallest true difference a two-sided test at level `alpha` of an estimate with this clustered
+    `stderr` detects with 80% power; NaN with too few clusters."""
     if not enough_clusters(clusters, stderr):
         return float("nan")
     df = clusters - 1
-    return (t_quantile(1 - ALPHA / 2, df) + t_quantile(POWER, df)) * stderr
+    return (t_quantile(1 - alpha / 2, df) + t_quantile(POWER, df)) * stderr
+
+
+@dataclass
+class FloorComparison:
+    """A per-token KLD against a noise floor drawn one or more times (`against_floor`).
+
+    The margin is a multiple of the floor, and the floor is measured on the same tokens as the candidate: so
+    the claim `within` (the candidate's mean KLD at most (1 + margin) × the floor's) is tested on the
+    per-token statistic d = kld − (1 + margin) · floor, paired by token, window-clustered, with Student's t
+    on windows − 1 degrees of freedom, whose mean is ≤ 0 exactly when the claim holds. Testing the excess
+    kld − floor against margin × mean(floor) instead treats an estimated margin as known, and says `within`
+    at the boundary far more often than 5% where the two sides' window difficulties are independent
+    (docs/statistics.md, the simulation)."""
+
+    kld: np.ndarray  # the floor's per-token KLD, averaged over its draws
+    mean: metrics.Estimate  # of `kld`
+    draws: int
+    draw_spread: float  # max − min of the draws' means; NaN for one draw
+    excess: metrics.Estimate  # of the per-token KLD − the floor's, paired by token
+    excess_stderr: float  # window-clustered
+    ratio: float  # mean KLD / the floor's mean
+    clusters: int
+    margin: float  # the spec's margin: within means at most (1 + margin) × the floor's mean KLD
+    beyond: metrics.Estimate  # of the per-token KLD − (1 + margin) × the floor's: the tested statistic
+    beyond_stderr: float  # window-clustered
+
+    @property
+    def allowed(self) -> float:
+        """The mean KLD a candidate within the floor may have: (1 + margin) × the floor's."""
+        return (1 + self.margin) * self.mean.value
+
+    def bound(self, which: Bound) -> float:
+        """A one-sided 95% bound of the tested statistic, mean(kld − (1 + margin) · floor)."""
+        return bound(self.beyond.value, self.beyond_stderr, self.clusters, which)
+
+    @property
+    def outcome(self) -> Outcome:
+        """`within` when the upper 95% bound of mean(kld − (1 + margin) · floor) is at most 0, `above` when
+        its lower bound exceeds 0, else `undetermined` (`claims.equivalence`)."""
+        return equivalence(self.beyond.value, self.beyond_stderr, self.clusters, 0.0)
+
+    def metrics(self, prefix: str, outcome: str) -> dict[str, Any]:
+        """The margin, the KLD allowed, the tested statistic with its error and bounds, and the outcome, named
+        `{prefix}_floor_margin`, `{prefix}_floor_allowed`, `{prefix}_beyond_allowed[…]` and `outcome`."""
+        return {
+            f"{prefix}_floor_margin": self.margin,
+            f"{prefix}_floor_allowed": self.allowed,
+            f"{prefix}_beyond_allowed": self.beyond.value,
+            f"{prefix}_beyond_allowed_stderr_window": self.beyond_stderr,
+            f"{prefix}_beyond_allowed_upper95": self.bound("upper95"),
+            f"{prefix}_beyond_allowed_lower95": self.bound("lower95"),
+            outcome: self.outcome,
+        }
+
+
+def against_floor(
+    kld: np.ndarray, draws: list[np.ndarray], windows: np.ndarray, margin: float
+) -> FloorComparison:
+    """A per-token KLD against a floor's per-token KLDs, one array per noise draw (averaged by token): the
+    excess paired by token with its window-clustered error, the ratio of the means, and the statistic
+    `within` is tested on, kld − (1 + `margin`) · floor per token (`FloorComparison`)."""
+    floor_kld = np.mean(draws, axis=0) if len(draws) > 1 else draws[0]
+    mean = metrics.mean_with_stderr(floor_kld)
+    means = [float(np.mean(d)) for d in draws]
+    beyond = kld - (1 + margin) * floor_kld
+    return FloorComparison(
+        kld=floor_kld,
+        mean=mean,
+        draws=len(draws),
+        draw_spread=max(means) - min(means) if len(means) > 1 else float("nan"),
+        excess=metrics.paired_difference(floor_kld, kld),
+        excess_stderr=metrics.clustered_stderr(kld - floor_kld, windows),
+        ratio=metrics.ratio_to_floor(float(np.mean(kld)), mean.value),
+        clusters=len(np.unique(windows)),
+        margin=margin,
+        beyond=metrics.mean_with_stderr(beyond),
+        beyond_stderr=metrics.clustered_stderr(beyond, windows),
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,8 @@ def _claim(a: str, b: str, what: str, pair: dict[str, Any]) -> tuple[str, str]:
     if abs(value) < mde:
         return "undetermined", (
             f"{a} vs {b}: undetermined, closer than the smallest difference these {windows} windows detect "
-            f"({shown}; MDE {mde:.2g} at 80% power)"
+            f"between them ({shown}; paired MDE {mde:.2g} at 80% power, two-sided α = "
+            f"{pair['mde_alpha']:.2g}, Holm's strictest step)"
         )
     return "undetermined", f"{a} vs {b}: undetermined ({shown}; Holm p = {p:.2g})"
 
@@ -108,7 +110,8 @@ def _claim(a: str, b: str, what: str, pair: dict[str, Any]) -> tuple[str, str]:
 def paired_rows(out: Path, names: list[str], docs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Per adjacent pair (A, B) on the front: mean per-token KLD_B − KLD_A and NLL_B − NLL_A with their
     window-clustered standard errors, two-sided p-values (t, windows − 1 degrees of freedom), Holm-adjusted
-    over every claim of the comparison, the minimum detectable effect, and what they say."""
+    over every claim of the comparison, the minimum detectable effect of that paired difference at the α the
+    verdict uses (α / m for m claims: Holm's strictest step), and what they say."""
     rows = []
     for a, b in itertools.pairwise(names):
         ta, tb = (_tokens(out, n, docs[n]) for n in (a, b))
@@ -122,12 +125,18 @@ def paired_rows(out: Path, names: list[str], docs: dict[str, dict[str, Any]]) ->
             pair[f"{what}_diff"], pair[f"{what}_diff_stderr"] = est.value, se
             pair[f"{what}_max_abs_diff"] = float(np.max(np.abs(tb[key] - ta[key])))
             pair[f"{what}_p"] = claims.two_sided_p(est.value, se, windows)
-            pair[f"{what}_mde"] = claims.minimum_detectable_effect(se, windows)
         pair.update(downstream_pair(out, a, b))
         rows.append(pair)
-    adjusted = iter(claims.holm([row[f"{w}_p"] for row in rows for w in ("kld", "nll")]))
+    family = [row[f"{w}_p"] for row in rows for w in ("kld", "nll")]
+    adjusted = iter(claims.holm(family))
+    # The MDE at the level the verdict tests at: Holm rejects the smallest p below α / m first, the others
+    # at α / (m − 1) … α, so α / m is the level that finds the difference whatever the other claims show.
+    alpha = claims.ALPHA / max(1, sum(1 for p in family if not math.isnan(p)))
     for row in rows:
+        row["mde_alpha"] = alpha
         for what in ("kld", "nll"):
+            se = row[f"{what}_diff_stderr"]
+            row[f"{what}_mde"] = claims.minimum_detectable_effect(se, row["n_windows"], alpha)
             row[f"{what}_p_holm"] = next(adjusted)
             row[f"{what}_outcome"], row[f"{what}_verdict"] = _claim(row["a"], row["b"], what, row)
     return rows
@@ -184,10 +193,23 @@ def build_comparison(
         # The floor's draws (noise seeds) and the spread of their means: how much the floor itself moves.
         "kld_floor_draws": ppl.get("kld_floor_draws"),
         "kld_floor_draw_spread": ppl.get("kld_floor_draw_spread"),
+        # `within` the floor: a mean KLD shown to be at most (1 + this) × the floor's.
+        "kld_floor_margin": ppl.get("kld_floor_margin"),
         "candidates": rows,
         "pairs": paired_rows(out, [r["name"] for r in rows if r["pareto"]], docs),
         "artifacts": {"kld_vs_bpw": "kld_vs_bpw.png", "ppl_ratio_vs_bpw": "ppl_ratio_vs_bpw.png"},
     }
+
+
+def floor_sentence(margin: float | None) -> str:
+    """What `within`, `above` and `undetermined` the floor say, with the margin (m) the candidates were
+    judged by."""
+    m = "m" if margin is None else format_number(margin)
+    return (
+        f"*within*: the candidate's mean KLD is shown to be at most (1 + {m}) × the noise floor's KLD (the "
+        f"upper 95% bound of the per-token kld − (1 + {m}) · floor, paired by token, window-clustered, "
+        "Student's t, is at most 0); *above*: it is shown to exceed it; *undetermined*: neither."
+    )
 
 
 def render_compare_md(doc: dict[str, Any]) -> str:
@@ -197,7 +219,8 @@ def render_compare_md(doc: dict[str, Any]) -> str:
         lines += [
             f"Noise floor (the reference with BF16-sized noise): KLD {format_number(doc['kld_floor'])} "
             f"(mean of {doc.get('kld_floor_draws')} noise draws, which spread by "
-            f"{format_number(doc.get('kld_floor_draw_spread'))}).",
+            f"{format_number(doc.get('kld_floor_draw_spread'))}). "
+            + floor_sentence(doc.get("kld_floor_margin")),
             "",
         ]
     head = ["candidate", "front", "bpw", "bytes", "ppl ratio", "KLD mean", "KLD median", "KLD p99"]

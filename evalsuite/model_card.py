@@ -447,6 +447,12 @@ def render_model_card(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _allowed(margin: Any) -> str:
+    """The KLD `within` the floor allows, in words: (1 + m) × the noise floor's KLD."""
+    m = format_number(margin) if _is_number(margin) else "m"
+    return f"(1 + {m}) × the noise floor's KLD"
+
+
 def render_alternatives(comparison: dict[str, Any], chosen: str | None = None) -> str:
     """The model card's "Alternatives measured" section, from a compare.json document alone: every candidate
     measured against the same reference on the same text, the chosen one (a candidate name) marked.
@@ -464,9 +470,10 @@ def render_alternatives(comparison: dict[str, Any], chosen: str | None = None) -
         lines[-1] += (
             f" The noise floor (the reference again with BF16-sized noise on each decoder layer) is a mean "
             f"KLD of {format_number(comparison['kld_floor'])}. A candidate is *within* the floor only where "
-            "the upper 95% bound of its per-token KLD excess over it (window-clustered, Student's t) is at "
-            "most the spec's margin, *above* where the lower bound exceeds that margin, and *undetermined* "
-            "otherwise."
+            f"its mean KLD is shown to be at most {_allowed(comparison.get('kld_floor_margin'))} (the upper "
+            "95% bound of its per-token KLD minus that multiple of the floor's, paired by token, "
+            "window-clustered, Student's t, is at most 0), *above* where it is shown to exceed it, and "
+            "*undetermined* otherwise."
         )
     head = ["candidate", "bits per weight", "PPL ratio", "mean KLD", "same top token", "vs floor"]
     lines += ["", _row(head)]

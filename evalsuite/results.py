@@ -138,6 +138,9 @@ class Comparison(Document):
     kld_floor: float | None = None
     kld_floor_draws: int | None = None
     kld_floor_draw_spread: float | None = None
+    kld_floor_margin: float | None = Field(
+        None, description="`within` the floor: a mean KLD shown to be at most (1 + this) × the floor's."
+    )
     candidates: list[CandidateRow]
     pairs: list[dict[str, Any]] = []
     artifacts: dict[str, str] = {}

@@ -1,11 +1,13 @@
 """Seeded multiplicative noise on each decoder layer's output: the forward a noise floor is measured with.
 
 The reference run again with every decoder layer's output multiplied by (1 + ε·z), z standard normal and ε
-one BF16 unit roundoff (2⁻⁹, the scale exllamav3's `eval/qbench/measure.py` names `BF16_ROUNDING_EPS`), is
-a model that differs from the reference by rounding alone: its KL divergence from the reference is the
-smallest a comparison on this text can resolve. The draws are seeded by the window's own tokens and the
-layer's index, so a window gets the same noise whenever and in whichever order it is forwarded (a resumed
-observation included).
+= 2⁻⁹ (half BF16's unit roundoff u = 2⁻⁸, about the size of the relative error rounding to BF16 makes; the
+scale exllamav3's `eval/qbench/measure.py` names `BF16_ROUNDING_EPS`), is a model that differs from the
+reference by rounding-sized perturbations alone: its KL divergence from the reference is the scale a
+candidate's divergence is read against (how small a difference a test on this text resolves is another
+figure, the minimum detectable effect of `evalsuite.claims`). The draws are seeded by the window's own
+tokens and the layer's index, so a window gets the same noise whenever and in whichever order it is
+forwarded (a resumed observation included).
 """
 
 from __future__ import annotations

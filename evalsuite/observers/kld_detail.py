@@ -462,9 +462,11 @@ def floor_metrics(
     shared: SharedWork | None = None,
 ) -> tuple[dict[str, Any], np.ndarray]:
     """The noise floor and where the candidate stands against it (`against_floor`), as `ppl` reports it:
-    `kld_floor` with the spread of its draws, `kld_floor_ratio`, the per-token excess over the floor with its
+    `kld_floor` with the spread of its draws, `kld_floor_ratio`, the per-token excess over the floor, the
+    KLD allowed ((1 + margin) × the floor's) and the per-token statistic the outcome is tested on, with its
     error and bounds, and `noise_floor`, the outcome. Also the floor's per-token KLD."""
-    floor = against_floor(kld, [_floor_kld(ref, f, chunk_rows, shared) for f in floors], windows, margin)
+    draws = [_floor_kld(ref, f, chunk_rows, shared) for f in floors]
+    floor = claims.against_floor(kld, draws, windows, margin)
     return {
         "kld_floor": floor.mean.value,
         "kld_floor_stderr": floor.mean.stderr,
@@ -474,57 +476,8 @@ def floor_metrics(
         "kld_floor_ratio": floor.ratio,
         "kld_above_floor": floor.excess.value,
         "kld_above_floor_stderr_window": floor.excess_stderr,
-        "kld_above_floor_upper95": floor.bound("upper95"),
-        "kld_above_floor_lower95": floor.bound("lower95"),
-        "noise_floor_margin": floor.allowed,
-        "noise_floor": floor.outcome,
+        **floor.metrics("kld", "noise_floor"),
     }, floor.kld
-
-
-@dataclass
-class FloorComparison:
-    """A per-token KLD against a noise floor drawn one or more times (`against_floor`)."""
-
-    kld: np.ndarray  # the floor's per-token KLD, averaged over its draws
-    mean: metrics.Estimate  # of `kld`
-    draws: int
-    draw_spread: float  # max − min of the draws' means; NaN for one draw
-    excess: metrics.Estimate  # of the per-token KLD − the floor's, paired by token
-    excess_stderr: float  # window-clustered
-    ratio: float  # mean KLD / the floor's mean
-    clusters: int
-    allowed: float  # the margin × the floor's mean
-
-    def bound(self, which: claims.Bound) -> float:
-        """A one-sided 95% bound of the excess (`claims.bound`)."""
-        return claims.bound(self.excess.value, self.excess_stderr, self.clusters, which)
-
-    @property
-    def outcome(self) -> claims.Outcome:
-        """`within`, `above` or `undetermined` the allowed excess (`claims.equivalence`)."""
-        return claims.equivalence(self.excess.value, self.excess_stderr, self.clusters, self.allowed)
-
-
-def against_floor(
-    kld: np.ndarray, draws: list[np.ndarray], windows: np.ndarray, margin: float
-) -> FloorComparison:
-    """A per-token KLD against a floor's per-token KLDs, one array per noise draw (averaged by token): the
-    excess paired by token with its window-clustered error, the ratio of the means, and the excess allowed
-    (`margin` × the floor's mean)."""
-    floor_kld = np.mean(draws, axis=0) if len(draws) > 1 else draws[0]
-    mean = metrics.mean_with_stderr(floor_kld)
-    means = [float(np.mean(d)) for d in draws]
-    return FloorComparison(
-        kld=floor_kld,
-        mean=mean,
-        draws=len(draws),
-        draw_spread=max(means) - min(means) if len(means) > 1 else float("nan"),
-        excess=metrics.paired_difference(floor_kld, kld),
-        excess_stderr=metrics.clustered_stderr(kld - floor_kld, windows),
-        ratio=metrics.ratio_to_floor(float(np.mean(kld)), mean.value),
-        clusters=len(np.unique(windows)),
-        allowed=margin * mean.value,
-    )
 
 
 def kld_at_reference(ref: Observation, ckpt: Observation) -> np.ndarray:

@@ -32,9 +32,10 @@ class NoiseFloorOptions(StrictModel):
     """`[noise_floor]` of the ppl spec: off in `run`, on in `compare` (the reference run again with noise).
 
     The floor is drawn `draws` times, with seeds `seed`, `seed` + 1, …: their per-token KLDs are averaged,
-    and the spread of their means is reported beside the floor. A candidate is `within` the floor when the
-    one-sided upper 95% bound of its per-token KLD excess over the floor is at most `margin` × the floor's
-    mean KLD (`evalsuite.claims.equivalence`), `above` when the lower bound exceeds that, else
+    and the spread of their means is reported beside the floor. A candidate is `within` the floor when its
+    mean KLD is shown to be at most (1 + `margin`) × the floor's: the one-sided upper 95% bound of the mean
+    of kld − (1 + `margin`) · floor, per token, paired by token and window-clustered, is at most 0
+    (`evalsuite.claims.FloorComparison`); `above` when the lower bound exceeds 0, else
     `undetermined`."""
 
     enabled: bool = False

@@ -6,7 +6,9 @@ candidate through backend `hf` (as Transformers runs it). The reference's and th
 logits are the very observations `ppl` makes, so a run of both tasks observes them once. The comparison
 reports the integer model's PPL against the reference's, and the KL divergence and same-top-token rate
 between the two executions of the one candidate, KL(P_int ‖ P_hf): the integer execution is the model the
-card describes, `hf` the approximation.
+card describes, `hf` the approximation. Its floor is measured in the same direction, KL(P_noisy ‖ P_hf), `hf`
+against its own reruns with rounding-sized noise, every draw; the same-top-token events count ties (some
+token most probable on both sides), as `ppl`'s do.
 """
 
 from __future__ import annotations
@@ -17,14 +19,15 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from evalsuite import metrics, plots
+from evalsuite import claims, metrics, plots
 from evalsuite.backends.intref_plan import ActivationConvention, integer_modules_or_reason
 from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
-from evalsuite.observers.kld_detail import against_floor
+from evalsuite.observers.kld_detail import Precision, token_detail
 from evalsuite.observers.noise_floor import NoiseFloorOptions, NoisyWindowLogits
 from evalsuite.observers.window_logits import (
+    FULL_VOCABULARY,
     RecordOptions,
     WindowLogits,
     WindowProtocol,
@@ -75,6 +78,8 @@ class IntegerReference:
         "kld_hf_floor",
         "same_top_hf_floor",
         "kld_int_vs_hf_above_floor",
+        "kld_int_vs_hf_beyond_allowed",
+        "int_vs_hf_floor",
         "same_top_int_vs_hf_below_floor",
         "int_layers",
         "int_experts",
@@ -90,16 +95,22 @@ class IntegerReference:
         "activations as hf_convention says)",
         "kld_int_mean": "mean KL(ref ‖ int): the integer model against the reference",
         "kld_int_vs_hf": "mean KL(int ‖ hf): how far Transformers' execution is from the integer model",
-        "same_top_int_vs_hf": "share of positions where the integer and Transformers executions agree on top",
-        "kld_hf_floor": "mean KL(hf ‖ hf with rounding-sized noise on each decoder layer): how far two "
-        "roundings of the same candidate part on their own",
-        "same_top_hf_floor": "share of positions where the hf execution and its noisy rerun agree on top",
+        "same_top_int_vs_hf": "share of positions where the integer and Transformers executions agree on top "
+        "(some token most probable on both: ties counted as agreement)",
+        "kld_hf_floor": "mean KL(hf with rounding-sized noise on each decoder layer ‖ hf), in the direction "
+        "of kld_int_vs_hf, averaged over the noise draws: how far two roundings of the same candidate part "
+        "on their own",
+        "same_top_hf_floor": "share of positions where the hf execution and its noisy reruns agree on top "
+        "(ties counted as agreement), averaged over the noise draws",
         "kld_int_vs_hf_above_floor": "kld_int_vs_hf − kld_hf_floor, paired by token: the integer execution's "
         "distance from Transformers' beyond what rounding alone puts between two executions",
-        "int_vs_hf_floor": "within: the upper 95% bound of that excess (window-clustered, t) is at most the "
-        "spec's margin × kld_hf_floor; above: its lower bound exceeds it; undetermined: neither is shown",
-        "same_top_int_vs_hf_below_floor": "same_top_hf_floor − same_top_int_vs_hf: top-token disagreement "
-        "beyond rounding's own",
+        "kld_int_vs_hf_beyond_allowed": "mean per-token KL(int ‖ hf) − (1 + margin) × the floor's, paired by "
+        "token: the statistic int_vs_hf_floor is tested on",
+        "int_vs_hf_floor": "within: the upper 95% bound of kld_int_vs_hf_beyond_allowed (window-clustered, t "
+        "with windows − 1 degrees of freedom) is at most 0, kld_int_vs_hf shown to be at most (1 + margin) × "
+        "kld_hf_floor; above: its lower bound exceeds 0; undetermined: neither is shown",
+        "same_top_int_vs_hf_below_floor": "same_top_hf_floor − same_top_int_vs_hf, paired by token: "
+        "top-token disagreement beyond rounding's own",
         "int_layers": "integer Linear layers that ran (of int_layers_total)",
         "int_experts": "routed experts that ran in integers (of int_experts_total)",
         "activation_divisor": "per-token activation scale = max|x| / this divisor (the spec's convention)",
@@ -153,16 +164,14 @@ class IntegerReference:
         n_windows = ref.meta["n_windows"]
         nll_ref, nll_int, nll_hf = ref.arrays["nll"], ints.arrays["nll"], hf.arrays["nll"]
         windows = metrics.window_labels(n_windows, len(nll_ref) // n_windows)
-        chunk = self.spec.compare.kld_chunk_rows
+        chunk, precision = self.spec.compare.kld_chunk_rows, self.spec.compare.precision
         ln_ratio = metrics.paired_log_ratio(nll_ref, nll_int)
-        kld_int, estimator = kld_per_token(ref, ints, chunk)
+        kld_int, same_int, estimator = kld_and_same_top(ref, ints, chunk, precision)
         kld_int_mean = metrics.mean_with_stderr(kld_int)
-        same_int = ref.arrays["top"] == ints.arrays["top"]
         same_top_int = metrics.rate_with_stderr(same_int)
         # KL(P_int ‖ P_hf): the integer execution is the distribution the card describes.
-        kld_ih, _ = kld_per_token(ints, hf, chunk)
+        kld_ih, same_ih, _ = kld_and_same_top(ints, hf, chunk, precision)
         kld_ih_mean = metrics.mean_with_stderr(kld_ih)
-        same_ih = ints.arrays["top"] == hf.arrays["top"]
         same_top_ih = metrics.rate_with_stderr(same_ih)
         values: dict[str, Any] = {
             "corpus": ref.meta["corpus"],
@@ -203,7 +212,7 @@ class IntegerReference:
         if "hf_floor" in observed:
             floor = self.spec.hf_floor
             draws = [observed[floor.label(i, "hf_floor")] for i in range(floor.draws)]
-            values.update(_floor_metrics(hf, draws, kld_ih, same_ih, windows, chunk, floor.margin))
+            values.update(_floor_metrics(hf, draws, kld_ih, same_ih, windows, chunk, precision, floor.margin))
         checks, _ = self.spec.threshold_checks(values)
         made = {}
         if self.context.plots:
@@ -214,6 +223,19 @@ class IntegerReference:
         return TaskResult.from_checks(values, checks, artifacts=made)
 
 
+def kld_and_same_top(
+    p: Observation, q: Observation, chunk_rows: int, precision: Precision
+) -> tuple[np.ndarray, np.ndarray, str]:
+    """Per scored token, KL(P_p ‖ P_q), whether the sides' most probable tokens agree, ties included
+    (`token_ranks.same_top_tied`, as `ppl` counts them), and the KLD's estimator; `p` may be a recording."""
+    detail = token_detail(p, q, chunk_rows, precision)
+    assert detail.same_top is not None
+    if detail.kld is not None:
+        return detail.kld, detail.same_top, FULL_VOCABULARY
+    kld, estimator = kld_per_token(p, q, chunk_rows)
+    return kld, detail.same_top, estimator
+
+
 def _floor_metrics(
     hf: Observation,
     floors: list[Observation],
@@ -221,31 +243,31 @@ def _floor_metrics(
     same_ih: np.ndarray,
     windows: np.ndarray,
     chunk_rows: int,
+    precision: Precision,
     margin: float,
 ) -> dict[str, Any]:
-    """The `hf` execution against its noisy reruns (one per noise draw, per-token KLDs averaged), and the
-    integer execution's distance from `hf` beyond that floor: per-token differences paired by token, with
-    window-clustered standard errors, and the equivalence outcome against `margin` × the floor
-    (`claims.equivalence`)."""
+    """The `hf` execution's noisy reruns against it, KL(P_noisy ‖ P_hf) in the direction of KL(P_int ‖ P_hf),
+    every draw (per-token KLDs and same-top events averaged over the draws), and the integer execution's
+    distance from `hf` beyond that floor: per-token differences paired by token, with window-clustered
+    standard errors, and the equivalence outcome, kld_int_vs_hf at most (1 + `margin`) × the floor
+    (`claims.FloorComparison`)."""
     for i, floor in enumerate(floors):
         same_inputs({"hf": hf, f"hf_floor_{i}": floor})
-    draws = [kld_per_token(hf, floor, chunk_rows)[0] for floor in floors]
-    floor = against_floor(kld_ih, draws, windows, margin)
-    same_floor = hf.arrays["top"] == floors[0].arrays["top"]
-    same_top_floor = metrics.rate_with_stderr(same_floor)
+    pairs = [kld_and_same_top(floor, hf, chunk_rows, precision) for floor in floors]
+    floor = claims.against_floor(kld_ih, [kld for kld, _, _ in pairs], windows, margin)
+    same_floor = np.mean([same.astype(np.float64) for _, same, _ in pairs], axis=0)
+    below = same_floor - same_ih.astype(np.float64)
     return {
         "kld_hf_floor": floor.mean.value,
         "kld_hf_floor_stderr_window": metrics.clustered_stderr(floor.kld, windows),
         "kld_hf_floor_draws": floor.draws,
         "kld_hf_floor_draw_spread": floor.draw_spread,
-        "same_top_hf_floor": same_top_floor.value,
+        "same_top_hf_floor": float(np.mean(same_floor)),
+        "same_top_hf_floor_stderr_window": metrics.clustered_stderr(same_floor, windows),
         "kld_int_vs_hf_floor_ratio": floor.ratio,
         "kld_int_vs_hf_above_floor": floor.excess.value,
         "kld_int_vs_hf_above_floor_stderr_window": floor.excess_stderr,
-        "kld_int_vs_hf_above_floor_upper95": floor.bound("upper95"),
-        "int_vs_hf_floor": floor.outcome,
-        "same_top_int_vs_hf_below_floor": same_top_floor.value - float(np.mean(same_ih)),
-        "same_top_int_vs_hf_below_floor_stderr_window": metrics.clustered_stderr(
-            same_floor.astype(np.float64) - same_ih.astype(np.float64), windows
-        ),
+        **floor.metrics("kld_int_vs_hf", "int_vs_hf_floor"),
+        "same_top_int_vs_hf_below_floor": float(np.mean(below)),
+        "same_top_int_vs_hf_below_floor_stderr_window": metrics.clustered_stderr(below, windows),
     }

@@ -91,8 +91,10 @@ class Perplexity:
         "kld_floor",
         "kld_floor_ratio",
         "kld_above_floor",
-        "kld_above_floor_upper95",
-        "kld_mean_mde",
+        "kld_floor_allowed",
+        "kld_beyond_allowed",
+        "noise_floor",
+        "kld_vs_ref_mde",
         "ln_ppl_ratio_mde",
         "*_upper95",
         "*_lower95",
@@ -115,11 +117,23 @@ class Perplexity:
         "kld_conf_95_100_mean": "mean KLD where the reference gives its top token p >= 0.95",
         "kld_floor": "mean KLD of the reference run again with BF16-sized noise on each decoder layer",
         "kld_floor_ratio": "kld_mean / kld_floor: the candidate's divergence in units of the noise floor",
-        "kld_mean_mde": "the smallest difference of kld_mean these windows detect (two-sided 5%, 80% power, "
-        "window-clustered): two candidates closer than this are not told apart by this text",
-        "noise_floor": "within: the upper 95% bound of the candidate's per-token KLD excess over the floor "
-        "(window-clustered, t with windows − 1 degrees of freedom) is at most noise_floor_margin; above: its "
-        "lower bound exceeds it; undetermined: neither is shown (or fewer than 3 windows)",
+        "kld_vs_ref_mde": "the smallest mean KLD from the reference that a test of this candidate's kld_mean "
+        "alone detects (two-sided 5%, 80% power, its window-clustered error, t with windows − 1 degrees of "
+        "freedom): how precisely these windows measure one candidate, not how close two candidates may be "
+        "and still be told apart (compare pairs them by token: its paired MDE is far smaller)",
+        "ln_ppl_ratio_mde": "the smallest ln PPL ratio these windows detect (two-sided 5%, 80% power, "
+        "per-token NLL differences paired by token, window-clustered, t with windows − 1 degrees of freedom)",
+        "kld_above_floor": "mean per-token kld − the floor's KLD, paired by token",
+        "kld_floor_margin": "the spec's [noise_floor] margin m: within the floor means a mean KLD of at most "
+        "(1 + m) × the noise floor's KLD",
+        "kld_floor_allowed": "the mean KLD a candidate within the floor may have: (1 + kld_floor_margin) × "
+        "kld_floor",
+        "kld_beyond_allowed": "mean per-token kld − (1 + margin) × the floor's KLD, paired by token: the "
+        "statistic noise_floor is tested on (≤ 0 exactly when the candidate is within the allowed KLD)",
+        "noise_floor": "within: the upper 95% bound of kld_beyond_allowed (window-clustered, t with "
+        "windows − 1 degrees of freedom) is at most 0, the candidate's mean KLD shown to be at most "
+        "(1 + margin) × the noise floor's; above: its lower bound exceeds 0; undetermined: neither is shown "
+        "(or fewer than 3 windows)",
         "kld_floor_draw_spread": "max − min of the floor's mean KLD over its noise draws (seeds)",
     }
 
@@ -285,8 +299,9 @@ def _claimed(name: str) -> bool:
 
 def claim_metrics(values: dict[str, Any], n_windows: int) -> dict[str, float]:
     """What the main figures let a report claim (`evalsuite.claims`): one-sided 95% bounds of `kld_mean`,
-    `same_top_p` and `ppl_ratio` (from ln_ppl_ratio's), and the smallest difference of `kld_mean` and of
-    `ln_ppl_ratio` these windows detect with 80% power. NaN, with fewer than 3 windows."""
+    `same_top_p` and `ppl_ratio` (from ln_ppl_ratio's), the smallest mean KLD from the reference a test of
+    `kld_mean` alone detects with 80% power (`kld_vs_ref_mde`: one candidate's error, not a pair's), and
+    the smallest `ln_ppl_ratio` these windows detect. NaN, with fewer than 3 windows."""
     out: dict[str, float] = {}
     for name in ("kld_mean", "same_top_p"):
         se = values[f"{name}_stderr_window"]
@@ -296,7 +311,7 @@ def claim_metrics(values: dict[str, Any], n_windows: int) -> dict[str, float]:
     for which in ("upper95", "lower95"):
         ln_bound = claims.bound(values["ln_ppl_ratio"], ln_se, n_windows, which)
         out[f"ppl_ratio_{which}"] = float(np.exp(ln_bound))
-    out["kld_mean_mde"] = claims.minimum_detectable_effect(values["kld_mean_stderr_window"], n_windows)
+    out["kld_vs_ref_mde"] = claims.minimum_detectable_effect(values["kld_mean_stderr_window"], n_windows)
     out["ln_ppl_ratio_mde"] = claims.minimum_detectable_effect(ln_se, n_windows)
     return out
 

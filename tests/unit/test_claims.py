@@ -88,6 +88,36 @@ def test_the_minimum_detectable_effect_is_the_sum_of_two_t_quantiles_times_the_e
     assert math.isnan(claims.minimum_detectable_effect(0.01, 2))
 
 
+def test_the_minimum_detectable_effect_at_holm_s_level_is_larger():
+    expected = (stats.t.ppf(1 - 0.05 / 8, 7) + stats.t.ppf(0.8, 7)) * 0.01
+    assert claims.minimum_detectable_effect(0.01, 8, alpha=0.05 / 4) == pytest.approx(expected)
+    assert expected > claims.minimum_detectable_effect(0.01, 8)
+
+
+def floor_and_candidate(candidate: float) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+    """A floor whose window means are 0.7 and 1.3 in turn (its mean 1, uncertain by ±0.11 over 8 windows)
+    drawn twice alike, and a candidate at `candidate` on every token of every window."""
+    labels = metrics.window_labels(8, PER_WINDOW)
+    floor = np.repeat(np.tile([0.7, 1.3], 4), PER_WINDOW)
+    return np.full(floor.size, candidate), [floor, floor.copy()], labels
+
+
+def test_within_the_floor_counts_the_floor_s_own_error_in_the_margin():
+    # 1.75 against (1 + 1) × a floor of 1 ± 0.11: the allowed 2 is itself only known to ±0.23, so that 1.75
+    # is not shown to be under it. Testing the excess 0.75 against a known margin of 1 said `within`.
+    kld, draws, labels = floor_and_candidate(1.75)
+    floor = claims.against_floor(kld, draws, labels, margin=1.0)
+    assert floor.beyond.value == pytest.approx(-0.25) and floor.allowed == pytest.approx(2.0)
+    assert floor.outcome == "undetermined"
+    old = claims.equivalence(floor.excess.value, floor.excess_stderr, 8, 1.0 * floor.mean.value)
+    assert old == "within"  # the former rule, on the same input
+    assert claims.against_floor(*floor_and_candidate(1.4), margin=1.0).outcome == "within"
+    assert claims.against_floor(*floor_and_candidate(2.6), margin=1.0).outcome == "above"
+    metrics_of = floor.metrics("kld", "noise_floor")
+    assert metrics_of["noise_floor"] == "undetermined" and metrics_of["kld_floor_margin"] == 1.0
+    assert metrics_of["kld_beyond_allowed_upper95"] > 0 > metrics_of["kld_beyond_allowed"]
+
+
 def test_two_sided_p_of_a_paired_t():
     assert claims.two_sided_p(0.2, 0.1, 8) == pytest.approx(2 * stats.t.sf(2.0, 7))
     assert claims.two_sided_p(0.0, 0.0, 8) == 1.0
