@@ -214,7 +214,8 @@ def floor_sentence(margin: float | None) -> str:
 
 def render_compare_md(doc: dict[str, Any]) -> str:
     """compare.md: the table, the pairs on the front, the floor and the plots."""
-    lines = [f"# Comparison against {doc['ref']}", ""]
+    # The reference by its folder name: compare.json keeps its path; a report never prints this machine's.
+    lines = [f"# Comparison against `{Path(str(doc['ref']).rstrip('/')).name or doc['ref']}`", ""]
     if doc["kld_floor"] is not None:
         lines += [
             f"Noise floor (the reference with BF16-sized noise): KLD {format_number(doc['kld_floor'])} "

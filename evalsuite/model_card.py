@@ -15,12 +15,15 @@ from typing import Any
 import yaml
 
 from evalsuite.run_report import (
-    checked_name,
+    baseline_caveats,
+    check_sample,
+    difference_caveats,
     failed_prompts,
     format_number,
     machine_lines,
     replay_caveats,
     threshold_caveats,
+    verdict_paragraph,
     with_stderr,
 )
 
@@ -145,6 +148,7 @@ def _header(results: dict[str, Any]) -> list[str]:
         f"reference `{side_name(ref)}` ({ref['format']}), compared by evalsuite. "
         f"Tasks: {tasks or 'none'}.",
         "",
+        *verdict_paragraph(results),
     ]
 
 
@@ -346,12 +350,14 @@ def _checks(results: dict[str, Any]) -> list[str]:
             if status in ("skipped", "error"):
                 status = _status_words(entry)
             lines.append(_row([task, "(no checks)", "—", "—", "—", status]))
+        for name in entry.get("not_comparable") or {}:
+            lines.append(_row([task, f"{name}_vs_baseline", "—", "—", "—", "not comparable"]))
         for check in checks:
             lines.append(
                 _row(
                     [
                         task,
-                        checked_name(check),
+                        check_sample(entry, check),
                         format_number(check["value"]),
                         check["op"],
                         format_number(check["threshold"]),
@@ -365,7 +371,8 @@ def _checks(results: dict[str, Any]) -> list[str]:
 def caveats(results: dict[str, Any]) -> list[str]:
     """What the numbers do not show, derived from what was and was not run; one sentence per caveat."""
     tasks = results["tasks"]
-    notes = threshold_caveats(results) + failed_prompts(results) + replay_caveats(results)
+    notes = difference_caveats(results) + threshold_caveats(results) + failed_prompts(results)
+    notes += replay_caveats(results) + baseline_caveats(results)
     execution = EXECUTION_BY_FORMAT.get(results["ckpt"].get("format", ""), DEFAULT_EXECUTION)
     for task, missing in MISSING_WHEN_NOT_RUN.items():
         entry = tasks.get(task)

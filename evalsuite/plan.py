@@ -15,6 +15,7 @@ import dataclasses
 import fnmatch
 import hashlib
 import json
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -445,15 +446,26 @@ def load_plan_cache(options: BackendOptions) -> RunCache:
 
 def spec_provenance(task: Task, request: RunRequest) -> dict[str, str]:
     """Where a task's spec and thresholds came from, for results.json (a report says when they are not the
-    shipped defaults, and whose they are)."""
+    shipped defaults, and whose they are); the thresholds file as `shown_path` names it."""
     source = request.specs.get(task.name) or spec_source(type(task))
     if task.name in request.thresholds:
-        thresholds = f"--thresholds {request.thresholds_file or ''}".rstrip()
+        shown = shown_path(request.thresholds_file, request.out) if request.thresholds_file else ""
+        thresholds = f"--thresholds {shown}".rstrip()
     elif task.name in request.specs:
         thresholds = "--spec"
     else:
         thresholds = "shipped default"
     return {"file": str(source), "thresholds": thresholds}
+
+
+def shown_path(path: Path | str, out: Path | str) -> str:
+    """A file as a report names it: relative to the run folder `out` when it lies in it, else relative to the
+    current folder (the project the run was started from), never by this machine's absolute path."""
+    path = Path(path).resolve()
+    run = Path(out).resolve()
+    if path.is_relative_to(run):
+        return path.relative_to(run).as_posix()
+    return Path(os.path.relpath(path, Path.cwd().resolve())).as_posix()
 
 
 def stream_if_needed(side: Side) -> None:

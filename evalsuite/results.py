@@ -21,8 +21,9 @@ from evalsuite.errors import InputError
 RESULTS_SCHEMA = "evalsuite.results/1"
 COMPARE_SCHEMA = "evalsuite.compare/1"
 RECORDING_SCHEMA = "evalsuite.recording/2"
-# 1.1 added `schema_version` itself; 1.0 is every file written before it.
-SCHEMA_VERSION = "1.1"
+# 1.1 added `schema_version` itself; 1.0 is every file written before it. 1.2 added each task's `identity`
+# (what its metrics measured), `not_comparable` and `differences`, and compare.json's `kld_floor_margin`.
+SCHEMA_VERSION = "1.2"
 SUPPORTED_MAJOR = 1
 
 Verdict = Literal["pass", "fail", "error"]
@@ -47,6 +48,38 @@ class CheckRecord(Document):
     on: Literal["upper95", "lower95"] | None = None
 
 
+class SampleRecord(Document):
+    """What some of a task's metrics were measured on."""
+
+    windows: list[int] | None = Field(None, description="The protocol's windows, by index.")
+    tokens: int | None = Field(None, description="Tokens measured (per MoE layer, for `moe`).")
+    words: str | None = Field(None, description="The sample as a report says it.")
+
+
+class IdentityRecord(Document):
+    """What a task's metrics measured: a baseline's metric is compared with a run's only where both are the
+    same (`not_comparable`). A metric's identity is the spec's digest and its sample: `metric_samples`'s
+    entry for it, else the sample named `every`."""
+
+    spec_sha256: str | None = Field(
+        None, description="sha256 of the task's spec less its description, thresholds and tolerances."
+    )
+    samples: dict[str, SampleRecord] = {}
+    metric_samples: dict[str, str] = {}
+
+
+class DifferenceRecord(Document):
+    """A paired difference from the reference a task tested; reports name those significant after Holm."""
+
+    name: str
+    said: str
+    test: str
+    p: float | None
+    p_holm: float | None = Field(None, description="p adjusted by Holm over every difference of the run.")
+    worse: bool
+    metrics: list[str] = []
+
+
 class TaskRecord(Document):
     """One task's entry: its outcome, metrics (null with a reason where not finite), checks and files."""
 
@@ -58,6 +91,13 @@ class TaskRecord(Document):
     not_measured: list[str] = []
     descriptions: dict[str, str] = {}
     spec: dict[str, Any] = {}
+    identity: IdentityRecord | None = None
+    not_comparable: dict[str, str] = Field(
+        {}, description="Regression tolerances not applied: the baseline measured the metric otherwise."
+    )
+    differences: list[DifferenceRecord] = Field(
+        [], description="Paired tests of the candidate against the reference, significant or not."
+    )
     artifacts: dict[str, str] = Field({}, description="Files the task wrote, relative to the run folder.")
     details: list[dict[str, Any]] = []
 
@@ -168,6 +208,54 @@ class RecordingManifest(Document):
     observations: dict[str, RecordedObservationRecord]
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+DEFAULT_SAMPLE = "every"
+
+
+def metric_identity(identity: dict[str, Any] | None, name: str) -> tuple[str | None, dict[str, Any] | None]:
+    """A metric's identity in a task's results.json `identity`: the spec's digest and the metric's sample
+    (None for either that is not recorded)."""
+    identity = identity or {}
+    sample = (identity.get("metric_samples") or {}).get(name, DEFAULT_SAMPLE)
+    return identity.get("spec_sha256"), (identity.get("samples") or {}).get(sample)
+
+
+def not_comparable(name: str, baseline: dict[str, Any] | None, run: dict[str, Any]) -> str | None:
+    """Why a baseline's `name` is not the run's quantity (None when it is): the baseline records no identity
+    (written before evalsuite recorded one), or measured it under another spec or on another sample.
+
+    Args:
+        name: the metric.
+        baseline: the baseline task's `identity` (None where it has none).
+        run: this run's task `identity`.
+    """
+    if not baseline or baseline.get("spec_sha256") is None:
+        return "the baseline does not record what it measured (written before results.json kept an identity)"
+    spec_before, sample_before = metric_identity(baseline, name)
+    spec_now, sample_now = metric_identity(run, name)
+    if _sample_key(sample_before) != _sample_key(sample_now):
+        said = [_said(sample_before), _said(sample_now)]
+        why = f"the baseline measured it {said[0]}, this run {said[1]}"
+        return why + ("" if spec_before == spec_now else ", under another spec")
+    if spec_before != spec_now:
+        return (
+            f"the baseline measured it under another spec (measured_sha256 {str(spec_before)[:12]}…, this "
+            f"run's {str(spec_now)[:12]}…)"
+        )
+    return None
+
+
+def _sample_key(sample: dict[str, Any] | None) -> tuple[Any, Any]:
+    return (None, None) if sample is None else (sample.get("windows"), sample.get("tokens"))
+
+
+def _said(sample: dict[str, Any] | None) -> str:
+    if sample is None:
+        return "on a sample it does not record"
+    if sample.get("words"):
+        return str(sample["words"])
+    return f"on windows {sample.get('windows')} ({sample.get('tokens')} tokens)"
 
 
 SCHEMAS: dict[str, type[Document]] = {

@@ -13,6 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from evalsuite import claims
 from evalsuite.run_folder import RunFolder, write_atomic
 
 SIGNIFICANT_DIGITS = 4
@@ -95,8 +96,88 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
             # A check on a metric shows it with its error bar; a derived check (`kld_mean_vs_baseline`)
             # shows the value it compared.
             value = with_stderr(m, name) if name in m else format_number(check["value"])
-            rows.append([task, name, "", value, "", _threshold(check), _verdict(check)])
+            shown = check_sample(entry, check)
+            rows.append([task, shown, "", value, "", _threshold(check), _verdict(check)])
+        for name in entry.get("not_comparable") or {}:
+            value = with_stderr(m, name) if name in m else ""
+            rows.append([task, f"{name}_vs_baseline", "", value, "", "", "not comparable"])
     return rows
+
+
+def check_sample(entry: dict[str, Any], check: dict[str, Any]) -> str:
+    """A check's metric as `checked_name` says it, with the sample its metric was measured on where that is
+    not the task's whole one (`moe`'s fed windows): `mean_topk_overlap (on the fed windows 0, 7 of 8: 1,024
+    tokens per MoE layer)`."""
+    name = checked_name(check)
+    identity = entry.get("identity") or {}
+    metric = str(check["name"]).removesuffix("_vs_baseline")
+    sample = (identity.get("metric_samples") or {}).get(metric)
+    words = ((identity.get("samples") or {}).get(sample) or {}).get("words") if sample else None
+    return f"{name} ({words})" if words else name
+
+
+def significant_differences(results: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+    """Every paired difference from the reference the tasks tested (results.json's `differences`) whose p,
+    adjusted by Holm's correction over all of them, is below 0.05, each with its task, its adjusted p and
+    the checks that cover it (empty: none does); and how many were tested."""
+    tested = [
+        {**d, "task": task, "checks": _covering(entry, d)}
+        for task, entry in results["tasks"].items()
+        for d in entry.get("differences") or []
+        if isinstance(d.get("p"), int | float)
+    ]
+    if any(not isinstance(d.get("p_holm"), int | float) for d in tested):  # written without it: adjust here
+        adjusted = claims.holm([float(d["p"]) for d in tested])
+        tested = [{**d, "p_holm": p} for d, p in zip(tested, adjusted, strict=True)]
+    return [d for d in tested if d["p_holm"] < claims.ALPHA], len(tested)
+
+
+def _covering(entry: dict[str, Any], difference: dict[str, Any]) -> list[str]:
+    about = set(difference.get("metrics") or [])
+    checks = entry.get("checks", [])
+    return [c["name"] for c in checks if str(c["name"]).removesuffix("_vs_baseline") in about]
+
+
+def difference_sentence(d: dict[str, Any]) -> str:
+    """One significant difference as the verdict's paragraph and the caveats say it."""
+    covered = (
+        f"checked by {', '.join(f'`{c}`' for c in d['checks'])}" if d["checks"] else "which no check covers"
+    )
+    side = "worse" if d["worse"] else "better"
+    return (
+        f"{d['name']} ({d['task']}): {d['said']}, the candidate {side} ({d['test']}: p = "
+        f"{format_number(d['p'], 2)}, Holm p = {format_number(d['p_holm'], 2)}), {covered}"
+    )
+
+
+def verdict_paragraph(results: dict[str, Any]) -> list[str]:
+    """What the data show beside the verdict: every difference from the reference significant after Holm
+    over all the paired tests the report and the card tabulate, whether or not a check covers it; said
+    also when there is none. Empty for a results.json that records no paired test."""
+    shown, tested = significant_differences(results)
+    if not tested:
+        return []
+    family = "significant after Holm's correction over every paired test of the candidate against the "
+    family += "reference that this report tabulates (results.json's `differences`)"
+    if not shown:
+        return [f"No difference from the reference is {family}.", ""]
+    lines = [f"Beside the verdict, the data show these differences from the reference ({family}):", ""]
+    return [*lines, *[f"- {difference_sentence(d)}." for d in shown], ""]
+
+
+def difference_caveats(results: dict[str, Any]) -> list[str]:
+    """One caveat per difference the data show (`significant_differences`), whatever the verdict."""
+    shown, _ = significant_differences(results)
+    return [f"the data show a difference: {difference_sentence(d)}" for d in shown]
+
+
+def baseline_caveats(results: dict[str, Any]) -> list[str]:
+    """The metrics a baseline was not compared on, by task, with why (results.json's `not_comparable`)."""
+    notes = []
+    for task, entry in results["tasks"].items():
+        for name, why in (entry.get("not_comparable") or {}).items():
+            notes.append(f"`{task}.{name}` was not compared with the baseline: {why}")
+    return notes
 
 
 def checked_name(check: dict[str, Any]) -> str:
@@ -193,7 +274,8 @@ def caveats(results: dict[str, Any]) -> list[str]:
     """What the verdict does not say, from results.json alone: default thresholds, failed prompts, the
     text scored, the KLD estimator, what did not run. One sentence per caveat, without the final stop."""
     tasks = results["tasks"]
-    notes = threshold_caveats(results) + failed_prompts(results) + replay_caveats(results)
+    notes = difference_caveats(results) + threshold_caveats(results) + failed_prompts(results)
+    notes += replay_caveats(results) + baseline_caveats(results)
     for task, entry in tasks.items():
         if entry["status"] in ("skipped", "error"):
             what = "was skipped" if entry["status"] == "skipped" else "failed to run"
@@ -261,6 +343,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"Candidate {side_label(results['ckpt'])} against reference {side_label(results['ref'])}. "
         "Numbers are shown to 4 significant digits; results.json has them all, with the paths.",
         "",
+        *verdict_paragraph(results),
         "| task | metric | ref | ckpt | Δ | threshold | verdict |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]

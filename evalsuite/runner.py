@@ -27,6 +27,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from evalsuite import claims
 from evalsuite.backends import check_load_plan
 from evalsuite.backends.options import BackendOptions
 from evalsuite.digest import DigestCache
@@ -53,7 +54,7 @@ from evalsuite.plan import (
 )
 from evalsuite.recording import RecordedObservation, write_recording
 from evalsuite.results import RESULTS_SCHEMA as SCHEMA
-from evalsuite.results import SCHEMA_VERSION
+from evalsuite.results import SCHEMA_VERSION, not_comparable
 from evalsuite.run_folder import RunFolder
 from evalsuite.side import open_side
 from evalsuite.task import (
@@ -185,13 +186,20 @@ def run(
             )
         except EvalsuiteError as exc:
             results[t.name] = TaskResult(status="error", reason=str(exc))
+    for t in plan.tasks:
+        results[t.name].spec_sha256 = t.spec.measured_sha256
+        differences = getattr(t, "paired_differences", None)
+        if differences is not None and results[t.name].status in ("pass", "fail"):
+            results[t.name].differences = differences(results[t.name].metrics)
+    with_holm(results)
     if request.baseline is not None:
         baseline = load_results(request.baseline)
         for t in plan.tasks:
             if results[t.name].status in ("pass", "fail"):
                 results[t.name] = with_regression_checks(t, results[t.name], baseline)
     for t in plan.tasks:
-        described = getattr(t, "metric_descriptions", {})
+        # The task's own descriptions (completed with what it measured) over its class's.
+        described = {**getattr(t, "metric_descriptions", {}), **results[t.name].descriptions}
         results[t.name].descriptions = {k: v for k, v in described.items() if k in results[t.name].metrics}
         results[t.name].spec = plan.provenance[t.name]
     if request.keep_observations:
@@ -238,16 +246,33 @@ def replay_environment(recorded: dict[str, Any] | None, here: dict[str, Any]) ->
     }
 
 
+def with_holm(results: dict[str, TaskResult]) -> None:
+    """Each task's paired differences from the reference with their p adjusted by Holm's correction over
+    every difference of the run (`claims.holm`): the family the reports' verdict paragraph is judged on."""
+    every = [(r, i) for r in results.values() for i in range(len(r.differences))]
+    adjusted = claims.holm([r.differences[i].p for r, i in every])
+    for (r, i), p in zip(every, adjusted, strict=True):
+        r.differences[i] = dataclasses.replace(r.differences[i], p_holm=p)
+
+
 def with_regression_checks(task: Task, result: TaskResult, baseline: dict[str, Any]) -> TaskResult:
-    """Add one check per metric of the spec's `[regression]` table: no worse than the baseline's value.
+    """Add one check per metric of the spec's `[regression]` table: no worse than the baseline's value, where
+    the baseline measured the same quantity (its spec's digest and the windows the metric used: results.json's
+    `identity`); a metric measured otherwise is listed as not comparable, with why, never compared.
     Everything else of the result (details, artifacts, notes) is kept."""
-    before = baseline["tasks"][task.name]["metrics"]
+    entry = baseline["tasks"][task.name]
+    before = entry["metrics"]
     checks = list(result.checks)
+    apart = dict(result.not_comparable)
     for name, tolerance in task.spec.regression.items():
         if isinstance(before.get(name), int | float) and not isinstance(before.get(name), bool):
+            why = not_comparable(name, entry.get("identity"), result.identity())
+            if why is not None:
+                apart[name] = why
+                continue
             checks.append(tolerance.check(name, result.metrics.get(name), float(before[name])))
     status = "pass" if checks and all(c.passed for c in checks) else "fail"
-    return dataclasses.replace(result, checks=checks, status=status)
+    return dataclasses.replace(result, checks=checks, status=status, not_comparable=apart)
 
 
 @dataclass

@@ -203,6 +203,14 @@ class TaskSpec(StrictModel):
         return _canonical_sha256(self.model_dump(mode="json"))
 
     @property
+    def measured_sha256(self) -> str:
+        """Identity of what the task's metrics measure under this spec: everything but the description, the
+        thresholds and the regression tolerances, which judge a metric and never change it. A baseline's
+        metric is compared with a run's only under the same identity (`evalsuite.results.not_comparable`)."""
+        exclude = {"description", "thresholds", "regression"}
+        return _canonical_sha256(self.model_dump(mode="json", exclude=exclude))
+
+    @property
     def observation_sha256(self) -> str:
         """Identity of what the spec asks an observation to be: everything but the compare-only fields."""
         return _canonical_sha256(self.model_dump(mode="json", exclude=set(self.COMPARE_ONLY)))

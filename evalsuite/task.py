@@ -22,6 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
+from evalsuite import claims
 from evalsuite.corpus import Corpus, load_corpus
 from evalsuite.observation import Observation
 from evalsuite.spec import Check, TaskSpec
@@ -107,6 +108,53 @@ class Need:
     alone: Observer | None = None
 
 
+@dataclass(frozen=True)
+class Difference:
+    """A difference between the candidate and the reference that a task tests, paired (by token, by
+    document): reports name every one significant after Holm's correction over all of them
+    (`evalsuite.run_report.significant_differences`), whether or not a check covers it."""
+
+    name: str  # what differs, as a report names it (`ppl`, `evalsuite-mini-gen.exact_match`)
+    said: str  # the change in words and figures: `0.6 → 0.2, 8 correct → wrong against 0 wrong → correct`
+    test: str  # the paired test the p-value is from
+    p: float  # its two-sided p-value
+    worse: bool  # whether the candidate is the worse side
+    metrics: tuple[str, ...]  # the task's metrics about it: a check on one of them covers it
+    p_holm: float | None = None  # Holm-adjusted over every difference of the run (set by the runner)
+
+    @staticmethod
+    def figure(value: Any) -> str:
+        """A figure in `said`, to 4 significant digits as the reports show figures; `—` for none."""
+        return f"{value:.4g}" if isinstance(value, int | float) and not isinstance(value, bool) else "—"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "said": self.said,
+            "test": self.test,
+            "p": self.p if math.isfinite(self.p) else None,
+            "p_holm": self.p_holm if self.p_holm is not None and math.isfinite(self.p_holm) else None,
+            "worse": self.worse,
+            "metrics": list(self.metrics),
+        }
+
+
+def clustered_difference(
+    name: str, said: str, metric: str, values: dict[str, Any], worse_when_higher: bool, *covers: str
+) -> Difference | None:
+    """The `Difference` of a task's per-token paired metric from its value, window-clustered error and window
+    count (`metric`, `metric`_stderr_window, `n_windows`): two-sided t with windows − 1 degrees of freedom
+    (`claims.two_sided_p`); None where the task did not report them. `covers`: other metrics about it."""
+    value, stderr = values.get(metric), values.get(f"{metric}_stderr_window")
+    windows = values.get("n_windows")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (value, stderr, windows)):
+        return None
+    assert isinstance(value, int | float) and isinstance(stderr, int | float) and isinstance(windows, int)
+    test = f"paired by token, window-clustered t with {windows - 1} degrees of freedom"
+    worse = value != 0 and (value > 0) == worse_when_higher
+    return Difference(name, said, test, claims.two_sided_p(value, stderr, windows), worse, (metric, *covers))
+
+
 @dataclass
 class TaskResult:
     """One task's entry in results.json (see DESIGN.md, the contract)."""
@@ -128,6 +176,26 @@ class TaskResult:
     descriptions: dict[str, str] = field(default_factory=dict)
     # Where the spec and its thresholds came from (set by the runner): a report says when they are defaults.
     spec: dict[str, str] = field(default_factory=dict)
+    # What the metrics were measured on: named samples (`windows`, `tokens`, `words`: "on the fed windows
+    # 0, 7 of 8: 1,024 tokens per MoE layer"), the task's default one named "every", and the metrics measured
+    # on another (`metric_samples`, by name). With `spec_sha256` (the spec's `measured_sha256`, set by the
+    # runner) they are each metric's identity: a baseline measured under another is not compared with it.
+    samples: dict[str, dict[str, Any]] = field(default_factory=dict)
+    metric_samples: dict[str, str] = field(default_factory=dict)
+    spec_sha256: str | None = None
+    # Regression tolerances not applied, by metric: the baseline measured it under another identity.
+    not_comparable: dict[str, str] = field(default_factory=dict)
+    # The paired differences from the reference the task tested, significant or not.
+    differences: list[Difference] = field(default_factory=list)
+
+    def identity(self) -> dict[str, Any]:
+        """results.json's `identity` of the task's metrics: the spec's digest and the samples."""
+        doc: dict[str, Any] = {"spec_sha256": self.spec_sha256}
+        if self.samples:
+            doc["samples"] = self.samples
+        if self.metric_samples:
+            doc["metric_samples"] = self.metric_samples
+        return doc
 
     @classmethod
     def from_checks(cls, metrics: dict[str, MetricValue], checks: list[Check], **kw: Any) -> TaskResult:
@@ -157,6 +225,12 @@ class TaskResult:
             doc["descriptions"] = {k: self.descriptions[k] for k in metrics if k in self.descriptions}
         if self.spec:
             doc["spec"] = dict(self.spec)
+        if self.spec_sha256 is not None or self.samples:
+            doc["identity"] = self.identity()
+        if self.not_comparable:
+            doc["not_comparable"] = dict(self.not_comparable)
+        if self.differences:
+            doc["differences"] = [d.to_json() for d in self.differences]
         doc["artifacts"] = self.artifacts
         if self.details:
             doc["details"] = [_finite_row(row) for row in self.details]

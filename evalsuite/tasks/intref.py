@@ -38,7 +38,16 @@ from evalsuite.observers.window_logits import (
 )
 from evalsuite.side import Side
 from evalsuite.spec import TaskSpec
-from evalsuite.task import Inputs, Need, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.task import (
+    Difference,
+    Inputs,
+    Need,
+    RunContext,
+    TaskResult,
+    TaskSkipped,
+    clustered_difference,
+    task,
+)
 from evalsuite.tasks.ppl import CompareOptions
 
 
@@ -154,6 +163,39 @@ class IntegerReference:
                 label = floor.label(i, "hf_floor")
                 needs.append(Need(label, "ckpt", noisy, backend="hf", conventions=self._hf_conventions))
         return needs
+
+    def paired_differences(self, values: dict[str, Any]) -> list[Difference]:
+        """The integer execution's PPL against the reference's, and its distance from Transformers' execution
+        beyond rounding's (KLD and top-token agreement), each paired by token: what reports name where
+        significant."""
+        ppl = f"{Difference.figure(values.get('ppl_ref'))} → {Difference.figure(values.get('ppl_int'))}"
+        found = [
+            clustered_difference(
+                "PPL of the integer execution",
+                f"{ppl} (ratio {Difference.figure(values.get('ppl_int_ratio'))})",
+                "ln_ppl_int_ratio",
+                values,
+                True,
+                "ppl_int_ratio",
+            ),
+            clustered_difference(
+                "KLD between the integer and Transformers' executions beyond the floor",
+                f"{Difference.figure(values.get('kld_int_vs_hf_above_floor'))} nats",
+                "kld_int_vs_hf_above_floor",
+                values,
+                True,
+                "kld_int_vs_hf",
+            ),
+            clustered_difference(
+                "top-token agreement of the integer and Transformers' executions below the floor's",
+                f"{Difference.figure(values.get('same_top_int_vs_hf_below_floor'))}",
+                "same_top_int_vs_hf_below_floor",
+                values,
+                True,
+                "same_top_int_vs_hf",
+            ),
+        ]
+        return [d for d in found if d is not None]
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
         ref, ints, hf = observed["ref"], observed["int"], observed["hf"]

@@ -38,7 +38,7 @@ from evalsuite.observers.window_logits import (
 )
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
-from evalsuite.task import Inputs, Need, RunContext, TaskResult, task
+from evalsuite.task import Difference, Inputs, Need, RunContext, TaskResult, clustered_difference, task
 from evalsuite.tasks.long_context import (
     LongContext,
     check_long_windows,
@@ -171,6 +171,30 @@ class Perplexity:
                 noisy = NoisyWindowLogits(protocol, self.spec.record, chunk_rows, noise=floor.draw(i))
                 needs.append(Need(floor.label(i), "ref", noisy))
         return needs
+
+    def paired_differences(self, values: dict[str, Any]) -> list[Difference]:
+        """The PPL (per-token NLL) and the true token's probability (Δp), each paired by token against the
+        reference: what reports name where significant, whether or not a check covers them."""
+        ppl = f"{Difference.figure(values.get('ppl_ref'))} → {Difference.figure(values.get('ppl_ckpt'))}"
+        found = [
+            clustered_difference(
+                "PPL",
+                f"{ppl} (ratio {Difference.figure(values.get('ppl_ratio'))})",
+                "ln_ppl_ratio",
+                values,
+                True,
+                "ppl_ratio",
+            ),
+            clustered_difference(
+                "the true token's probability",
+                f"mean Δp {Difference.figure(values.get('delta_p_mean'))}",
+                "delta_p_mean",
+                values,
+                False,
+                "rms_delta_p",
+            ),
+        ]
+        return [d for d in found if d is not None]
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
         ref, ckpt = observed["ref"], observed["ckpt"]

@@ -15,12 +15,14 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_refused, cli_in_process, copy_checkpoint, edit_tensors
+from tests.conftest import assert_refused, cli_in_process, copy_checkpoint, edit_tensors, rerun, run_pair
 
 BF16, W4A8, EXL3 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8", "tiny-minicpmv47-exl3"
 SPEC = """
@@ -31,6 +33,8 @@ scored = { first = 256, last = 510 }
 [thresholds]
 mean_topk_overlap = { min = 0.99 }
 """
+SPEC_FILE = Path(__file__).parents[2] / "tasks" / "moe.toml"
+SHIPPED_MOE_TOLERANCES = tuple(tomllib.loads(SPEC_FILE.read_text(encoding="utf-8"))["regression"])
 LAYER1 = "model.language_model.layers.1.mlp."
 PERTURBED_EXPERT = "layer 1 expert 3"  # hot: the reference routes more than the uniform share to it
 
@@ -44,9 +48,9 @@ def run_moe(ckpt: Path, ref: Path, out: Path, spec: Path) -> tuple[int, dict]:
     return code, json.loads((out / "results.json").read_text())["tasks"]["moe"]
 
 
-def expert_copy(src: Path, dst: Path) -> Path:
+def expert_copy(src: Path, dst: Path, expert: int = 3) -> Path:
     copy_checkpoint(src, dst)
-    prefix = LAYER1 + "experts.3."
+    prefix = LAYER1 + f"experts.{expert}."
     edit_tensors(
         dst,
         lambda t: t.update({k: (v.float() * 1.5).to(v.dtype) for k, v in t.items() if k.startswith(prefix)}),
@@ -212,6 +216,82 @@ def test_an_exl3_pack_is_compared_once_its_side_can_be_streamed(tiny_exl3_pair, 
     m = json.loads((tmp_path / "out" / "results.json").read_text())["tasks"]["moe"]["metrics"]
     assert m["n_moe_layers"] == 2 and m["worst_expert"].startswith("layer ")
     assert 0 < m["worst_expert_rel_err"] < 1 and 0.5 < m["mean_topk_overlap"] <= 1
+
+
+def expert_csv(out: Path) -> dict[str, dict[str, str]]:
+    with (out / "artifacts" / "moe_experts.csv").open(encoding="utf-8") as fh:
+        return {f"layer {row['layer']} expert {row['expert']}": row for row in csv.DictReader(fh)}
+
+
+def test_every_worst_expert_rests_on_at_least_the_spec_s_minimum_of_tokens(moe_runs):
+    for name, (_, moe) in moe_runs.items():
+        if name == "recording":
+            continue
+        m = moe["metrics"]
+        assert m["worst_expert_measured_tokens"] >= m["min_expert_tokens"] == 32, name
+        assert (
+            m["n_fed_tokens"] == 1024
+            and "on the fed windows 0, 1 of 2: 1,024 tokens" in (moe["descriptions"]["mean_topk_overlap"])
+        ), name
+
+
+def test_an_expert_measured_on_fewer_tokens_than_the_minimum_is_counted_apart_never_named_worst(
+    tiny_pair, tmp_path
+):
+    """Built to fail the former rule (the worst of every expert measured at all): on one fed window, layer 1
+    expert 1 is routed fewer tokens than a minimum of 250, and is the one expert perturbed."""
+    spec = tmp_path / "few.toml"
+    spec.write_text(SPEC + "[fed]\nwindows = 1\n[compare]\nmin_expert_tokens = 250\n")
+    few = "layer 1 expert 1"
+    ckpt = expert_copy(tiny_pair[BF16], tmp_path / "few", expert=1)
+    code, moe = run_moe(ckpt, tiny_pair[BF16], tmp_path / "out", spec)
+    m, rows = moe["metrics"], expert_csv(tmp_path / "out")
+    measured = {name: int(row["measured_tokens"]) for name, row in rows.items()}
+    assert 0 < measured[few] < 250 and float(rows[few]["rel_err"]) > 0.1  # the largest error, on few tokens
+    assert all(float(row["rel_err"]) == 0.0 for name, row in rows.items() if name != few)
+    assert m["worst_expert"] != few and m["worst_expert_measured_tokens"] >= 250
+    assert m["experts_few_tokens"] == sum(1 for t in measured.values() if 0 < t < 250) >= 1
+    assert m["experts_hurt"] == 0 and rows[few]["judged"] == "False" and rows[few]["hurt"] == "False"
+    assert few not in {row["expert"] for row in expert_rows(moe)}
+    assert "fed windows 0 of 2: 512 tokens per MoE layer" in moe["descriptions"]["worst_expert"]
+    assert code == 0
+
+
+def test_a_baseline_made_under_another_fed_setting_is_not_compared_on_the_moe_metrics(tiny_pair, tmp_path):
+    """A baseline measured with `[fed] windows = 8`, a run with the shipped 2: every moe tolerance is listed
+    as not comparable (with the windows each measured on), never compared; ppl's are compared. A baseline of
+    the run's own identity is compared on every one."""
+    from evalsuite.model_card import render_model_card
+
+    spec = tmp_path / "fed8.toml"
+    spec.write_text(SPEC_FILE.read_text(encoding="utf-8").replace("windows = 2 ", "windows = 8 "))
+    base = run_pair(tiny_pair[W4A8], tiny_pair[BF16], tmp_path / "base", "ppl,moe", "--spec", f"moe={spec}")
+    assert base.cli.returncode == 0, base.cli.stderr
+    assert base.metrics("moe")["fed_windows"] == "0, 1, 2, 3, 4, 5, 6, 7"
+    args = ("run", "--ckpt", tiny_pair[W4A8], "--ref", tiny_pair[BF16], "--tasks", "ppl,moe")
+    args += ("--corpus", "python-docs", "--baseline", base.out / "results.json")
+    again = rerun(base, tmp_path / "again", *args)
+    assert again.cli.returncode == 0, again.cli.stderr
+    moe, ppl = again.task("moe"), again.task("ppl")
+    assert set(moe["not_comparable"]) == set(SHIPPED_MOE_TOLERANCES)
+    assert not [c for c in moe["checks"] if c["name"].endswith("_vs_baseline")]
+    why = moe["not_comparable"]["mean_topk_overlap"]
+    assert "it on the fed windows 0, 1, 2, 3, 4, 5, 6, 7 of 8: 4,096 tokens" in why
+    assert "this run on the fed windows 0, 7 of 8: 1,024 tokens" in why
+    compared = {c["name"] for c in ppl["checks"] if c["name"].endswith("_vs_baseline")}
+    assert compared == {f"{name}_vs_baseline" for name in ("ppl_ratio", "kld_mean", "same_top_p")}
+    assert "not_comparable" not in ppl
+    report = (again.out / "report.md").read_text(encoding="utf-8")
+    card = render_model_card(again.results)
+    for text in (report, card):
+        assert "`moe.mean_topk_overlap` was not compared with the baseline" in text
+        assert "mean_topk_overlap (on the fed windows 0, 7 of 8: 1,024 tokens per MoE layer)" in text
+    # The run's own results as the baseline: the same identity, every tolerance compared.
+    same = rerun(again, tmp_path / "same", *args[:-1], again.out / "results.json")
+    assert same.cli.returncode == 0 and same.loads == [], same.cli.stderr
+    checked = {c["name"] for c in same.task("moe")["checks"] if c["name"].endswith("_vs_baseline")}
+    assert checked == {f"{name}_vs_baseline" for name in SHIPPED_MOE_TOLERANCES}
+    assert "not_comparable" not in same.task("moe")
 
 
 def test_a_malformed_coverage_file_is_refused_with_its_path(tiny_pair, tmp_path):

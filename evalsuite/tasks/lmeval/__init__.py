@@ -16,13 +16,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from evalsuite import claims
 from evalsuite.backends import exposes_model
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.offline import hub_offline
 from evalsuite.side import Side
 from evalsuite.spec import TaskSpec
-from evalsuite.task import Inputs, Need, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.task import Difference, Inputs, Need, RunContext, TaskResult, TaskSkipped, task
 from evalsuite.tasks.lmeval._harness import (
     LmEvalSpec,
     lm_eval_api,
@@ -147,6 +148,31 @@ class LmEval:
     def needs(self) -> list[Need]:
         observer = LmEvalSamples(self.spec)
         return [Need("ref", "ref", observer), Need("ckpt", "ckpt", observer)]
+
+    def paired_differences(self, values: dict[str, Any]) -> list[Difference]:
+        """Each lm-eval task and metric, the candidate against the reference on the same documents: McNemar's
+        exact test of the flips for a right-or-wrong metric, else the paired t of the per-document
+        differences (documents − 1 degrees of freedom). What reports name where significant, whether or not
+        a check covers them."""
+        found = []
+        for prefix in [k.removesuffix(".n") for k, v in values.items() if k.endswith(".n") and v]:
+            delta, figure = values.get(f"{prefix}.delta"), Difference.figure
+            said = f"{figure(values.get(f'{prefix}.ref'))} → {figure(values.get(f'{prefix}.ckpt'))}"
+            covers = tuple(f"{prefix}.{stat}" for stat in STATS)
+            worse = isinstance(delta, int | float) and delta < 0
+            if isinstance(values.get(f"{prefix}.mcnemar_p"), int | float):
+                c2w, w2c = values[f"{prefix}.flips_c2w"], values[f"{prefix}.flips_w2c"]
+                said += f", {c2w} documents correct → wrong against {w2c} wrong → correct"
+                test = "McNemar's exact test of the flips, two-sided"
+                p = float(values[f"{prefix}.mcnemar_p"])
+            else:
+                n, stderr = values[f"{prefix}.n"], values.get(f"{prefix}.delta_stderr")
+                if not isinstance(delta, int | float) or not isinstance(stderr, int | float):
+                    continue
+                test = f"paired by document, t with {n - 1} degrees of freedom"
+                p = claims.two_sided_p(float(delta), float(stderr), int(n))
+            found.append(Difference(f"`{prefix}`", said, test, p, worse, covers))
+        return found
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
         ref, ckpt = observed["ref"], observed["ckpt"]

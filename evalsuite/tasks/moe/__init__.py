@@ -35,6 +35,7 @@ JSON of per-expert calibration token counts (`read_coverage`), is joined with us
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -57,16 +58,104 @@ from evalsuite.tasks.moe._tables import COVERAGE_SCHEMA, ExpertTable, expert_nam
 __all__ = ["COVERAGE_SCHEMA", "MODES", "MixtureOfExperts", "MoeSpec", "expert_count", "read_coverage"]
 
 
+# The metrics measured on the fed windows alone (`FedOptions`): the fed routing and everything of the
+# experts' errors. The others are measured on every window.
+FED_METRICS = frozenset(
+    {
+        "n_fed_tokens",
+        "fed_windows",
+        "worst_layer",
+        "worst_layer_kind",
+        "worst_layer_topk_overlap",
+        "mean_topk_overlap",
+        "mean_top1_agreement",
+        "mean_mass_on_ref_experts",
+        "mean_router_kl",
+        "worst_expert",
+        "worst_expert_rel_err",
+        "worst_expert_cosine",
+        "worst_expert_tokens",
+        "worst_expert_measured_tokens",
+        "median_expert_rel_err",
+        "p90_expert_rel_err",
+        "p99_expert_rel_err",
+        "hurt_rel_err_floor",
+        "experts_unmeasured",
+        "experts_few_tokens",
+        "experts_hurt",
+        "hot_hurt_experts",
+        "layers_with_hot_hurt",
+        "worst_shared_expert_rel_err",
+        "coverage_hot_hurt_below_floor",
+    }
+)
+WORST_EXPERT_METRICS = (
+    "worst_expert",
+    "worst_expert_rel_err",
+    "worst_expert_cosine",
+    "worst_expert_tokens",
+    "worst_expert_measured_tokens",
+)
+EVERY_WINDOW = "every"
+FED = "fed"
+
+
+@dataclass(frozen=True)
+class MoeSample:
+    """What the task's metrics were measured on: every window of the protocol (`tokens` routed per MoE
+    layer), or the fed windows alone (`fed_tokens`)."""
+
+    n_windows: int
+    tokens: int
+    fed_windows: list[int]
+    fed_tokens: int
+
+    def words(self, sample: str) -> str:
+        """`on the fed windows 0, 7 of 8: 1,024 tokens per MoE layer`, or the same of every window."""
+        if sample == FED:
+            windows = ", ".join(str(w) for w in self.fed_windows)
+            tokens = f"{self.fed_tokens:,} tokens per MoE layer"
+            return f"on the fed windows {windows} of {self.n_windows}: {tokens}"
+        return f"on every window ({self.n_windows}): {self.tokens:,} tokens per MoE layer"
+
+    def describe(self, descriptions: Mapping[str, str]) -> dict[str, str]:
+        """Each description, completed with the sample its metric was measured on."""
+        return {
+            name: f"{text} ({self.words(FED if name in FED_METRICS else EVERY_WINDOW)})"
+            for name, text in descriptions.items()
+        }
+
+    def samples(self) -> dict[str, dict[str, Any]]:
+        """The samples, for results.json's `identity`: their windows, tokens and words."""
+        return {
+            EVERY_WINDOW: {
+                "windows": list(range(self.n_windows)),
+                "tokens": self.tokens,
+                "words": self.words(EVERY_WINDOW),
+            },
+            FED: {"windows": list(self.fed_windows), "tokens": self.fed_tokens, "words": self.words(FED)},
+        }
+
+
 class MoeCompareOptions(StrictModel):
     """How the comparison reads the observations (compare-only: changing it never invalidates one).
 
-    An expert is **hurt** when its weighted relative error exceeds both `hurt_min_rel_err` and
-    `hurt_factor` × the median error of the used experts, and **hot** when the reference routes at least
-    `hot_usage` × the uniform share of tokens to it (tokens × k / experts of its layer)."""
+    An expert's error is judged only where it rests on at least `min_expert_tokens` measured tokens (tokens
+    of the fed windows routed to it): the worst expert, the median and percentiles of the experts' errors and
+    the hurt experts are taken among those, and the others are counted apart (`experts_few_tokens`). An
+    expert is **hurt** when its weighted relative error exceeds both `hurt_min_rel_err` and `hurt_factor` ×
+    the median error of those experts, and **hot** when the reference routes at least `hot_usage` × the
+    uniform share of tokens to it (tokens × k / experts of its layer)."""
 
     hurt_factor: float = Field(2.0, gt=0)
     hurt_min_rel_err: float = Field(0.01, ge=0)
     hot_usage: float = Field(1.0, ge=0)
+    # An expert's error from n tokens: a ratio of sums of n per-token squared errors, so its relative
+    # standard error is about c / (2 √n), c the per-token coefficient of variation of the squared error; at
+    # most about 1 / √(2n) (c = √2, one dominant direction). At 32 tokens that is 12.5%: an expert's error
+    # known to about ±25% (two errors), enough to rank the worst and to tell twice the median from sampling
+    # noise; below, one or two tokens with a large output can name an expert worst (docs/tasks/moe.md).
+    min_expert_tokens: int = Field(32, ge=1)
     worst_experts: int = Field(10, ge=1)  # rows of the hot-and-hurt and the below-the-floor tables
     coverage_file: str = "calibration_coverage.json"  # in the candidate's folder, read when present
     coverage_floor: float = Field(32.0, ge=0)  # calibration tokens below which an expert is flagged
@@ -98,8 +187,10 @@ class MixtureOfExperts:
         "worst_expert",
         "worst_expert_rel_err",
         "worst_expert_cosine",
+        "worst_expert_measured_tokens",
         "experts_unused",
         "experts_unmeasured",
+        "experts_few_tokens",
         "experts_hot",
         "experts_hurt",
         "hot_hurt_experts",
@@ -111,31 +202,57 @@ class MixtureOfExperts:
         "coverage_below_floor",
         "coverage_hot_hurt_below_floor",
     )
+    # Each description is completed, in results.json, with the windows and tokens the metric was measured on
+    # (`MoeSample.describe`): the fed windows for those in `FED_METRICS`, every window for the others.
     metric_descriptions: ClassVar[dict[str, str]] = {
+        "n_tokens": "tokens routed in each MoE layer, every window",
+        "fed_windows": "the windows (of n_windows) the candidate's layers and experts were fed the "
+        "reference's input on: the spec's [fed] windows",
+        "n_fed_tokens": "tokens of the fed windows, routed in each MoE layer: the sample of the fed routing "
+        "and of every expert error",
         "worst_layer": "the MoE layer whose router, fed the reference's input, shares the fewest top-k "
         "experts with the reference's (its decoder-layer index)",
         "worst_layer_topk_overlap": "that layer's mean |A∩B|/k: 1 when every token goes to the same experts",
-        "mean_topk_overlap": "mean top-k set overlap over every token of every MoE layer, each candidate "
-        "layer fed the reference's input to it",
-        "own_mean_topk_overlap": "the same with the candidate on its own prefix: routing flips accumulated "
-        "through the depth",
-        "worst_expert": "the routed expert (of those the reference uses) whose output, on the tokens the "
-        "reference routes to it, is furthest from the reference expert's",
+        "mean_topk_overlap": "mean top-k set overlap |A∩B|/k over the tokens of every MoE layer, each "
+        "candidate layer fed the reference's input to it",
+        "mean_top1_agreement": "share of those tokens whose first expert is the reference's",
+        "mean_mass_on_ref_experts": "the candidate's routing weight on the reference's chosen experts",
+        "mean_router_kl": "mean KL(softmax(ref router logits) ‖ softmax(ckpt router logits))",
+        "own_mean_topk_overlap": "mean top-k set overlap with the candidate on its own prefix: routing flips "
+        "accumulated through the depth",
+        "router_mean_topk_overlap": "mean top-k set overlap of the candidate's router alone on the "
+        "reference's router input",
+        "min_expert_tokens": "measured tokens an expert's error must rest on to be judged (the spec's "
+        "[compare] min_expert_tokens): the worst expert, the error percentiles and the hurt experts are "
+        "taken among those experts",
+        "worst_expert": "the routed expert, of those with at least min_expert_tokens measured tokens, whose "
+        "output on the tokens the reference routes to it is furthest from the reference expert's",
         "worst_expert_rel_err": "its relative output error ‖y_ckpt − y_ref‖ / ‖y_ref‖, weighted by the "
         "reference's routing weights",
+        "worst_expert_cosine": "the cosine of its outputs with the reference expert's",
+        "worst_expert_tokens": "tokens of the whole text (every window) the reference routes to it",
+        "worst_expert_measured_tokens": "tokens its error rests on: those of the fed windows routed to it",
+        "median_expert_rel_err": "median of the judged experts' weighted relative errors",
+        "p90_expert_rel_err": "90th percentile of the judged experts' weighted relative errors (every "
+        "expert's, with its tokens, is in moe_experts.csv)",
+        "p99_expert_rel_err": "99th percentile of the judged experts' weighted relative errors",
+        "hurt_rel_err_floor": "the error above which an expert is hurt: the larger of the spec's "
+        "hurt_min_rel_err and hurt_factor × median_expert_rel_err",
         "experts_unused": "routed experts the reference sends no token of the text to (their damage is not "
         "measured)",
-        "experts_unmeasured": "routed experts the text uses but the fed windows (the spec's [fed]) route no "
-        "token to: their damage is not measured",
+        "experts_unmeasured": "routed experts the text uses but the fed windows route no token to: their "
+        "damage is not measured",
+        "experts_few_tokens": "routed experts measured on fewer than min_expert_tokens tokens: counted "
+        "apart, never named worst or hurt (their rows are in moe_experts.csv)",
         "experts_hot": "routed experts the reference sends at least the uniform share of its layer's "
         "tokens to (tokens × k / experts)",
-        "experts_hurt": "used experts whose error is above hurt_rel_err_floor: the larger of the spec's "
-        "hurt_min_rel_err and hurt_factor × the median used expert's error",
-        "p90_expert_rel_err": "90th percentile of the used experts' weighted relative errors (every expert's "
-        "is in moe_experts.csv)",
-        "hot_hurt_experts": "experts both hot (at least the uniform share of tokens) and hurt (error above "
-        "the spec's factor × the median expert error): quantization damage the text actually meets",
+        "experts_hurt": "experts with at least min_expert_tokens measured tokens whose error is above "
+        "hurt_rel_err_floor",
+        "hot_hurt_experts": "experts both hot (at least the uniform share of tokens) and hurt: quantization "
+        "damage the text actually meets",
         "layers_with_hot_hurt": "MoE layers holding at least one hot and hurt expert",
+        "worst_shared_expert_rel_err": "the largest relative output error of a shared expert, on every "
+        "token routed",
         "coverage_below_floor": "experts with fewer calibration tokens than the spec's floor, by the pack's "
         "calibration coverage file",
         "coverage_hot_hurt_below_floor": "hot and hurt experts that are also below the calibration floor",
@@ -201,16 +318,19 @@ class MixtureOfExperts:
             rel_err = np.where(experts[..., 3] == 0, 0.0, np.sqrt(experts[..., 3] / experts[..., 2]))
             cosine = experts[..., 5] / np.sqrt(experts[..., 2] * experts[..., 4])
         used = usage > 0
-        # Errors exist for the experts the fed windows route tokens to (a subset of those the text uses).
-        measured = experts[..., 0] > 0
+        # Errors exist for the experts the fed windows route tokens to (a subset of those the text uses),
+        # and are judged where they rest on enough of them (`MoeCompareOptions.min_expert_tokens`).
+        measured_tokens = experts[..., 0]
+        measured = measured_tokens > 0
+        enough = measured_tokens >= options.min_expert_tokens
         tokens_per_layer = usage.sum(axis=1, keepdims=True)
         uniform = tokens_per_layer / usage.shape[1]
-        median = float(np.median(rel_err[measured])) if measured.any() else 0.0
+        median = float(np.median(rel_err[enough])) if enough.any() else 0.0
         hurt_floor = max(options.hurt_min_rel_err, options.hurt_factor * median)
-        hurt = measured & (rel_err > hurt_floor)
+        hurt = enough & (rel_err > hurt_floor)
         hot = used & (usage >= options.hot_usage * uniform)
         score = rel_err * usage / tokens_per_layer  # error × share of the layer's routed tokens
-        masked = np.where(measured, rel_err, -1.0)
+        masked = np.where(enough, rel_err, -1.0)
         worst_slot, worst_e = np.unravel_index(int(np.argmax(masked)), masked.shape)
 
         coverage = self.coverage
@@ -228,7 +348,8 @@ class MixtureOfExperts:
         table = ExpertTable(
             moe_layers,
             usage,
-            experts[..., 0],
+            measured_tokens,
+            enough,
             rel_err,
             cosine,
             hot,
@@ -252,13 +373,13 @@ class MixtureOfExperts:
                     "router_alone_topk_overlap": float(means["router"][s, 0]),
                     "experts_unused": int((~used[s]).sum()),
                     "shared_expert_rel_err": sh.relative_frobenius_error if sh else None,
-                    "worst_expert": int(np.argmax(masked[s])),
-                    "worst_expert_rel_err": float(rel_err[s].max()),
+                    "worst_expert": int(np.argmax(masked[s])) if enough[s].any() else None,
+                    "worst_expert_rel_err": float(masked[s].max()) if enough[s].any() else None,
                 }
             )
         rows += table.per_layer(below if coverage is not None else None)
         order = sorted(
-            ((s, e) for s in range(len(moe_layers)) for e in range(usage.shape[1]) if measured[s, e]),
+            ((s, e) for s in range(len(moe_layers)) for e in range(usage.shape[1]) if enough[s, e]),
             key=lambda se: (-score[se], -rel_err[se]),
         )
         worst_rows = order[: options.worst_experts]
@@ -283,14 +404,17 @@ class MixtureOfExperts:
                     {"table": title, "expert": f"{len(flagged) - len(shown):,} more: see moe_experts.csv"}
                 )
         shared_errors = [summed_errors(shared[s]).relative_frobenius_error for s in range(len(moe_layers))]
-        quantiles = np.quantile(rel_err[measured], (0.9, 0.99)) if measured.any() else (0.0, 0.0)
+        quantiles = np.quantile(rel_err[enough], (0.9, 0.99)) if enough.any() else (0.0, 0.0)
+        fed_windows: list[int] = ckpt.meta["fed_windows"]
+        fed_tokens = int(n_tokens[MODES.index("fed"), 0])
+        sample = MoeSample(ckpt.meta["n_windows"], int(n_tokens[0, 0]), fed_windows, fed_tokens)
         values: dict[str, Any] = {
             "corpus": ref.meta["corpus"],
             "n_windows": ckpt.meta["n_windows"],
-            "n_tokens": int(n_tokens[0, 0]),
+            "n_tokens": sample.tokens,
             # the windows the fed routing and the experts' errors were measured on (the spec's [fed])
-            "fed_windows": ", ".join(str(w) for w in ckpt.meta["fed_windows"]),
-            "n_fed_tokens": int(n_tokens[MODES.index("fed"), 0]),
+            "fed_windows": ", ".join(str(w) for w in fed_windows),
+            "n_fed_tokens": sample.fed_tokens,
             "n_moe_layers": len(moe_layers),
             "n_experts": int(usage.size),
             "top_k": ref.meta["top_k"],
@@ -303,16 +427,15 @@ class MixtureOfExperts:
             "mean_router_kl": float(mean["fed"][3]),
             "own_mean_topk_overlap": float(mean["own"][0]),
             "router_mean_topk_overlap": float(mean["router"][0]),
-            "worst_expert": expert_name(moe_layers[int(worst_slot)], int(worst_e)),
-            "worst_expert_rel_err": float(rel_err[worst_slot, worst_e]),
-            "worst_expert_cosine": float(cosine[worst_slot, worst_e]),
-            "worst_expert_tokens": int(usage[worst_slot, worst_e]),
+            "min_expert_tokens": options.min_expert_tokens,
+            **dict.fromkeys(WORST_EXPERT_METRICS),
             "median_expert_rel_err": median,
             "p90_expert_rel_err": float(quantiles[0]),
             "p99_expert_rel_err": float(quantiles[1]),
             "hurt_rel_err_floor": hurt_floor,
             "experts_unused": int((~used).sum()),
             "experts_unmeasured": int((used & ~measured).sum()),
+            "experts_few_tokens": int((measured & ~enough).sum()),
             "experts_hot": int(hot.sum()),
             "experts_hurt": int(hurt.sum()),
             "hot_hurt_experts": int((hot & hurt).sum()),
@@ -326,6 +449,26 @@ class MixtureOfExperts:
             "tokens_sha256": ckpt.meta["tokens_sha256"],
         }
         null_reasons = {}
+        if enough.any():
+            values.update(
+                zip(
+                    WORST_EXPERT_METRICS,
+                    (
+                        expert_name(moe_layers[int(worst_slot)], int(worst_e)),
+                        float(rel_err[worst_slot, worst_e]),
+                        float(cosine[worst_slot, worst_e]),
+                        int(usage[worst_slot, worst_e]),
+                        int(measured_tokens[worst_slot, worst_e]),
+                    ),
+                    strict=True,
+                )
+            )
+        else:
+            few = (
+                f"no expert has {options.min_expert_tokens} measured tokens (the spec's min_expert_tokens) "
+                f"on the fed windows {values['fed_windows']}"
+            )
+            null_reasons.update(dict.fromkeys(WORST_EXPERT_METRICS, few))
         if coverage is None:
             for name in ("coverage_below_floor", "coverage_hot_hurt_below_floor"):
                 null_reasons[name] = f"the candidate ships no calibration coverage ({options.coverage_file})"
@@ -334,7 +477,7 @@ class MixtureOfExperts:
         made = {"experts": f"{artifacts.name}/moe_experts.csv"}
         if self.context.plots:
             plots.expert_heatmap(
-                np.where(measured, rel_err, np.nan),
+                np.where(enough, rel_err, np.nan),
                 moe_layers,
                 artifacts / "moe_expert_rel_err.png",
                 hurt_floor,
@@ -348,4 +491,7 @@ class MixtureOfExperts:
             null_reasons=null_reasons,
             not_measured=not_measured,
             artifacts=made,
+            descriptions=sample.describe(self.metric_descriptions),
+            samples=sample.samples(),
+            metric_samples=dict.fromkeys(sorted(FED_METRICS & values.keys()), FED),
         )

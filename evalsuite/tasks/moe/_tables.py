@@ -73,6 +73,7 @@ class ExpertTable:
     moe_layers: list[int]
     usage: np.ndarray
     measured_rows: np.ndarray  # the expert's outputs compared (tokens of the fed windows routed to it)
+    enough: np.ndarray  # whether those are at least the spec's min_expert_tokens: its error is judged
     rel_err: np.ndarray
     cosine: np.ndarray
     hot: np.ndarray
@@ -80,7 +81,8 @@ class ExpertTable:
     calibration: np.ndarray | None  # calibration tokens, None when the candidate ships no coverage
 
     def row(self, s: int, e: int, below: np.ndarray) -> dict[str, Any]:
-        """Expert `e` of MoE layer slot `s`: its tokens, share of its layer's, error, hot and hurt."""
+        """Expert `e` of MoE layer slot `s`: its tokens, share of its layer's, measured tokens, error (None
+        where none was measured), whether that error is judged (enough measured tokens), hot and hurt."""
         measured = bool(self.measured_rows[s, e] > 0)
         row: dict[str, Any] = {
             "expert": expert_name(self.moe_layers[s], e),
@@ -89,6 +91,7 @@ class ExpertTable:
             "measured_tokens": int(self.measured_rows[s, e]),
             "rel_err": float(self.rel_err[s, e]) if measured else None,
             "cosine": float(self.cosine[s, e]) if measured else None,
+            "judged": bool(self.enough[s, e]),
             "hot": bool(self.hot[s, e]),
             "hurt": bool(self.hurt[s, e]),
         }
@@ -98,19 +101,21 @@ class ExpertTable:
         return row
 
     def per_layer(self, below: np.ndarray | None) -> list[dict[str, Any]]:
-        """One row per MoE layer: how many of its experts are used, measured, hot, hurt, both (and below the
-        calibration floor), and the median and 90th percentile of its measured experts' errors."""
+        """One row per MoE layer: how many of its experts are used, measured, measured on enough tokens to be
+        judged, hot, hurt, both (and below the calibration floor), and the median and 90th percentile of its
+        judged experts' errors."""
         rows = []
         for s, layer in enumerate(self.moe_layers):
             used = self.usage[s] > 0
             measured = self.measured_rows[s] > 0
-            errors = self.rel_err[s][measured]
+            errors = self.rel_err[s][self.enough[s]]
             row: dict[str, Any] = {
                 "table": "experts per MoE layer (hot: at least the uniform share of tokens; hurt: error "
                 "above hurt_rel_err_floor)",
                 "layer": layer,
                 "used": int(used.sum()),
                 "measured": int(measured.sum()),
+                "judged": int(self.enough[s].sum()),
                 "hot": int(self.hot[s].sum()),
                 "hurt": int(self.hurt[s].sum()),
                 "hot_and_hurt": int((self.hot[s] & self.hurt[s]).sum()),
