@@ -283,7 +283,10 @@ class Task(Protocol):
 
     `metric_names` lists the metrics a threshold may name (a misspelled metric in `--thresholds` is refused
     before anything runs); empty means the task does not say. An optional `metric_descriptions` (name → one
-    line) says what the main ones mean, for report.md.
+    line) says what the main ones mean, for report.md; a `TaskResult`'s own `descriptions` (completed with
+    what the metric was measured on) take their place. An optional `paired_differences(metrics)` gives the
+    paired tests of the candidate against the reference its metrics allow (`Difference`): the reports name
+    every one significant after Holm's correction over the run, beside the verdict.
     """
 
     name: ClassVar[str]
