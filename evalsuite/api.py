@@ -212,6 +212,8 @@ def run(
     corpus: str = "auto",
     allow_download: bool = False,
     corpus_path: Path | None = None,
+    chats: Path | None = None,
+    calibration: Path | None = None,
     thresholds: Path | None = None,
     specs: Mapping[str, Path] | None = None,
     baseline: Path | None = None,
@@ -243,6 +245,8 @@ def run(
         corpus: `auto`, `wikitext-2-raw-v1` or `python-docs`.
         allow_download: let datasets fetch WikiText-2 from the hub.
         corpus_path: a local copy of WikiText-2's raw test split.
+        chats: score `ppl` on this JSONL file's chats, through the chat template, instead of a text.
+        calibration: the candidate's calibration data (text or JSONL): evaluated text it holds is flagged.
         thresholds: a TOML file overriding spec thresholds.
         specs: task name → a spec file replacing the shipped tasks/TASK.toml.
         baseline: an accepted earlier results.json: fail on metrics that worsened.
@@ -283,6 +287,8 @@ def run(
             allow_download=allow_download,
             corpus_path=corpus_path,
             plots=plots,
+            chats_file=chats,
+            calibration_file=calibration,
         ),
         ref_options=options,
         thresholds=read_thresholds(thresholds),
@@ -349,6 +355,8 @@ def compare(
     text_file: Path | None = None,
     corpus: str = "auto",
     allow_download: bool = False,
+    chats: Path | None = None,
+    calibration: Path | None = None,
     thresholds: Path | None = None,
     specs: Mapping[str, Path] | None = None,
     backend: str = "auto",
@@ -378,6 +386,8 @@ def compare(
         text_file: score this UTF-8 text instead of a corpus.
         corpus: `auto`, `wikitext-2-raw-v1` or `python-docs`.
         allow_download: let datasets fetch WikiText-2 from the hub.
+        chats: score `ppl` on this JSONL file's chats (as in `run`).
+        calibration: the candidates' calibration data (as in `run`).
         thresholds: a TOML file overriding spec thresholds.
         specs: task name → a spec file replacing the shipped tasks/TASK.toml.
         backend: how the candidates are executed (as in `run`).
@@ -410,7 +420,12 @@ def compare(
         tasks=_task_list(tasks),
         out=Path(out),
         context=RunContext(
-            corpus_name=corpus, text_file=text_file, allow_download=allow_download, plots=plots
+            corpus_name=corpus,
+            text_file=text_file,
+            allow_download=allow_download,
+            plots=plots,
+            chats_file=chats,
+            calibration_file=calibration,
         ),
         ckpt_options=dataclasses.replace(options, backend=backend),
         ref_options=options,
@@ -440,6 +455,7 @@ def record(
     corpus: str = "auto",
     allow_download: bool = False,
     corpus_path: Path | None = None,
+    chats: Path | None = None,
     specs: Mapping[str, Path] | None = None,
     dtype: str = "bfloat16",
     device: str = "cpu",
@@ -462,6 +478,7 @@ def record(
         corpus: `auto`, `wikitext-2-raw-v1` or `python-docs`.
         allow_download: let datasets fetch WikiText-2 from the hub.
         corpus_path: a local copy of WikiText-2's raw test split.
+        chats: record `ppl` on this JSONL file's chats (as in `run`).
         specs: task name → a spec file replacing the shipped tasks/TASK.toml.
         dtype: compute dtype.
         device: `cpu`, `cuda`, `cuda:N` or `auto`.
@@ -481,7 +498,11 @@ def record(
         tasks=_task_list(tasks),
         out=Path(out),
         context=RunContext(
-            corpus_name=corpus, text_file=text_file, allow_download=allow_download, corpus_path=corpus_path
+            corpus_name=corpus,
+            text_file=text_file,
+            allow_download=allow_download,
+            corpus_path=corpus_path,
+            chats_file=chats,
         ),
         options=backend_options(dtype, device, trust_remote_code, stream, max_memory),
         specs=dict(specs or {}),

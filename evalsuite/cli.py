@@ -87,6 +87,21 @@ CorpusPath = Annotated[
 SpecOption = Annotated[
     list[str] | None, typer.Option("--spec", help="TASK=PATH: use this spec file for TASK (repeatable).")
 ]
+ChatsOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--chats",
+        help='Score ppl on these chats through the chat template (JSONL: {"messages": [...], "tag": ...} '
+        "per line) instead of a text.",
+    ),
+]
+CalibrationOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="The candidate's calibration data (text, or chat or text JSONL): windows and chats it holds "
+        "are flagged, and the verdicts given without them too."
+    ),
+]
 
 
 def execute(
@@ -148,6 +163,8 @@ def run_command(
     corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
     allow_download: Annotated[bool, typer.Option(help="Let datasets fetch WikiText-2 from the hub.")] = False,
     corpus_path: CorpusPath = None,
+    chats: ChatsOption = None,
+    calibration: CalibrationOption = None,
     thresholds: Annotated[Path | None, typer.Option(help="TOML overriding spec thresholds.")] = None,
     spec: SpecOption = None,
     baseline: Annotated[
@@ -197,6 +214,8 @@ def run_command(
             corpus=corpus,
             allow_download=allow_download,
             corpus_path=corpus_path,
+            chats=chats,
+            calibration=calibration,
             thresholds=thresholds,
             specs=parse_specs(spec),
             baseline=baseline,
@@ -232,6 +251,8 @@ def compare_command(
     text_file: Annotated[Path | None, typer.Option(help="Score this UTF-8 text instead of a corpus.")] = None,
     corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
     allow_download: Annotated[bool, typer.Option(help="Let datasets fetch WikiText-2 from the hub.")] = False,
+    chats: ChatsOption = None,
+    calibration: CalibrationOption = None,
     thresholds: Annotated[Path | None, typer.Option(help="TOML overriding spec thresholds.")] = None,
     spec: SpecOption = None,
     backend: Annotated[
@@ -269,6 +290,8 @@ def compare_command(
             text_file=text_file,
             corpus=corpus,
             allow_download=allow_download,
+            chats=chats,
+            calibration=calibration,
             thresholds=thresholds,
             specs=parse_specs(spec),
             backend=backend,
@@ -303,6 +326,7 @@ def record_command(
     corpus: Annotated[str, typer.Option(help="auto, wikitext-2-raw-v1 or python-docs.")] = "auto",
     allow_download: Annotated[bool, typer.Option(help="Let datasets fetch WikiText-2 from the hub.")] = False,
     corpus_path: CorpusPath = None,
+    chats: ChatsOption = None,
     spec: SpecOption = None,
     dtype: Dtype = "bfloat16",
     device: Device = "cpu",
@@ -324,6 +348,7 @@ def record_command(
             corpus=corpus,
             allow_download=allow_download,
             corpus_path=corpus_path,
+            chats=chats,
             specs=parse_specs(spec),
             dtype=dtype,
             device=device,
@@ -387,7 +412,8 @@ def demo_command(
     ppl,tensors,intref,lmeval --record reference_outputs/smollm2-135m-bf16`. The pair is judged by
     tasks/demo-thresholds.toml (a 135 M round-to-nearest pack fails the shipped defaults, rightly).
 
-    `--vision` runs `vision` on the tiny MiniCPM-V 4.7 pair instead. No model that can see can be had
+    `--vision` runs `vision` on the tiny MiniCPM-V 4.7 pair instead, with `ppl` on the shipped chats through
+    its chat template (tasks/ppl-chat.toml). No model that can see can be had
     offline (no vision-language model ships in a package index wheel), so the pair has random weights: its
     vision-tower parity passes (the W4A8 copy keeps the tower byte for byte) and both answers fail.
     """

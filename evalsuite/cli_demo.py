@@ -69,13 +69,17 @@ def demo_request(fixtures: Path, out: Path, corpus: str, tasks: list[str], recor
 
 
 def vision_demo_request(fixtures: Path) -> RunRequest:
-    """Build the tiny MiniCPM-V 4.7 pair if needed and return its `vision` run into `VISION_DEMO_OUT`.
+    """Build the tiny MiniCPM-V 4.7 pair if needed and return its `vision` run into `VISION_DEMO_OUT`, with
+    `ppl` on the shipped chats through the pair's chat template (tasks/ppl-chat.toml): the distribution a
+    vision-language model serves, beside its images.
 
     Args:
         fixtures: where the pair is built.
     """
     from evalsuite.fixtures import TINY_BF16, TINY_W4A8, build_fixtures
     from evalsuite.runner import RunRequest
+    from evalsuite.spec import default_spec_path
+    from evalsuite.tasks.chats import SHIPPED_SPEC
 
     built = build_fixtures(fixtures, [TINY_BF16, TINY_W4A8], progress=lambda msg: console.print(msg))
     console.print(
@@ -86,7 +90,8 @@ def vision_demo_request(fixtures: Path) -> RunRequest:
     return RunRequest(
         ckpt=str(built[TINY_W4A8]),
         ref=str(built[TINY_BF16]),
-        tasks=["vision"],
+        tasks=["vision", "ppl"],
         out=VISION_DEMO_OUT,
+        specs={"ppl": default_spec_path(SHIPPED_SPEC)},
         keep_observations=False,
     )

@@ -286,11 +286,13 @@ def caveats(results: dict[str, Any]) -> list[str]:
         else {}
     )
     if ppl:
+        unit = "chat" if "n_chats" in ppl else "window"
         notes.append(
             "± is one standard error: the larger of the per-token one and the one computed from the "
-            f"{format_number(ppl.get('n_windows'))} window means, marked (w); with few windows the latter is "
+            f"{format_number(ppl.get('n_windows'))} {unit} means, marked (w); with few {unit}s the latter is "
             "itself uncertain by about ±25%"
         )
+        notes += calibration_caveats(ppl)
         if ppl.get("corpus") != "wikitext-2-raw-v1":
             notes.append(
                 f"the text scored is `{ppl.get('corpus')}`, not WikiText-2: PPL is not comparable with "
@@ -305,6 +307,23 @@ def caveats(results: dict[str, Any]) -> list[str]:
                 "a PPL increase is not an accuracy drop: downstream accuracy was not measured (task `lmeval`)"
             )
     return notes
+
+
+def calibration_caveats(ppl: dict[str, Any]) -> list[str]:
+    """What `ppl` found of the calibration set (`--calibration`): the windows (or chats) it holds, and the
+    verdict without them; or the data the candidate names that could not be checked."""
+    if ppl.get("calibration_note"):
+        return [f"calibration data not checked against the scored text: {ppl['calibration_note']}"]
+    for unit in ("window", "chat"):
+        flagged = ppl.get(f"calibration_flagged_{unit}s")
+        if flagged:
+            return [
+                f"{flagged} {unit}(s) overlap the calibration set (`{ppl.get('calibration_source')}`) above "
+                f"{format_number(ppl.get('calibration_flag_share'))} of their tokens: the verdict is "
+                f"{ppl.get('verdict_with_flagged')} with them, {ppl.get('verdict_without_flagged')} without "
+                "(clean_*)"
+            ]
+    return []
 
 
 def _picture(path: str) -> str:

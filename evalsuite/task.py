@@ -406,6 +406,8 @@ class RunContext:
     corpus_path: Path | None = None  # a local copy of WikiText-2's test split (`--corpus-path`)
     shared: SharedWork = field(default_factory=SharedWork, repr=False, compare=False)
     plots: bool = True  # draw each task's PNG plots (`--no-plots`: a CI job that wants the verdict alone)
+    chats_file: Path | None = None  # chats to score instead of a text's windows (`--chats`)
+    calibration_file: Path | None = None  # a pack's calibration data, kept apart from what is scored
 
     @cached_property
     def corpus(self) -> Corpus:

@@ -21,7 +21,7 @@ Each window's reduction is saved as it completes: an interrupted observation res
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,8 +95,8 @@ class _ReducedWindowLogits(WindowObserver):
             step()
         for w, states in zip(todo, self.scored_states(backend, windows[todo], positions), strict=True):
             targets = windows[w][positions + 1]
-            blocks = _logit_blocks(states, self.head_rows, self.chunk_rows, backend.vocab_size)
-            save_window_part(folder, w, self.reduce(w, _with_targets(blocks, targets), inputs))
+            blocks = logit_blocks(states, self.head_rows, self.chunk_rows, backend.vocab_size)
+            save_window_part(folder, w, self.reduce(w, with_targets(blocks, targets), inputs))
             step()
         arrays = joined_window_parts(folder, len(windows))
         meta = {
@@ -139,21 +139,8 @@ class CompactWindowLogits(_ReducedWindowLogits):
     def reduce(
         self, window: int, blocks: Iterator[tuple[torch.Tensor, torch.Tensor]], inputs: Inputs
     ) -> dict:
-        opts = self.record_options
         # Seeded per window, not per run: a resumed observation draws the samples an uninterrupted one draws.
-        seed = hashlib.sha256(f"{opts.seed}:{window}".encode()).digest()[:8]
-        generator = torch.Generator().manual_seed(int.from_bytes(seed, "little") >> 1)
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("nll", "top", "ranked", *COMPACT_ARRAYS)}
-        scores = RowScores()
-        for block, targets in blocks:
-            _add_nll_and_top(parts, scores, block, targets)
-            lp = log_softmax64(block)
-            # Ranked apart from the top-k: how torch orders equal BF16 logits depends on k, and top-K
-            # agreement must rank as the 512-token protocol does (`token_detail`: top-5 on each side).
-            parts["ranked"].append(lp.topk(TOP_K_AGREEMENT, dim=-1).indices.int().numpy())
-            for k, v in compact_rows(lp, opts, generator).items():
-                parts[k].append(v.numpy())
-        return {k: np.concatenate(v) for k, v in parts.items()}
+        return compact_reduction(blocks, self.record_options, str(window))
 
     def meta(self, meta: dict[str, Any]) -> dict[str, Any]:
         # The compact form a recording holds: compared against as a recording is (`kld_per_token`).
@@ -191,27 +178,60 @@ class LogitsAtReference(_ReducedWindowLogits):
     def reduce(
         self, window: int, blocks: Iterator[tuple[torch.Tensor, torch.Tensor]], inputs: Inputs
     ) -> dict:
-        ref = _reference(inputs).arrays
-        start = window * len(self.protocol.positions)
-        names = ("nll", "top", "ranked", "at_top", "at_tail", "same_top", "top_hits")
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in names}
-        scores = RowScores()
-        for block, targets in blocks:
-            rows = slice(start, start + len(block))
-            start += len(block)
-            _add_nll_and_top(parts, scores, block, targets)
-            lp = log_softmax64(block)
-            parts["ranked"].append(lp.topk(TOP_K_AGREEMENT, dim=-1).indices.int().numpy())
-            at_top = lp.gather(1, torch.from_numpy(ref["top_ids"][rows]).long())
-            at_tail = lp.gather(1, torch.from_numpy(ref["tail_ids"][rows]).long())
-            parts["at_top"].append(at_top.float().numpy())
-            parts["at_tail"].append(at_tail.float().numpy())
-            on_top = (at_top == lp.amax(dim=-1, keepdim=True)).numpy()
-            ref_top = ref["top_logp"][rows]
-            parts["same_top"].append(np.any(on_top & (ref_top == ref_top[:, :1]), axis=1))
-            ref_ids = ref["top_ids"][rows]
-            parts["top_hits"].append(top_hits_recorded(ref_ids, ref_top, lp, parts["ranked"][-1]))
-        return {k: np.concatenate(v) for k, v in parts.items()}
+        return at_reference_reduction(
+            blocks, _reference(inputs).arrays, window * len(self.protocol.positions)
+        )
+
+
+def compact_reduction(
+    blocks: Iterable[tuple[torch.Tensor, torch.Tensor]], opts: RecordOptions, seed_key: str
+) -> dict[str, np.ndarray]:
+    """The reference's arrays for one sequence's blocks of (logit rows, true next tokens), in row order: per
+    row its NLL and top token (`RowScores`), its `TOP_K_AGREEMENT` ranked tokens and its compact form
+    (`compact_rows`), the tail's samples seeded by `opts.seed` and `seed_key` (the sequence's own, so that a
+    resumed observation draws what an uninterrupted one draws)."""
+    seed = hashlib.sha256(f"{opts.seed}:{seed_key}".encode()).digest()[:8]
+    generator = torch.Generator().manual_seed(int.from_bytes(seed, "little") >> 1)
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("nll", "top", "ranked", *COMPACT_ARRAYS)}
+    scores = RowScores()
+    for block, targets in blocks:
+        block = block.cpu()  # the reduction's arrays are numpy's; a GPU's head hands its chunks over here
+        _add_nll_and_top(parts, scores, block, targets)
+        lp = log_softmax64(block)
+        # Ranked apart from the top-k: how torch orders equal BF16 logits depends on k, and top-K
+        # agreement must rank as the 512-token protocol does (`token_detail`: top-5 on each side).
+        parts["ranked"].append(lp.topk(TOP_K_AGREEMENT, dim=-1).indices.int().numpy())
+        for k, v in compact_rows(lp, opts, generator).items():
+            parts[k].append(v.numpy())
+    return {k: np.concatenate(v) for k, v in parts.items()}
+
+
+def at_reference_reduction(
+    blocks: Iterable[tuple[torch.Tensor, torch.Tensor]], ref: dict[str, np.ndarray], start: int
+) -> dict[str, np.ndarray]:
+    """The candidate's arrays for one sequence's blocks of (logit rows, true next tokens), its first row row
+    `start` of the reference's compact form `ref`: per row its NLL, top token and ranked tokens, its
+    log-probs at the ids the reference kept (`at_top`, `at_tail`), `same_top` and the top-K hits."""
+    names = ("nll", "top", "ranked", "at_top", "at_tail", "same_top", "top_hits")
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in names}
+    scores = RowScores()
+    for block, targets in blocks:
+        block = block.cpu()
+        rows = slice(start, start + len(block))
+        start += len(block)
+        _add_nll_and_top(parts, scores, block, targets)
+        lp = log_softmax64(block)
+        parts["ranked"].append(lp.topk(TOP_K_AGREEMENT, dim=-1).indices.int().numpy())
+        at_top = lp.gather(1, torch.from_numpy(ref["top_ids"][rows]).long())
+        at_tail = lp.gather(1, torch.from_numpy(ref["tail_ids"][rows]).long())
+        parts["at_top"].append(at_top.float().numpy())
+        parts["at_tail"].append(at_tail.float().numpy())
+        on_top = (at_top == lp.amax(dim=-1, keepdim=True)).numpy()
+        ref_top = ref["top_logp"][rows]
+        parts["same_top"].append(np.any(on_top & (ref_top == ref_top[:, :1]), axis=1))
+        ref_ids = ref["top_ids"][rows]
+        parts["top_hits"].append(top_hits_recorded(ref_ids, ref_top, lp, parts["ranked"][-1]))
+    return {k: np.concatenate(v) for k, v in parts.items()}
 
 
 def long_window_needs(
@@ -255,9 +275,7 @@ def _reference(inputs: Inputs) -> Observation:
     return observed[REFERENCE_LABEL]
 
 
-def _logit_blocks(
-    states: ScoredStates, head_rows: int, chunk_rows: int, vocab: int
-) -> Iterator[torch.Tensor]:
+def logit_blocks(states: ScoredStates, head_rows: int, chunk_rows: int, vocab: int) -> Iterator[torch.Tensor]:
     """The logits of every scored position, `chunk_rows` rows at a time: the head's output is made
     `head_rows` rows at a time and each block of it normalised on its own (in float64), so neither the
     window's logits nor a chunk's float64 copy ever exist whole."""
@@ -279,9 +297,10 @@ def _add_nll_and_top(
     parts["top"].append(top)
 
 
-def _with_targets(
-    blocks: Iterator[torch.Tensor], targets: torch.Tensor
+def with_targets(
+    blocks: Iterable[torch.Tensor], targets: torch.Tensor
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each block of logit rows with the true next tokens of its rows (`targets`: every row's, in order)."""
     start = 0
     for block in blocks:
         yield block, targets[start : start + len(block)]

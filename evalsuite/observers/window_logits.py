@@ -466,10 +466,14 @@ def _kld_against_recording(ref: Observation, ckpt: Observation, chunk_rows: int)
     return np.concatenate(out)
 
 
-def ppl_summary(name: str, nll: np.ndarray, n_windows: int) -> dict[str, float]:
-    """`ppl_NAME` with its per-token and window-clustered standard errors (PPL × the error of ln PPL)."""
+def ppl_summary(
+    name: str, nll: np.ndarray, n_windows: int = 0, labels: np.ndarray | None = None
+) -> dict[str, float]:
+    """`ppl_NAME` with its per-token and window-clustered standard errors (PPL × the error of ln PPL): the
+    tokens laid out `n_windows` equal windows after one another, or clustered by `labels` (a chat each)."""
     ppl = metrics.perplexity(nll)
-    labels = metrics.window_labels(n_windows, len(nll) // n_windows)
+    if labels is None:
+        labels = metrics.window_labels(n_windows, len(nll) // n_windows)
     return {
         f"ppl_{name}": ppl,
         f"ppl_{name}_stderr": ppl * metrics.ln_perplexity(nll).stderr,

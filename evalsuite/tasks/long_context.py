@@ -18,6 +18,7 @@ from evalsuite.errors import InputError
 from evalsuite.observers.window_logits import WindowProtocol
 from evalsuite.spec import StrictModel
 from evalsuite.task import Inputs
+from evalsuite.tasks.ppl_subsets import subset_metrics
 
 if TYPE_CHECKING:
     from evalsuite.side import Side
@@ -50,7 +51,7 @@ def check_long_windows(
     for side in sides:
         if side.checkpoint is None:
             continue
-        context = _context_length(side.checkpoint.config)
+        context = context_length(side.checkpoint.config)
         if context is not None and protocol.window > context:
             raise InputError(
                 f"the protocol's {protocol.window}-token window is longer than the model's context "
@@ -68,7 +69,9 @@ def check_long_windows(
         )
 
 
-def _context_length(config: dict[str, Any]) -> int | None:
+def context_length(config: dict[str, Any]) -> int | None:
+    """A model's context from its config.json (`max_position_embeddings`, its text model's first); None
+    where it does not say."""
     for doc in (config.get("text_config") or {}, config):
         value = doc.get("max_position_embeddings") if isinstance(doc, dict) else None
         if isinstance(value, int) and value > 0:
@@ -95,33 +98,5 @@ def position_bucket_metrics(
     window-clustered error of each mean and share (`_stderr_window`: null with fewer than two windows)."""
     values: dict[str, float | int] = {}
     for name, mask in metrics.position_buckets(positions, edges):
-        kld_mean = metrics.mean_with_stderr(kld[mask])
-        same = metrics.rate_with_stderr(same_top[mask])
-        dp = metrics.delta_p(-nll_ref[mask], -nll_ckpt[mask])
-        ln_ratio = metrics.paired_log_ratio(nll_ref[mask], nll_ckpt[mask])
-        values.update(
-            {
-                f"{name}_n_tokens": int(mask.sum()),
-                f"{name}_kld_mean": kld_mean.value,
-                f"{name}_kld_mean_stderr": kld_mean.stderr,
-                f"{name}_same_top_p": same.value,
-                f"{name}_delta_p_mean": dp.mean.value,
-                f"{name}_rms_delta_p": dp.rms.value,
-                f"{name}_ln_ppl_ratio": ln_ratio.value,
-            }
-        )
-        if windows is not None:
-            labels = windows[mask]
-            delta_p = np.exp(-nll_ckpt[mask]) - np.exp(-nll_ref[mask])
-            values.update(
-                {
-                    f"{name}_kld_mean_stderr_window": metrics.clustered_stderr(kld[mask], labels),
-                    f"{name}_same_top_p_stderr_window": metrics.clustered_stderr(same_top[mask], labels),
-                    f"{name}_delta_p_mean_stderr_window": metrics.clustered_stderr(delta_p, labels),
-                    f"{name}_rms_delta_p_stderr_window": metrics.rms_clustered_stderr(delta_p, labels),
-                    f"{name}_ln_ppl_ratio_stderr_window": metrics.clustered_stderr(
-                        nll_ckpt[mask] - nll_ref[mask], labels
-                    ),
-                }
-            )
+        values.update(subset_metrics(name, mask, kld, same_top, nll_ref, nll_ckpt, windows))
     return values

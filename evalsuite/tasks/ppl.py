@@ -1,4 +1,6 @@
-"""Perplexity and next-token agreement on fixed windows of a text (the WikiText-2 protocol)."""
+"""Perplexity and next-token agreement on fixed windows of a text (the WikiText-2 protocol), or on the
+assistant turns of chats through the chat template (`[chats]`, `--chats`: `evalsuite.tasks.chats`); with the
+calibration set kept apart (`--calibration`: `evalsuite.tasks.calibration_overlap`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import numpy as np
 
 from evalsuite import claims, metrics, plots
 from evalsuite.observation import Observation
+from evalsuite.observers.chat_logits import CHAT_TAGS, is_chat_observation
 from evalsuite.observers.compact_window_logits import (
     REFERENCE_LABEL,
     detail_at_reference,
@@ -37,14 +40,32 @@ from evalsuite.observers.window_logits import (
     same_inputs,
 )
 from evalsuite.side import Side
-from evalsuite.spec import StrictModel, TaskSpec
+from evalsuite.spec import Check, StrictModel, TaskSpec
 from evalsuite.task import Difference, Inputs, Need, RunContext, TaskResult, clustered_difference, task
+from evalsuite.tasks.calibration_overlap import (
+    CalibrationOptions,
+    Overlap,
+    calibration_overlap,
+    overlap_metrics,
+    overlap_rows,
+)
+from evalsuite.tasks.chats import (
+    ChatOptions,
+    chat_file,
+    chat_needs,
+    chat_sequences,
+    prepare_chats,
+    split_checks,
+    split_metrics,
+    split_rows,
+)
 from evalsuite.tasks.long_context import (
     LongContext,
     check_long_windows,
     position_bucket_metrics,
     scored_positions,
 )
+from evalsuite.tasks.ppl_subsets import subset_checks, subset_metrics, with_claims
 
 
 class CompareOptions(StrictModel):
@@ -61,6 +82,12 @@ class PplSpec(TaskSpec):
     compare: CompareOptions = CompareOptions()
     long_context: LongContext = LongContext()
     noise_floor: NoiseFloorOptions = NoiseFloorOptions()
+    # Chats through the chat template instead of windows of a text (tasks/ppl-chat.toml; `--chats FILE`).
+    chats: ChatOptions | None = None
+    # Compare-only: it reads the calibration set against the inputs, and shapes no observation.
+    calibration: CalibrationOptions = CalibrationOptions()
+
+    COMPARE_ONLY: ClassVar[frozenset[str]] = TaskSpec.COMPARE_ONLY | {"calibration"}
 
 
 @task("ppl")
@@ -98,6 +125,11 @@ class Perplexity:
         "ln_ppl_ratio_mde",
         "*_upper95",
         "*_lower95",
+        "n_chats",
+        "tag_*",
+        "turn_*",
+        "clean_*",
+        "calibration_*",
     )
 
     metric_descriptions: ClassVar[dict[str, str]] = {
@@ -135,20 +167,46 @@ class Perplexity:
         "(1 + margin) × the noise floor's; above: its lower bound exceeds 0; undetermined: neither is shown "
         "(or fewer than 3 windows)",
         "kld_floor_draw_spread": "max − min of the floor's mean KLD over its noise draws (seeds)",
+        "n_chats": "chats scored (each one cluster of every error, as a window is on a text)",
+        "assistant_spans": "how each chat's assistant tokens were found: the chat template's generation "
+        "markers, or its rendering of each turn (the chat up to it with the generation prompt)",
+        "calibration_overlap_share": "share of the scored text's tokens in a 13-gram the calibration set "
+        "holds",
+        "calibration_flagged_windows": "windows whose overlap with the calibration set exceeds the spec's "
+        "share; clean_* are the figures (and checks) without them",
+        "calibration_flagged_chats": "chats whose overlap with the calibration set exceeds the spec's share; "
+        "clean_* are the figures (and checks) without them",
     }
 
     def __init__(self, spec: PplSpec, context: RunContext) -> None:
         self.spec = spec
         self.context = context
+        self.chats = chat_file(spec.chats, context)
+        # The overlap of each window (or chat) with the calibration set, found by `prepare`.
+        self.overlap: Overlap | None = None
 
     def prepare(self, ref: Side, ckpt: Side) -> Inputs:
-        """The windows, tokenized once; the candidate's tokenizer must agree with the reference's."""
-        inputs = prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt, self.context.shared)
-        check_long_windows(self.spec.protocol, self.spec.long_context, inputs, [ref, ckpt])
+        """The windows (or the chats, through the chat template), tokenized once; the candidate's tokenizer
+        (and chat template) must agree with the reference's. Their overlap with the calibration set, if one
+        is given or named."""
+        if self.chats is not None:
+            inputs = prepare_chats(self.chats, ref, ckpt)
+            sequences, unit, labels = chat_sequences(inputs), "chat", inputs[CHAT_TAGS]
+        else:
+            inputs = prepare_windows(self.spec.protocol, self.context.corpus, ref, ckpt, self.context.shared)
+            check_long_windows(self.spec.protocol, self.spec.long_context, inputs, [ref, ckpt])
+            sequences, unit = list(inputs["windows"]), "window"
+            labels = [f"tokens {s}..{s + self.spec.protocol.window - 1}" for s in inputs["starts"]]
+        self.overlap = calibration_overlap(
+            self.spec.calibration, self.context, ref, ckpt, sequences, unit, labels
+        )
         return inputs
 
     def needs(self) -> list[Need]:
         chunk_rows, head_rows = self.spec.compare.kld_chunk_rows, self.spec.long_context.head_chunk_rows
+        if self.chats is not None:
+            # No noise floor on chats: its perturbed passes run a text's windows.
+            return chat_needs(self.spec.record, chunk_rows, self.spec.chats or ChatOptions())
         if head_rows:
             needs = long_window_needs(self.spec.protocol, self.spec.record, chunk_rows, head_rows)
         else:
@@ -199,68 +257,36 @@ class Perplexity:
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
         ref, ckpt = observed["ref"], observed["ckpt"]
         same_inputs({"ref": ref, "ckpt": ckpt})
-        n_windows = ref.meta["n_windows"]
         nll_ref, nll_ckpt = ref.arrays["nll"], ckpt.arrays["nll"]
-        windows = metrics.window_labels(n_windows, len(nll_ref) // n_windows)
-        ln_ratio = metrics.paired_log_ratio(nll_ref, nll_ckpt)
         chunk_rows, spec, shared = self.spec.compare.kld_chunk_rows, self.spec.compare, self.context.shared
-        if is_at_reference(ckpt):
-            detail, kld, estimator = detail_at_reference(ref, ckpt)
-        elif is_paired(ckpt):
-            detail = paired_detail(ref, ckpt)
-            kld, estimator = detail.kld, FULL_VOCABULARY
-        elif (detail := token_detail(ref, ckpt, chunk_rows, spec.precision, shared)).kld is not None:
-            kld, estimator = detail.kld, FULL_VOCABULARY
+        chats = is_chat_observation(ref)
+        if chats:
+            # Each chat is one cluster of every error, as a window is of a text.
+            n_windows, windows = int(ref.meta["n_chats"]), ref.arrays["chat"].astype(np.int64)
+            detail, kld, _ = detail_at_reference(ref, ckpt)
+            estimator = (
+                f"top-{ref.meta['top_k']} exact + {ref.meta['tail_samples']} sampled tail ids "
+                "(the reference's compact form, chats)"
+            )
         else:
-            kld, estimator = kld_per_token(ref, ckpt, chunk_rows)
-        kld_mean = metrics.mean_with_stderr(kld)
-        kld_q = metrics.quantiles(kld, (0.5, 0.9, 0.99, 0.999))
+            n_windows = ref.meta["n_windows"]
+            windows = metrics.window_labels(n_windows, len(nll_ref) // n_windows)
+            if is_at_reference(ckpt):
+                detail, kld, estimator = detail_at_reference(ref, ckpt)
+            elif is_paired(ckpt):
+                detail = paired_detail(ref, ckpt)
+                kld, estimator = detail.kld, FULL_VOCABULARY
+            elif (detail := token_detail(ref, ckpt, chunk_rows, spec.precision, shared)).kld is not None:
+                kld, estimator = detail.kld, FULL_VOCABULARY
+            else:
+                kld, estimator = kld_per_token(ref, ckpt, chunk_rows)
         same = detail.same_top if detail.same_top is not None else ref.arrays["top"] == ckpt.arrays["top"]
-        same_top = metrics.rate_with_stderr(same)
-        dp = metrics.delta_p(-nll_ref, -nll_ckpt)
+        values = self.chat_header(ref) if chats else self.window_header(ref)
+        values.update(scored_values(nll_ref, nll_ckpt, kld, estimator, same, windows))
+        values["ref_execution"] = ref.meta.get("execution", {}).get("execution", "recording")
+        values["ckpt_execution"] = ckpt.meta.get("execution", {}).get("execution")
         protocol = self.spec.protocol
-        values: dict[str, Any] = {
-            "corpus": ref.meta["corpus"],
-            "window_tokens": protocol.window,
-            "window_starts": ",".join(str(s) for s in ref.meta["window_starts"]),
-            "scored_first": protocol.scored.first,
-            "scored_last": protocol.scored.last,
-            "n_windows": n_windows,
-            "n_scored_tokens": len(nll_ref),
-            "tokens_sha256": ref.meta["tokens_sha256"],
-            **corpus_provenance(self.context),
-            **ppl_summary("ref", nll_ref, n_windows),
-            **ppl_summary("ckpt", nll_ckpt, n_windows),
-            "ppl_ratio": float(np.exp(ln_ratio.value)),
-            "ln_ppl_ratio": ln_ratio.value,
-            "ln_ppl_ratio_stderr": ln_ratio.stderr,
-            "ln_ppl_ratio_stderr_window": metrics.clustered_stderr(nll_ckpt - nll_ref, windows),
-            "kld_mean": kld_mean.value,
-            "kld_mean_stderr": kld_mean.stderr,
-            "kld_mean_stderr_window": metrics.clustered_stderr(kld, windows),
-            "kld_median": kld_q[0],
-            "kld_p90": kld_q[1],
-            "kld_p99": kld_q[2],
-            "kld_p999": kld_q[3],
-            "kld_max": float(kld.max()),
-            "kld_estimator": estimator,
-            "same_top_p": same_top.value,
-            "same_top_p_stderr": same_top.stderr,
-            "same_top_p_stderr_window": metrics.clustered_stderr(same, windows),
-            "delta_p_mean": dp.mean.value,
-            "delta_p_mean_stderr": dp.mean.stderr,
-            "delta_p_mean_stderr_window": metrics.clustered_stderr(
-                np.exp(-nll_ckpt) - np.exp(-nll_ref), windows
-            ),
-            "rms_delta_p": dp.rms.value,
-            "rms_delta_p_stderr": dp.rms.stderr,
-            "rms_delta_p_stderr_window": metrics.rms_clustered_stderr(
-                np.exp(-nll_ckpt) - np.exp(-nll_ref), windows
-            ),
-            "ref_execution": ref.meta.get("execution", {}).get("execution", "recording"),
-            "ckpt_execution": ckpt.meta.get("execution", {}).get("execution"),
-        }
-        if n_windows < protocol.starts.count:
+        if not chats and n_windows < protocol.starts.count:
             values["protocol_note"] = (
                 f"text too short for the protocol: {n_windows} of {protocol.starts.count} windows fit "
                 f"({ref.meta['n_tokens_text']} tokens)"
@@ -268,6 +294,8 @@ class Perplexity:
         values.update(detail_metrics(detail, kld, nll_ref, nll_ckpt, windows))
         values.update(claim_metrics(values, n_windows))
         tokens = {"kld": kld, "nll_ref": nll_ref, "nll_ckpt": nll_ckpt, "window": windows}
+        if chats:
+            tokens.update(turn=ref.arrays["turn"], target=ref.arrays["target"])
         if "floor" in observed:
             floor_spec = self.spec.noise_floor
             draws = [observed[floor_spec.label(i)] for i in range(floor_spec.draws)]
@@ -275,14 +303,16 @@ class Perplexity:
                 ref, draws, kld, windows, chunk_rows, floor_spec.margin, shared
             )
             values.update(floor)
-        artifacts_made = self.plot(ref, nll_ckpt, kld, estimator, artifacts) if self.context.plots else {}
+        artifacts_made = {}
+        if self.context.plots:
+            artifacts_made = self.plot(ref, nll_ckpt, kld, estimator, artifacts, windows_too=not chats)
         long = self.spec.long_context
-        if long.head_chunk_rows:
+        if long.head_chunk_rows and not chats:
             values["head_chunk_rows"] = long.head_chunk_rows
             for label, obs in (("ref", ref), ("ckpt", ckpt)):
                 if "bytes_per_token" in obs.meta:
                     values[f"{label}_stored_bytes_per_token"] = obs.meta["bytes_per_token"]
-        if long.position_buckets:
+        if long.position_buckets and not chats:
             positions = scored_positions(protocol, n_windows)
             values.update(
                 position_bucket_metrics(
@@ -296,24 +326,149 @@ class Perplexity:
                 artifacts_made["kld_by_position"] = f"{artifacts.name}/ppl_kld_by_position.png"
         artifacts_made["tokens"] = write_tokens(artifacts, tokens)
         checks, _ = self.spec.threshold_checks(values)
+        details: list[dict[str, Any]] = []
+        if chats:
+            splits = split_metrics(
+                ref.meta["chat_tags"], windows, ref.arrays["turn"], kld, same, nll_ref, nll_ckpt
+            )
+            by_split = split_checks(self.spec, splits)
+            for name in splits:
+                values.update(splits[name])
+                checks += by_split[name]
+            details += split_rows(splits, by_split)
+        if self.overlap is not None:
+            values.update(overlap_metrics(self.overlap))
+            clean, clean_checks = self.without_flagged(values, windows, kld, same, nll_ref, nll_ckpt)
+            values.update(clean)
+            checks += clean_checks
+            details += overlap_rows(self.overlap)
         few = claims.too_few_reason(n_windows)
         undefined = [k for k, v in values.items() if isinstance(v, float) and math.isnan(v) and _claimed(k)]
         reasons = {k: few for k in undefined} if few else {}
-        return TaskResult.from_checks(values, checks, artifacts=artifacts_made, null_reasons=reasons)
+        return TaskResult.from_checks(
+            values, checks, artifacts=artifacts_made, null_reasons=reasons, details=details
+        )
+
+    def window_header(self, ref: Observation) -> dict[str, Any]:
+        """What results.json says first of the windows scored: the protocol and the text."""
+        protocol = self.spec.protocol
+        return {
+            "corpus": ref.meta["corpus"],
+            "window_tokens": protocol.window,
+            "window_starts": ",".join(str(s) for s in ref.meta["window_starts"]),
+            "scored_first": protocol.scored.first,
+            "scored_last": protocol.scored.last,
+            "n_windows": ref.meta["n_windows"],
+            "n_scored_tokens": len(ref.arrays["nll"]),
+            "tokens_sha256": ref.meta["tokens_sha256"],
+            **corpus_provenance(self.context),
+        }
+
+    @staticmethod
+    def chat_header(ref: Observation) -> dict[str, Any]:
+        """What results.json says first of the chats scored: how many, their tags, how their assistant tokens
+        were found. `n_windows` is the chat count: the clusters of every error, as windows are of a text."""
+        return {
+            "corpus": ref.meta["corpus"],
+            "n_chats": ref.meta["n_chats"],
+            "n_windows": ref.meta["n_chats"],
+            "chat_tags": ",".join(dict.fromkeys(ref.meta["chat_tags"])),
+            "assistant_spans": ref.meta["assistant_spans"],
+            "n_scored_tokens": len(ref.arrays["nll"]),
+            "tokens_sha256": ref.meta["tokens_sha256"],
+        }
+
+    def without_flagged(
+        self,
+        values: dict[str, Any],
+        windows: np.ndarray,
+        kld: np.ndarray,
+        same: np.ndarray,
+        nll_ref: np.ndarray,
+        nll_ckpt: np.ndarray,
+    ) -> tuple[dict[str, Any], list[Check]]:
+        """The figures and the checks without the windows (or chats) the calibration set overlaps
+        (`clean_…`), where some are flagged; and the verdict with and without them."""
+        assert self.overlap is not None
+        flagged = self.overlap.flagged
+        if not flagged.any():
+            return {}, []
+        keep = ~flagged[windows]
+        if not keep.any():
+            return {"clean_note": f"every {self.overlap.unit} overlaps the calibration set"}, []
+        clean = subset_metrics("clean", keep, kld, same, nll_ref, nll_ckpt, windows)
+        clean = with_claims("clean", clean, len(np.unique(windows[keep])))
+        checks = subset_checks(self.spec, "clean", clean)
+        with_them, _ = self.spec.threshold_checks(values)
+        clean["verdict_with_flagged"] = "pass" if all(c.passed for c in with_them) else "fail"
+        clean["verdict_without_flagged"] = "pass" if all(c.passed for c in checks) else "fail"
+        return clean, checks
 
     def plot(
-        self, ref: Observation, nll_ckpt: np.ndarray, kld: np.ndarray, estimator: str, folder: Path
+        self,
+        ref: Observation,
+        nll_ckpt: np.ndarray,
+        kld: np.ndarray,
+        estimator: str,
+        folder: Path,
+        windows_too: bool = True,
     ) -> dict:
-        """The KLD histogram and the per-window PPL of both sides; paths relative to the run folder."""
-        n = ref.meta["n_windows"]
-        ppl_ref = [metrics.perplexity(w) for w in np.split(ref.arrays["nll"], n)]
-        ppl_ckpt = [metrics.perplexity(w) for w in np.split(nll_ckpt, n)]
+        """The KLD histogram and (on windows) the per-window PPL of both sides; paths relative to the run
+        folder."""
         plots.kld_histogram(kld, folder / "ppl_kld_histogram.png", estimator, title="KL(ref ‖ ckpt)")
-        plots.window_ppl(ppl_ref, ppl_ckpt, ref.meta["window_starts"], folder / "ppl_window_ppl.png")
-        return {
-            "kld_histogram": f"{folder.name}/ppl_kld_histogram.png",
-            "window_ppl": f"{folder.name}/ppl_window_ppl.png",
-        }
+        made = {"kld_histogram": f"{folder.name}/ppl_kld_histogram.png"}
+        if windows_too:
+            n = ref.meta["n_windows"]
+            ppl_ref = [metrics.perplexity(w) for w in np.split(ref.arrays["nll"], n)]
+            ppl_ckpt = [metrics.perplexity(w) for w in np.split(nll_ckpt, n)]
+            plots.window_ppl(ppl_ref, ppl_ckpt, ref.meta["window_starts"], folder / "ppl_window_ppl.png")
+            made["window_ppl"] = f"{folder.name}/ppl_window_ppl.png"
+        return made
+
+
+def scored_values(
+    nll_ref: np.ndarray,
+    nll_ckpt: np.ndarray,
+    kld: np.ndarray,
+    estimator: str,
+    same: np.ndarray,
+    windows: np.ndarray,
+) -> dict[str, Any]:
+    """The main figures of the scored tokens (PPL of each side, their ratio, KLD and its percentiles, the
+    same-top rate, Δp), each with its per-token and its clustered standard error (`windows`: each token's
+    window, or chat)."""
+    ln_ratio = metrics.paired_log_ratio(nll_ref, nll_ckpt)
+    kld_mean = metrics.mean_with_stderr(kld)
+    kld_q = metrics.quantiles(kld, (0.5, 0.9, 0.99, 0.999))
+    same_top = metrics.rate_with_stderr(same)
+    dp = metrics.delta_p(-nll_ref, -nll_ckpt)
+    delta_p = np.exp(-nll_ckpt) - np.exp(-nll_ref)
+    return {
+        **ppl_summary("ref", nll_ref, labels=windows),
+        **ppl_summary("ckpt", nll_ckpt, labels=windows),
+        "ppl_ratio": float(np.exp(ln_ratio.value)),
+        "ln_ppl_ratio": ln_ratio.value,
+        "ln_ppl_ratio_stderr": ln_ratio.stderr,
+        "ln_ppl_ratio_stderr_window": metrics.clustered_stderr(nll_ckpt - nll_ref, windows),
+        "kld_mean": kld_mean.value,
+        "kld_mean_stderr": kld_mean.stderr,
+        "kld_mean_stderr_window": metrics.clustered_stderr(kld, windows),
+        "kld_median": kld_q[0],
+        "kld_p90": kld_q[1],
+        "kld_p99": kld_q[2],
+        "kld_p999": kld_q[3],
+        "kld_max": float(kld.max()),
+        "kld_estimator": estimator,
+        "same_top_p": same_top.value,
+        "same_top_p_stderr": same_top.stderr,
+        "same_top_p_stderr_window": metrics.clustered_stderr(same, windows),
+        "delta_p_mean": dp.mean.value,
+        "delta_p_mean_stderr": dp.mean.stderr,
+        "delta_p_mean_stderr_window": metrics.clustered_stderr(delta_p, windows),
+        "rms_delta_p": dp.rms.value,
+        "rms_delta_p_stderr": dp.rms.stderr,
+        "rms_delta_p_stderr_window": metrics.rms_clustered_stderr(delta_p, windows),
+    }
 
 
 def _claimed(name: str) -> bool:
