@@ -492,3 +492,18 @@ def mass_on_chosen(
     chosen = (b[:, :, None] == a[:, None, :]).any(axis=2)
     total = w.sum(axis=1)
     return np.divide((w * chosen).sum(axis=1), total, out=np.zeros_like(total), where=total != 0)
+
+
+def proportion_interval(successes: int, n: int, level: float = 0.95) -> tuple[float, float, float]:
+    """A share `successes / n` of independent outcomes (one per prompt, say) with its two-sided Wilson score
+    interval at `level` (Wilson 1927): unlike the share ± z·stderr, it stays inside [0, 1] and keeps its
+    coverage near a share of 0 or 1, where a good candidate's survival lies. NaN for no outcomes."""
+    if n <= 0:
+        return float("nan"), float("nan"), float("nan")
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(0.5 + level / 2)
+    share = successes / n
+    centre = (share + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return share, max(0.0, centre - half), min(1.0, centre + half)

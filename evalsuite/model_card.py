@@ -224,7 +224,57 @@ def _measured_or_dash(m: dict[str, Any], name: str) -> str:
 
 def _results_table(results: dict[str, Any]) -> list[str]:
     """The PPL table (or why there is none), then the paired downstream accuracy where `lmeval` ran."""
-    return ["### Results", "", *_ppl_results(results), *_downstream_results(results)]
+    return [
+        "### Results",
+        "",
+        *_ppl_results(results),
+        *_greedy_answers(results),
+        *_downstream_results(results),
+    ]
+
+
+def _greedy_answers(results: dict[str, Any]) -> list[str]:
+    """How long the two sides' greedy answers agree (`smoke`'s trajectory survival), with its intervals."""
+    m = _measured(results["tasks"].get("smoke"))
+    lengths = sorted(int(k.removeprefix("survival_")) for k in m if k.removeprefix("survival_").isdigit())
+    if not lengths:
+        return []
+    lines = [
+        f"Greedy answers to {format_number(m.get('n_prompts'))} prompts (`smoke`): the share whose two "
+        "answers agree for their first N tokens (trajectory survival), with a 95% Wilson interval over "
+        "prompts:",
+        "",
+        "| N | survival | 95% interval | prompts |",
+        "| --- | --- | --- | --- |",
+    ]
+    for n in lengths:
+        low, high = m.get(f"survival_{n}_lower95"), m.get(f"survival_{n}_upper95")
+        lines.append(
+            _row(
+                [
+                    str(n),
+                    format_number(m[f"survival_{n}"]),
+                    f"[{format_number(low)}, {format_number(high)}]",
+                    format_number(m.get(f"survival_{n}_n")),
+                ]
+            )
+        )
+    lines += [
+        "",
+        f"- answered identically: {format_number(m.get('identical'))}; the reference's answer right and the "
+        f"candidate's wrong: {format_number(m.get('ref_pass_ckpt_fail'))}; parting on a token outside the "
+        f"reference's top-5: {format_number(m.get('diverged_outside_top5'))}",
+        "- the candidate was forced along the reference's answers (one forward per prompt) and decoded on "
+        "its own only after it parts; a prompt whose reference answer ended at its token limit before N is "
+        "not counted at N",
+    ]
+    if "kld_mean" in m:
+        lines.append(
+            f"- KLD along the reference's answers: {with_stderr(m, 'kld_mean')} over "
+            f"{format_number(m.get('answer_tokens'))} tokens "
+            f"({m.get('kld_estimator', 'estimator not stated')})"
+        )
+    return [*lines, ""]
 
 
 def _ppl_results(results: dict[str, Any]) -> list[str]:

@@ -61,10 +61,16 @@ def observe_all(
                 backend = load_backend(side.checkpoint, options)
             try:
                 loads_before = getattr(backend, "layer_loads", None)
+                forwards_before = getattr(backend, "generation_forwards", 0)
+                bytes_before = getattr(backend, "generation_bytes", 0)
                 for batch in _passes(todo, observed, backend):
                     _observe_batch(batch, backend, folder, resume, progress, observed, plan.allow_download)
                 if log is not None:
-                    log.append(_load_entry(role, options, todo, backend, loads_before))
+                    log.append(
+                        _load_entry(
+                            role, options, todo, backend, loads_before, (forwards_before, bytes_before)
+                        )
+                    )
             finally:
                 backend.close()
                 # The next side loads into what this one leaves: its freed heaps go back to the system first.
@@ -197,7 +203,12 @@ def _observe_batch(
 
 
 def _load_entry(
-    role: str, options: BackendOptions, todo: list[PlannedObservation], backend: Any, loads_before: int | None
+    role: str,
+    options: BackendOptions,
+    todo: list[PlannedObservation],
+    backend: Any,
+    loads_before: int | None,
+    before: tuple[int, int],
 ) -> dict[str, Any]:
     """results.json's account of one model load: which side, how executed, what was observed, and for a
     streamed side how many decoder layers were read from the files (once per layer per pass)."""
@@ -208,6 +219,17 @@ def _load_entry(
         "observations": [p.need.observer.name for p in todo],
     }
     if loads_before is not None:
+        loads = backend.layer_loads - loads_before
+        forwards_before, bytes_before = before
+        forwards = backend.generation_forwards - forwards_before
         entry["n_layers"] = backend.n_layers
-        entry["decoder_layer_loads"] = backend.layer_loads - loads_before
+        entry["decoder_layer_loads"] = loads
+        # What each read was for: a decoding's forwards (one per new token for a batch of prompts), and the
+        # passes that forward windows and forced answers.
+        entry["generation_forwards"] = forwards
+        entry["pass_layer_loads"] = loads - forwards * backend.n_layers
+        # Bytes of the files read for the decoder layers: a decoding step reads, of a layer's routed experts,
+        # only those its tokens route to; the whole layers' bytes beside it for scale.
+        entry["generation_bytes"] = backend.generation_bytes - bytes_before
+        entry["decoder_layers_bytes"] = sum(backend.layer_bytes)
     return entry

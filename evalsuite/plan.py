@@ -264,6 +264,10 @@ def plan_observations(
                 partner = (sides["ref"], sides["ref"].options.streamed())
             options = side_options(side, need)
             key = observation_key(side, options, need, inputs[t.name], digests, consumes, partner)
+            if side.recording is not None and getattr(need.observer, "records_itself", False):
+                # A recording that is the observation itself stands under the key it was made under, so that
+                # what consumes it (a candidate forced along the reference's answers) is the live run's.
+                key = side.recording.recorded_key(need.observer.name, need.observer.identity()) or key
             wiring[t.name][need.label] = key
             if key in planned:
                 planned[key].tasks.append(t.name)

@@ -67,6 +67,9 @@ class RecordedObservation:
     tasks: tuple[str, ...]
     backend: str
     observation: Observation
+    # The observation's key when it was made: the key a replay plans it under where the recording is the
+    # observation itself (`Recording.recorded_key`).
+    key: str = ""
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,15 @@ class Recording:
             raise InputError(f"observation name {name!r} leaves the recording folder", self.path)
         return Observation.load(folder)
 
+    def recorded_key(self, name: str, identity: dict[str, Any]) -> str | None:
+        """The key observation `name` was made under, where it was recorded with `identity` (None for a
+        recording made before keys were kept, or another identity)."""
+        entry = self.manifest["observations"].get(name)
+        if not isinstance(entry, dict) or entry.get("identity") != identity:
+            return None
+        key = entry.get("key")
+        return key if isinstance(key, str) and key else None
+
     def to_json(self) -> dict[str, Any]:
         """How results.json describes a recorded reference."""
         ckpt = self.manifest["checkpoint"]
@@ -200,6 +212,7 @@ def write_recording(
                 "inputs": entry.inputs,
                 "tasks": sorted(entry.tasks),
                 "backend": entry.backend,
+                "key": entry.key,
             }
         write_atomic(partial / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         old = out.parent / f".{out.name}.old-{os.getpid()}"

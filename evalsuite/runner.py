@@ -338,6 +338,7 @@ def record(
                     tasks=tuple(planned.tasks),
                     backend=planned.options.backend,
                     observation=compact,
+                    key=key,
                 )
             )
         return write_recording(

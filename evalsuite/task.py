@@ -260,22 +260,14 @@ class TaskSkipped(Exception):
 
 
 def skip_if_cannot_generate(ref: Side, ckpt: Side, what: str) -> None:
-    """TaskSkipped for a task that generates when a side runs streamed (decoding reads every layer for each
-    new token, so streaming does not apply, and the side was streamed because it does not fit, or was asked
-    to be), or on a backend that does not generate (`llamacpp`: `evalsuite.backends.llamacpp`)."""
+    """TaskSkipped for a task that generates on a backend that does not generate (`llamacpp`:
+    `evalsuite.backends.llamacpp`). A streamed side generates, reading each decoder layer per new token for
+    a whole batch of prompts (`StreamedBackend.generate_greedy_batch`)."""
     for side in (ref, ckpt):
         if side.checkpoint is not None and side.options.backend == "llamacpp":
             from evalsuite.backends.llamacpp import NO_GENERATION
 
             raise TaskSkipped(f"{what} generates, and {NO_GENERATION}")
-        if side.checkpoint is not None and side.options.stream:
-            why = (
-                f" ({side.stream_reason})" if side.stream_reason not in (None, "--stream") else " (--stream)"
-            )
-            raise TaskSkipped(
-                f"{what} generates, and streaming does not apply to generation: the {side.role} side runs "
-                f"streamed one decoder layer at a time{why}"
-            )
 
 
 class Task(Protocol):

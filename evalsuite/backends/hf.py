@@ -384,6 +384,26 @@ class HFBackend:
                 logits = self.model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits[0]
             yield logits
 
+    @torch.inference_mode()
+    def sequence_logits(self, inputs: dict[str, Any], positions: torch.Tensor) -> torch.Tensor:
+        """One sequence forwarded alone (its token ids, and other inputs such as images), the logits at
+        `positions` only: (len(positions), vocab)."""
+        batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        with mlp_in_chunks(self.model, length=batch["input_ids"].shape[1]):
+            out = self.model(**batch, logits_to_keep=positions.to(self.device), use_cache=False)
+        return out.logits[0]
+
+    def sequences_logits(self, items: Sequence[tuple[dict[str, Any], torch.Tensor]]) -> list[torch.Tensor]:
+        """`sequence_logits` of each (inputs, positions), one sequence at a time."""
+        return [self.sequence_logits(inputs, positions) for inputs, positions in items]
+
+    @property
+    def logits_dtype(self) -> str:
+        """The dtype the model's head computes its logits in (what a tie between two logits is within)."""
+        head = self.model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        return str(weight.dtype).removeprefix("torch.") if weight is not None else self.options.dtype
+
     def window_scored_states(self, windows: torch.Tensor, positions: torch.Tensor) -> Iterator[ScoredStates]:
         """Each window forwarded on its own, the head left out: the final hidden states at `positions`, with
         the head to apply to a few of them at a time (`ScoredStates.chunks`)."""

@@ -154,10 +154,12 @@ class _ReadPerCall(_StandIn):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         backend, index = self.__dict__["_backend"], self.index
+        if index == 0:
+            backend.generation_forwards += 1
         # The loader materialises the module the model holds at this place: the layer itself, for the call.
         backend.layers[index] = self.__dict__["_replaced"]
         try:
-            with backend.resident(index) as layer, torch.inference_mode():
+            with backend.resident(index, routed=True) as layer, torch.inference_mode():
                 return layer(hidden_states, *args, **kwargs)
         finally:
             # Freeing may have put a fresh skeleton in the layer's place (`TransformersLayers.free_layer`).
@@ -194,6 +196,15 @@ class StreamedBackend:
         )
         # Decoder layers read from the files so far: a run shows that its observations shared their passes.
         self.layer_loads = 0
+        # Forwards of a decoding (`generate_greedy_batch`), each reading every layer once, and the bytes read.
+        self.generation_forwards = 0
+        self.generation_bytes = 0
+        self.bytes_read = 0
+        units = getattr(self.loader, "units", {})
+        self.layer_bytes = [
+            sum(checkpoint.tensors[n].nbytes for n in units.get(i, ()) if n in checkpoint.tensors)
+            for i in range(self.n_layers)
+        ]
 
     @property
     def n_layers(self) -> int:
@@ -275,14 +286,25 @@ class StreamedBackend:
         return call
 
     @contextlib.contextmanager
-    def resident(self, index: int) -> Iterator[nn.Module]:
-        """Decoder layer `index` materialised from the files for the duration of the block, then freed."""
+    def resident(self, index: int, routed: bool = False) -> Iterator[nn.Module]:
+        """Decoder layer `index` materialised from the files for the duration of the block, then freed.
+        `routed`: of its routed experts only those its tokens route to, where the loader can (a decoding
+        step's few tokens route to few experts: `TransformersLayers.load_layer_routed`)."""
+        read = [0]
         with contextlib.redirect_stderr(io.StringIO()):
-            self.loader.load_layer(index)
+            if routed and hasattr(self.loader, "load_layer_routed"):
+                self.loader.load_layer_routed(index, read)
+            else:
+                self.loader.load_layer(index)
+                read[0] = self.layer_bytes[index]
         self.layer_loads += 1
         try:
             yield self.layers[index]
         finally:
+            # What the block read, routed experts included (they are read during the forward).
+            self.bytes_read += read[0]
+            if routed:
+                self.generation_bytes += read[0]
             self.loader.free_layer(index)
             release_freed_memory()
 
@@ -310,6 +332,33 @@ class StreamedBackend:
             torch.inference_mode(),
         ):
             return self.model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits[0]
+
+    @property
+    def logits_dtype(self) -> str:
+        """The dtype the model's head computes its logits in."""
+        head = self.model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        dtype = getattr(weight, "dtype", None)
+        return str(dtype).removeprefix("torch.") if dtype is not None else self.options.dtype
+
+    def sequence_logits(self, inputs: dict[str, Any], positions: torch.Tensor) -> torch.Tensor:
+        """One sequence through every layer, the logits at `positions` (`sequences_logits`)."""
+        return self.sequences_logits([(inputs, positions)])[0]
+
+    def sequences_logits(self, items: Sequence[tuple[dict[str, Any], torch.Tensor]]) -> list[torch.Tensor]:
+        """Sequences (their inputs, the positions to score) through every layer in one pass, each layer read
+        once for all of them; the logits at each one's positions. (A task that runs many sequences beside
+        other observations rides the shared pass instead, `evalsuite.backends.layer_pass`.)"""
+        # A sequence with inputs beside its ids and mask (an image) is captured through them.
+        calls = [
+            self.capture_inputs(inputs) if len(inputs) > 2 else self.capture(inputs["input_ids"].reshape(-1))
+            for inputs, _ in items
+        ]
+        states = [call.hidden for call in calls]
+        for index in range(self.n_layers):
+            with self.resident(index) as layer:
+                states = [self.forward_layer(layer, index, h, c) for h, c in zip(states, calls, strict=True)]
+        return [self.head_logits(h, c, p) for h, c, (_, p) in zip(states, calls, items, strict=True)]
 
     def window_logits(self, windows: torch.Tensor, positions: torch.Tensor) -> Iterator[torch.Tensor]:
         """The `Backend` primitive: every window through every layer, one layer resident at a time; the logits

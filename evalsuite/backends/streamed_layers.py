@@ -7,6 +7,7 @@ and freed again. How a streamed pass uses them, and why it is bit-identical to a
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import torch
@@ -179,6 +180,26 @@ class TransformersLayers:
         self._initialise_buffers(modules)
         self._decompress(modules)
 
+    def load_layer_routed(self, index: int, read: list[int]) -> None:
+        """Decoder layer `index` as `load_layer` makes it, but for its routed experts where the files store
+        each apart: those are read when the layer's experts are first called, and only the experts the call's
+        tokens route to (`_RoutedExperts`). Each tensor's bytes read are added to `read` (one element)."""
+        experts = _routed_experts(self.layers[index], self.units.get(index, []))
+        if experts is None:
+            self.load_layer(index)
+            read[0] += sum(self.checkpoint.tensors[n].nbytes for n in self.units.get(index, []))
+            return
+        module, by_expert = experts
+        rest = [n for n in self.units.get(index, []) if not any(n in names for names in by_expert.values())]
+        self._pristine = copy.deepcopy(self.layers[index]) if self.compressor is not None else None
+        self._load(rest)
+        read[0] += sum(self.checkpoint.tensors[n].nbytes for n in rest)
+        modules = list(self.layers[index].modules())
+        self._initialise_buffers(modules)
+        self._decompress(modules)
+        module = self.layers[index].get_submodule(module)
+        module.register_forward_pre_hook(_RoutedExperts(self, by_expert, read))
+
     def free_layer(self, index: int) -> None:
         # The layer's tensors go now, whatever holds the module (compressed-tensors binds each quantized
         # module's forward to the module: a reference cycle only the garbage collector would break).
@@ -274,6 +295,74 @@ class DecodedExl3Layers:
     def free_layer(self, index: int) -> None:
         # Decoded weights go back to meta; computed buffers (rotary frequencies) stay.
         _release_tensors(self.layers[index], keep_computed=True)
+
+
+# A routed expert's tensor as the files store it: `…mlp.experts.<index>.<projection>…`.
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _routed_experts(layer: nn.Module, names: list[str]) -> tuple[str, dict[int, list[str]]] | None:
+    """The layer's module of fused routed experts (its name in the layer) and the files' tensors of each
+    expert, where the files store the experts apart and the module is one whose forward takes the tokens'
+    routing (`(hidden_states, top_k_index, top_k_weights)`, as Transformers' MoE experts do); else None."""
+    found = [
+        (name, module)
+        for name, module in layer.named_modules()
+        if name.endswith("experts")
+        and isinstance(getattr(module, "num_experts", None), int)
+        and hasattr(module, "gate_up_proj")
+    ]
+    if len(found) != 1:
+        return None
+    name, module = found[0]
+    by_expert: dict[int, list[str]] = {}
+    for tensor in names:  # the layer's own tensors (`units`): an expert's carries its index after `experts.`
+        match = _EXPERT.search(tensor)
+        if match:
+            by_expert.setdefault(int(match.group(1)), []).append(tensor)
+    if len(by_expert) != module.num_experts:
+        return None
+    return name, by_expert
+
+
+class _RoutedExperts:
+    """A forward pre-hook on a layer's fused experts: at their first call, the experts the call's tokens
+    route to are read from the files and converted by Transformers' own loading (into parameters of as many
+    rows, then placed in their rows of the full ones; the other rows are never read by the forward, which
+    runs only the experts a token routes to). A call needing experts not yet read reads them too."""
+
+    def __init__(self, loader: TransformersLayers, by_expert: dict[int, list[str]], read: list[int]) -> None:
+        self.loader, self.by_expert, self.read = loader, by_expert, read
+        self.loaded: set[int] = set()
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        routed = args[1] if len(args) > 1 else None
+        if not isinstance(routed, torch.Tensor):
+            raise InputError(
+                "the experts' forward did not get the tokens' routing: it cannot be read sparsely"
+            )
+        wanted = sorted({int(e) for e in routed.reshape(-1).tolist() if 0 <= int(e) < module.num_experts})
+        todo = [e for e in wanted if e not in self.loaded]
+        if not todo:
+            return
+        full = {k: v for k, v in module.named_parameters(recurse=False)}
+        for key, value in full.items():
+            rows = torch.empty((len(todo), *value.shape[1:]), device="meta", dtype=value.dtype)
+            setattr(module, key, nn.Parameter(rows, requires_grad=False))
+        names = [n for e in todo for n in self.by_expert[e]]
+        self.loader._load(names)
+        self.read[0] += sum(self.loader.checkpoint.tensors[n].nbytes for n in names)
+        where = torch.tensor(todo, dtype=torch.long)
+        for key, value in full.items():
+            part = getattr(module, key)
+            whole = (
+                torch.empty(value.shape, dtype=part.dtype, device=part.device)
+                if value.is_meta
+                else value.data
+            )
+            whole.index_copy_(0, where.to(whole.device), part.data)
+            setattr(module, key, nn.Parameter(whole, requires_grad=False))
+        self.loaded.update(todo)
 
 
 def _release_tensors(layer: nn.Module, keep_computed: bool) -> None:

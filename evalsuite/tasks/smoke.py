@@ -1,4 +1,17 @@
-"""Greedy smoke prompts with expected answers, compared side by side, with the first divergence explained."""
+"""Greedy smoke prompts with expected answers, compared side by side, with the first divergence explained.
+
+The reference answers every prompt greedily (`GreedyAnswers`, in batches: loaded, or streamed one decoder
+layer at a time per new token, or replayed from a recording). The candidate is not asked to generate: its
+greedy answer equals the reference's for as long as, fed the reference's answer so far, its most probable
+token is the reference's next token, so the reference's answers are forced through it, in the same streamed
+pass as `ppl`'s windows (`evalsuite.observers.forced_answers`); only a prompt where it parts is decoded on,
+from the divergence (`Continuations`), so that its answer is still judged against `expect` and `reject`.
+
+Trajectory survival (`survival_N`): the share of prompts whose two greedy answers agree for their first N
+tokens, with a 95% Wilson interval over prompts (each prompt one independent outcome). A prompt whose
+answers are both shorter than N and agree throughout survives; one whose reference answer was cut at its
+`max_new_tokens` before N is left out of N's count (`survival_N_n` says how many prompts it rests on).
+"""
 
 from __future__ import annotations
 
@@ -7,22 +20,30 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
-import torch
 from pydantic import field_validator, model_validator
 
 from evalsuite import metrics
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
-from evalsuite.run_folder import write_atomic
+from evalsuite.observers.forced_answers import (
+    FORCED_LABEL,
+    FORCED_REFERENCE_LABEL,
+    Continuations,
+    ForcedAtReference,
+    ForcedReference,
+    PromptDivergence,
+    divergences,
+    path_noise,
+)
+from evalsuite.observers.greedy_answers import ANSWERS_LABEL, PROMPTS, GreedyAnswers
+from evalsuite.observers.kld_detail import kld_at_reference
+from evalsuite.observers.window_logits import RecordOptions
 from evalsuite.side import Side
 from evalsuite.spec import StrictModel, TaskSpec
-from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, skip_if_cannot_generate, task
-
-if TYPE_CHECKING:
-    from evalsuite.backends import Backend
+from evalsuite.task import Inputs, Need, RunContext, TaskResult, skip_if_cannot_generate, task
 
 DIVERGENCE_MARK = "⟦"  # where the two answers part, inside each answer in report.md
 Category = Literal["factual", "code", "arithmetic", "chinese", "instruction", "mathematics", "chat"]
@@ -89,10 +110,28 @@ class Prompt(StrictModel):
 class GenerationOptions(StrictModel):
     top_k: int = 5
     near_tie: float = 1.0
+    # Prompts decoded together (one forward per new token for all of them: a streamed side reads each layer
+    # once per step whatever the batch).
+    batch: int = 32
+
+    @field_validator("batch", "top_k")
+    @classmethod
+    def _positive_count(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+
+class SurvivalOptions(StrictModel):
+    # Answer lengths at which trajectory survival is reported.
+    lengths: tuple[int, ...] = (8, 16, 32)
 
 
 class SmokeSpec(TaskSpec):
     generation: GenerationOptions = GenerationOptions()
+    survival: SurvivalOptions = SurvivalOptions()
+    # What the reference's forced rows keep for the KLD along the answers (top-k exact, sampled beyond).
+    record: RecordOptions = RecordOptions()
     prompts: list[Prompt]
 
     def model_post_init(self, _: Any) -> None:
@@ -115,88 +154,42 @@ def ids_sha256(prompts: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
 
 
-class SmokeGenerations:
-    """Observer: each prompt's greedy answer (tokens, text, and the top-k log-probs of every step). Each
-    prompt is saved as it completes, so an interrupted observation resumes at the next prompt."""
+def smoke_needs(
+    task: str, answers: Any, record: RecordOptions, top_k: int, batch: int, full_steps: int = 0
+) -> list[Need]:
+    """What a task that asks prompts of both sides observes (`smoke`, `vision`): the reference's greedy
+    answers, both sides forced along them, and the candidate's own answer after a divergence; the observers
+    named for `task`."""
+    return [
+        Need(ANSWERS_LABEL, "ref", answers),
+        Need(
+            FORCED_REFERENCE_LABEL,
+            "ref",
+            ForcedReference(record, full_steps, task),
+            consumes=(ANSWERS_LABEL,),
+        ),
+        Need(
+            FORCED_LABEL,
+            "ckpt",
+            ForcedAtReference(record, full_steps, task),
+            consumes=(ANSWERS_LABEL, FORCED_REFERENCE_LABEL),
+        ),
+        Need(
+            CONTINUED_LABEL,
+            "ckpt",
+            Continuations(top_k, batch, task),
+            consumes=(ANSWERS_LABEL, FORCED_REFERENCE_LABEL, FORCED_LABEL),
+        ),
+    ]
 
-    name = "smoke-generations"
 
-    def __init__(self, spec: SmokeSpec) -> None:
-        self.spec = spec
-
-    def identity(self) -> dict[str, Any]:
-        # The expected answers are compare-only: changing a regex never re-runs a model.
-        prompts = [
-            p.model_dump(
-                mode="json", include={"id", "prompt", "messages", "max_new_tokens"}, exclude_none=True
-            )
-            for p in self.spec.prompts
-        ]
-        return {"top_k": self.spec.generation.top_k, "prompts": prompts}
-
-    def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
-        k = self.spec.generation.top_k
-        step = progress("smoke prompts", len(self.spec.prompts))
-        answers = []
-        for i, (prompt, ids) in enumerate(zip(self.spec.prompts, inputs["prompt_ids"], strict=True)):
-            saved = folder / f"prompt-{i:04d}.json"
-            if not saved.is_file():
-                batch = {
-                    "input_ids": torch.tensor([ids]),
-                    "attention_mask": torch.ones((1, len(ids)), dtype=torch.long),
-                }
-                gen = backend.generate_greedy(batch, prompt.max_new_tokens, top_k=k)
-                write_atomic(saved, json.dumps(self._answer(backend.tokenizer, gen)))
-            answers.append(json.loads(saved.read_text(encoding="utf-8")))
-            step()
-        tokens = [t for a in answers for t in a["tokens"]]
-        offsets = np.cumsum([0] + [len(a["tokens"]) for a in answers])
-        return Observation(
-            name=self.name,
-            meta={
-                "texts": [a["text"] for a in answers],
-                "top_text": [a["top_text"] for a in answers],
-                "char_ends": [a["char_ends"] for a in answers],
-                "prompts_sha256": inputs["prompts_sha256"],
-                "execution": backend.describe(),
-            },
-            arrays={
-                "tokens": np.asarray(tokens, dtype=np.int64),
-                "offsets": offsets.astype(np.int64),
-                "top_ids": np.asarray([r for a in answers for r in a["top_ids"]], dtype=np.int64).reshape(
-                    -1, k
-                ),
-                "top_logp": np.asarray([r for a in answers for r in a["top_logp"]], dtype=np.float32).reshape(
-                    -1, k
-                ),
-            },
-        )
-
-    @staticmethod
-    def _answer(tokenizer: Any, gen: Any) -> dict[str, Any]:
-        return {
-            "tokens": list(gen.tokens),
-            "text": tokenizer.decode(gen.tokens, skip_special_tokens=True),
-            # Where each token ends in the text, so the report can mark the divergence inside the answer.
-            "char_ends": [
-                len(tokenizer.decode(gen.tokens[: j + 1], skip_special_tokens=True))
-                for j in range(len(gen.tokens))
-            ],
-            # The top-k as text, so a report can say which words the reference hesitated between.
-            "top_text": [[tokenizer.decode([t]) for t in row] for row in gen.top_ids.tolist()],
-            "top_ids": gen.top_ids.tolist(),
-            # float32 → Python float → JSON → float32 is exact.
-            "top_logp": [[float(v) for v in row] for row in gen.top_logp],
-        }
-
-    def record(self, obs: Observation, folder: Path) -> Observation:
-        """A smoke observation is already compact: it is its own recording."""
-        return Observation(name=obs.name, key=obs.key, meta=obs.meta, arrays=obs.arrays)
+CONTINUED_LABEL = "continued"
 
 
 @task("smoke")
 class Smoke:
-    """Greedy answers of both sides to the spec's prompts: pass/fail per side and where they diverge."""
+    """Greedy answers of both sides to the spec's prompts: pass/fail per side, where they diverge and how
+    long they agree (module docstring)."""
 
     spec_model: ClassVar[type[TaskSpec]] = SmokeSpec
     metric_names: ClassVar[tuple[str, ...]] = (
@@ -206,6 +199,10 @@ class Smoke:
         "identical",
         "diverged_outside_top5",
         "ref_pass_ckpt_fail",
+        "near_ties_within_resolution",
+        "path_noise",
+        "kld_mean",
+        *(f"survival_{n}{suffix}" for n in (8, 16, 32) for suffix in ("", "_lower95", "_upper95", "_n")),
     )
 
     metric_descriptions: ClassVar[dict[str, str]] = {
@@ -215,6 +212,22 @@ class Smoke:
         "identical": "prompts answered token for token the same",
         "diverged_outside_top5": "answers parting on a token outside the reference's top-5 (real divergence)",
         "ref_pass_ckpt_fail": "prompts the reference gets right and the candidate gets wrong",
+        "near_ties_within_resolution": (
+            "divergences where the candidate prefers its token by no more than its logits' resolution or "
+            "twice `path_noise`: its own decoding may choose either"
+        ),
+        "path_noise": (
+            "largest difference between the reference's decoding and its forced forward in the log-prob of a "
+            "token it chose (nats): how far the two paths' arithmetic moves a log-prob"
+        ),
+        "kld_mean": (
+            "mean KL(ref ‖ ckpt) over every token of the reference's answers, both sides forced along them "
+            "(top-k exact, sampled tail), with its standard error over prompts"
+        ),
+        **{
+            f"survival_{n}": f"share of prompts whose two greedy answers agree for their first {n} tokens"
+            for n in (8, 16, 32)
+        },
     }
 
     def __init__(self, spec: SmokeSpec, context: RunContext) -> None:
@@ -235,48 +248,90 @@ class Smoke:
                         f"{prompt.id!r}; the sides cannot be compared",
                         ckpt.checkpoint.path,
                     )
-        return {"prompt_ids": ids, "prompts_sha256": ids_sha256(ids), "n_prompts": len(ids)}
+        prompts = [
+            {"ids": i, "max_new_tokens": p.max_new_tokens}
+            for i, p in zip(ids, self.spec.prompts, strict=True)
+        ]
+        return {PROMPTS: prompts, "prompts_sha256": ids_sha256(ids), "n_prompts": len(ids)}
 
     def needs(self) -> list[Need]:
-        observer = SmokeGenerations(self.spec)
-        return [Need("ref", "ref", observer), Need("ckpt", "ckpt", observer)]
+        g = self.spec.generation
+        # The expected answers are compare-only: changing a regex never re-runs a model.
+        identity = {
+            "prompts": [
+                p.model_dump(
+                    mode="json", include={"id", "prompt", "messages", "max_new_tokens"}, exclude_none=True
+                )
+                for p in self.spec.prompts
+            ]
+        }
+        answers = GreedyAnswers("smoke-answers", "smoke prompts", identity, g.top_k, 0, g.batch)
+        return smoke_needs("smoke", answers, self.spec.record, g.top_k, g.batch)
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
-        ref, ckpt = observed["ref"], observed["ckpt"]
-        if ref.meta["prompts_sha256"] != ckpt.meta["prompts_sha256"]:
-            raise InputError("the sides were given different prompt tokens")
-        rows, n = [], len(self.spec.prompts)
-        counts = {
-            "ref_pass": 0,
-            "ckpt_pass": 0,
-            "identical": 0,
-            "diverged_outside_top5": 0,
-            "ref_pass_ckpt_fail": 0,
-        }
+        ref, forced_ref = observed[ANSWERS_LABEL], observed[FORCED_REFERENCE_LABEL]
+        forced, ckpt = observed[FORCED_LABEL], observed[CONTINUED_LABEL]
+        # The two paths' difference, measured on each side: the reference's answers, the candidate's
+        # continuations.
+        noise = max(path_noise(ref, forced_ref), float(ckpt.meta.get("path_noise", 0.0)))
+        parts = divergences(forced_ref, forced, noise)
+        rows: list[dict[str, Any]] = []
+        counts = dict.fromkeys(
+            ("ref_pass", "ckpt_pass", "identical", "diverged_outside_top5", "ref_pass_ckpt_fail"), 0
+        )
+        near_ties = 0
         for i, prompt in enumerate(self.spec.prompts):
-            row = self.compare_prompt(i, prompt, ref, ckpt)
+            row = self.compare_prompt(i, prompt, ref, forced_ref, forced, ckpt, parts[i])
             counts["ref_pass"] += row["ref_pass"]
             counts["ckpt_pass"] += row["ckpt_pass"]
             counts["identical"] += row["identical"]
             counts["diverged_outside_top5"] += row["ckpt_token_in_ref_top5"] is False
             counts["ref_pass_ckpt_fail"] += row["ref_pass"] and not row["ckpt_pass"]
+            near_ties += bool(row.get("within_resolution"))
             rows.append(row)
-        values: dict[str, Any] = {"n_prompts": n, **counts}
+        values: dict[str, Any] = {"n_prompts": len(self.spec.prompts), **counts}
+        values["near_ties_within_resolution"] = near_ties
+        values["path_noise"] = noise
+        values.update(_kld_along_answers(forced_ref, forced))
+        values.update(self._survival(ref, parts))
         checks, _ = self.spec.threshold_checks(values)
         return TaskResult.from_checks(values, checks, details=rows)
 
-    def compare_prompt(self, i: int, prompt: Prompt, ref: Observation, ckpt: Observation) -> dict[str, Any]:
-        """One prompt: both answers, pass/fail, and the reference's view at the first differing token."""
+    def _survival(self, ref: Observation, parts: list[PromptDivergence]) -> dict[str, Any]:
+        offsets = ref.arrays["offsets"]
+        out: dict[str, Any] = {}
+        for n in self.spec.survival.lengths:
+            survived = seen = 0
+            for i, prompt in enumerate(self.spec.prompts):
+                length = int(offsets[i + 1] - offsets[i])
+                ended = length < prompt.max_new_tokens  # a stop token ended the answer
+                if parts[i].step is not None and parts[i].step < n:
+                    seen += 1
+                elif length >= n or ended:
+                    seen += 1
+                    survived += 1
+            share, low, high = metrics.proportion_interval(survived, seen)
+            out.update({f"survival_{n}": share, f"survival_{n}_lower95": low, f"survival_{n}_upper95": high})
+            out[f"survival_{n}_n"] = seen
+        return out
 
-        def span(obs: Observation) -> slice:
-            return slice(int(obs.arrays["offsets"][i]), int(obs.arrays["offsets"][i + 1]))
-
-        a, b = ref.arrays["tokens"][span(ref)], ckpt.arrays["tokens"][span(ckpt)]
+    def compare_prompt(
+        self,
+        i: int,
+        prompt: Prompt,
+        ref: Observation,
+        forced_ref: Observation,
+        forced: Observation,
+        ckpt: Observation,
+        part: PromptDivergence,
+    ) -> dict[str, Any]:
+        """One prompt: both answers, pass/fail, and the reference's view at the first token they part on."""
         ref_text, ckpt_text = ref.meta["texts"][i], ckpt.meta["texts"][i]
-        d = metrics.first_divergence(a, b)
+        d = part.step
         row: dict[str, Any] = {
             "id": prompt.id,
             "category": prompt.category,
+            "language": prompt.language,
             "ref_answer": ref_text,
             "ckpt_answer": ckpt_text,
             "ref_pass": prompt.matches(ref_text),
@@ -287,33 +342,68 @@ class Smoke:
             "ref_logp_gap": None,
             "divergence": "",
         }
-        if d is None or d >= min(len(a), len(b)):
+        if part.reference_ties:
+            row["reference_ties"] = ", ".join(map(str, part.reference_ties))
+        if part.fragile:
+            # Where forcing says "the same token" by less than the logits' resolution: decoding may part.
+            row["agreement_within_resolution"] = ", ".join(map(str, part.fragile))
+        if d is None:
             return row
         for side, obs, text in (("ref_answer", ref, ref_text), ("ckpt_answer", ckpt, ckpt_text)):
             cut = obs.meta["char_ends"][i][d - 1] if d > 0 else 0
             row[side] = f"{text[:cut]}{DIVERGENCE_MARK}{text[cut:]}"
-        step = span(ref).start + d
-        top_ids, top_logp = ref.arrays["top_ids"][step], ref.arrays["top_logp"][step]
-        chosen = int(b[d])
-        inside = bool(chosen in top_ids)
+        r = int(forced_ref.arrays["offsets"][i]) + d
+        top_ids, top_logp = forced_ref.arrays["top_ids"][r], forced_ref.arrays["top_logp"][r]
+        chosen, k = int(part.chosen), self.spec.generation.top_k
+        inside = bool(chosen in top_ids[:k])
+        ids = list(top_ids)
         # The reference's preference for its own token over the candidate's: small is a near tie, large an
-        # error. Outside the top-k only a lower bound is known (the gap to the k-th token).
-        gap = float(top_logp[0] - (top_logp[list(top_ids).index(chosen)] if inside else top_logp[-1]))
+        # error. Beyond the kept ids only a lower bound is known (the gap to the last one kept).
+        own = float(forced_ref.arrays["target_logp"][r])
+        gap = own - float(top_logp[ids.index(chosen)] if chosen in ids else top_logp[-1])
         near = inside and gap < self.spec.generation.near_tie
+        step = int(ref.arrays["offsets"][i]) + d
         row.update(
             ckpt_token_in_ref_top5=inside,
-            ref_logp_gap=gap if inside else f">= {gap:.4g}",
-            divergence=("near tie" if near else "real divergence") + f" at token {d}",
+            ref_logp_gap=gap if chosen in ids else f">= {gap:.4g}",
+            ckpt_logp_gap=part.gap,
+            within_resolution=part.below_resolution,
+            divergence=(
+                ("near tie within the decoding paths' difference" if part.below_resolution else "near tie")
+                if near or part.below_resolution
+                else "real divergence"
+            )
+            + f" at token {d}",
             ref_top5=", ".join(
                 f"{text!r} {float(lp):.3g}"
-                for text, lp in zip(ref.meta["top_text"][i][d], top_logp, strict=True)
+                for text, lp in zip(ref.meta["top_text"][i][d], ref.arrays["top_logp"][step], strict=True)
             ),
-            # The tokens each side chose, as text (from where each token ends in its answer): greedy
-            # decoding's argmax, not the top-k list, whose order among tied logits is not the argmax's.
+            # The tokens each side chose, as text (from where each token ends in its answer).
             ref_token=repr(_token_text(ref, i, d, ref_text)),
             ckpt_token=repr(_token_text(ckpt, i, d, ckpt_text)),
         )
         return row
+
+
+def _kld_along_answers(ref: Observation, ckpt: Observation) -> dict[str, Any]:
+    """KL(ref ‖ ckpt) over every answer token (the reference's compact rows against the candidate's log-probs
+    at their ids), its mean with a standard error clustered by prompt, and the same-top rate."""
+    kld = kld_at_reference(ref, ckpt)
+    offsets = ref.arrays["offsets"]
+    clusters = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    if not len(kld):
+        return {"kld_mean": float("nan"), "kld_mean_stderr": float("nan")}
+    mean, stderr = float(kld.mean()), metrics.clustered_stderr(kld, clusters)
+    same = ckpt.arrays["same_top"].astype(np.float64)
+    same_mean, same_err = float(same.mean()), metrics.clustered_stderr(same, clusters)
+    return {
+        "kld_mean": mean,
+        "kld_mean_stderr": stderr,
+        "same_top_p": same_mean,
+        "same_top_p_stderr": same_err,
+        "kld_estimator": f"top-{ref.meta['top_k']} exact + {ref.meta['tail_samples']} sampled tail ids",
+        "answer_tokens": len(kld),
+    }
 
 
 def _token_text(obs: Observation, prompt: int, step: int, text: str) -> str:

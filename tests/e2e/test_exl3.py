@@ -64,12 +64,14 @@ def tiny_run(tiny_exl3_pair, tiny_run, tmp_path_factory):
 @pytest.mark.format_evidence(claim="ppl")
 def test_an_exl3_pack_runs_on_the_decoded_cpu_path_by_default(tiny_run):
     res, doc, _ = tiny_run
-    # The random tiny model names no shapes in the vision answer, on either side; and its 2-bit tensors move
-    # one greedy smoke answer off the reference's top 5 (the layout exllamav3 writes, fixtures of issue 19):
-    # that is all that fails.
+    # The random tiny model names no shapes in the vision answer, on either side: that is all that fails. Its
+    # 2..6-bit tensors part the smoke answers from the reference's, each on a token of the reference's top 5
+    # (the random model's distributions are nearly flat: near ties), as forcing finds them.
     assert res.returncode == 1, res.stderr
     failed = {(name, c) for name, entry in doc["tasks"].items() for c in failed_checks(entry)}
-    assert failed == {("vision", "ref_pass"), ("vision", "ckpt_pass"), ("smoke", "diverged_outside_top5")}
+    assert failed == {("vision", "ref_pass"), ("vision", "ckpt_pass")}
+    smoke = doc["tasks"]["smoke"]["metrics"]
+    assert smoke["identical"] < smoke["n_prompts"] and smoke["diverged_outside_top5"] == 0
     assert "loading ckpt: " in res.stderr and "(exl3, backend exl3)" in res.stderr
     ppl = doc["tasks"]["ppl"]["metrics"]
     assert ppl["ckpt_execution"] == (
@@ -80,7 +82,7 @@ def test_an_exl3_pack_runs_on_the_decoded_cpu_path_by_default(tiny_run):
     assert ppl["ref_execution"].startswith("Transformers ")
     # Random weights at 2..6 bits: close to the source, not equal to it.
     assert 0.8 < ppl["same_top_p"] < 1.0 and 0.9 < ppl["ppl_ratio"] < 1.1 and ppl["kld_mean"] > 0
-    assert doc["tasks"]["smoke"]["status"] == "fail"  # the diverged answer above, and nothing else
+    assert doc["tasks"]["smoke"]["status"] == "pass"
     vision = doc["tasks"]["vision"]["metrics"]
     assert vision["vision_cosine"] == 1.0 and vision["vision_rel_err"] == 0.0  # the BF16 tower, as stored
 

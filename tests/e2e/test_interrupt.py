@@ -87,18 +87,20 @@ def test_a_run_resumed_under_another_thread_count_equals_a_whole_run_under_it(ti
     assert ppl_metrics(out) == ppl_metrics(tmp_path / "whole")
 
 
-def test_an_interrupted_smoke_run_resumes_at_the_next_prompt(tiny_pair, tmp_path):
+def test_an_interrupted_smoke_run_resumes_at_the_next_batch(tiny_pair, tmp_path):
     out = tmp_path / "run"
     ref = tiny_pair[TINY_BF16]
     args = ["run", "--ckpt", ref, "--ref", ref, "--tasks", "smoke", "--out", out, "--quiet"]
+    # Prompts are decoded a batch at a time (`[generation] batch`), each batch saved as it completes: the
+    # third prompt done is in the first batch.
     stopped = interrupt_after("smoke prompts", 3, args)
     assert stopped.returncode == 130, stopped.stderr
-    done = {p.name: p.stat().st_mtime_ns for p in partial_files(out, "prompt-*.json")}
-    assert len(done) == 3, sorted(done)
+    done = {p.name: p.stat().st_mtime_ns for p in partial_files(out, "batch-*.json")}
+    assert sorted(done) == ["batch-0000.json"]
     resumed = run_cli(*args)
     # The same model on both sides: no prompt the reference passes is failed, nothing diverges.
     assert resumed.returncode == 0, resumed.stderr
-    (ref_obs,) = (out / "observations").glob("ref-smoke-generations-*")
+    (ref_obs,) = (out / "observations").glob("ref-smoke-answers-*")
     assert {name: (ref_obs / name).stat().st_mtime_ns for name in done} == done
     smoke = json.loads((out / "results.json").read_text())["tasks"]["smoke"]
     assert smoke["metrics"]["identical"] == smoke["metrics"]["n_prompts"]  # the same model on both sides

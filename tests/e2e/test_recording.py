@@ -44,7 +44,7 @@ def test_recording_is_deterministic(tiny_pair, tiny_recording, tmp_path):
         "--quiet",
     )
     assert res.returncode == 0, res.stderr
-    for name in ("window-logits", "smoke-generations"):
+    for name in ("window-logits", "smoke-answers", "smoke-forced-answers-compact"):
         assert (again / name / "arrays.safetensors").read_bytes() == (
             tiny_recording / name / "arrays.safetensors"
         ).read_bytes(), name

@@ -31,9 +31,10 @@ def test_the_devices_page_is_what_the_planning_decides(tiny_pair, tiny_exl3_pair
         "docs/devices.md is not what the planning decides: run python scripts/render_devices.py"
     )
     page = (ROOT / "docs" / "devices.md").read_text(encoding="utf-8")
-    # The cells a user looks for: generation skipped when streamed, the inside-looking tasks streamed on
-    # cuda:0 under auto, the integer task skipped for an EXL3 pack.
-    assert "**skipped**: smoke generates, and streaming does not apply to generation" in page
+    # The cells a user looks for: generation streamed like the rest (no skipped smoke or vision), the
+    # inside-looking tasks streamed on cuda:0 under auto, the integer task skipped for an EXL3 pack.
+    assert "streaming does not apply to generation" not in page
+    assert "| hf | yes | **streams**: ckpt streamed on cpu; ref streamed on cpu |" in page
     assert "**streams**: ckpt streamed on cuda:0; ref streamed on cuda:0" in page
     assert "**skipped**: intref executes compressed-tensors integer checkpoints; this one is exl3" in page
 

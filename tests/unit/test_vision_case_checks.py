@@ -20,37 +20,106 @@ SPEC_TEXT = default_spec_path("vision").read_text()
 VOCAB = 8
 
 
-def observation(answer: str = "red", features: np.ndarray | None = None, grid=(2, 3), **meta) -> Observation:
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(4, VOCAB))
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+CASES = ("image", "slices", "downsample_4x", "downsample_16x", "video")
+GRIDS = {"image": None, "slices": (2, 3), "downsample_4x": (2, 3), "downsample_16x": (2, 3), "video": None}
+SAME = "a red square and a blue circle; it moves from left to right"
+
+
+def _logp(rows: int, seed: int = 0) -> np.ndarray:
+    logits = np.random.default_rng(seed).normal(size=(rows, VOCAB))
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
+def _answers(texts: list[str], about: dict) -> Observation:
+    """The reference's answers (or the candidate's continuations), one of 4 tokens per case."""
+    n = len(texts)
     return Observation(
-        name="x",
-        meta={
-            "answer": answer,
-            "media_sha256": "m",
-            "inputs_sha256": "i",
-            "processing": "processor",
-            "grid": list(grid) if grid else None,
-            **meta,
-        },
+        name="answers",
+        meta={"texts": texts, "char_ends": [[1, 2, 3, len(t)] for t in texts], "top_text": [], **about},
         arrays={
-            "features": np.ones((6, 4), np.float32) if features is None else features,
-            "tokens": np.arange(4),
-            "first_logp": logp.astype(np.float32),
+            "tokens": np.tile(np.arange(4), n),
+            "offsets": np.arange(0, 4 * n + 1, 4),
+            "top_ids": np.zeros((4 * n, 5), np.int64),
+            "top_logp": np.tile(_logp(4)[:, :5].max(-1, keepdims=True), (n, 5)).astype(np.float32),
         },
     )
 
 
-def observed(vision: Vision, **by_case: tuple[Observation, Observation]) -> dict[str, Observation]:
-    """Both sides of every case identical (and passing), but where `by_case` says otherwise."""
-    found = {}
-    for case in vision.cases:
-        ref, ckpt = by_case.get(case.name, (None, None))
-        default = observation("a red square and a blue circle; it moves from left to right")
-        found[f"{case.name}:ref"] = ref or default
-        found[f"{case.name}:ckpt"] = ckpt or default
-    return found
+def _forced(n: int, reference: bool) -> Observation:
+    """Forced rows of `n` cases that agree with the answers everywhere (each answer token the top)."""
+    lp = np.tile(_logp(4), (n, 1))
+    tokens = np.tile(np.arange(4), n)
+    # Make each answer token its row's most probable one.
+    lp[np.arange(len(lp)), tokens] = lp.max(-1) + 1.0
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    order = np.argsort(-lp, axis=1, kind="stable")
+    offsets, full = np.arange(0, 4 * n + 1, 4), np.arange(0, 4 * n + 1, 4)
+    common = {
+        "offsets": offsets,
+        "full_offsets": full,
+        "full_logp": lp.astype(np.float32),
+        "ranked": order[:, :5].astype(np.int32),
+        "target_logp": lp[np.arange(len(lp)), tokens],
+        "top_logit": np.ones(len(lp)),
+    }
+    if reference:
+        arrays = {
+            **common,
+            "top_ids": order.astype(np.int32),
+            "top_logp": np.take_along_axis(lp, order, 1).astype(np.float32),
+            "tail_mass": np.zeros(len(lp), np.float32),
+            "tail_ids": np.zeros((len(lp), 0), np.int32),
+            "tail_logp": np.zeros((len(lp), 0), np.float32),
+        }
+        return Observation(name="forced-ref", meta={"top_k": VOCAB, "tail_samples": 0}, arrays=arrays)
+    arrays = {
+        **common,
+        "at_top": np.take_along_axis(lp, order, 1).astype(np.float32),
+        "at_tail": np.zeros((len(lp), 0), np.float32),
+        "ranked_logp": np.take_along_axis(lp, order[:, :5], 1),
+        "same_top": np.ones(len(lp), bool),
+    }
+    return Observation(name="forced", meta={"logits_dtype": "float32"}, arrays=arrays)
+
+
+def observed(
+    vision: Vision,
+    answers: dict[str, tuple[str, str]] | None = None,
+    features: dict[str, np.ndarray] | None = None,
+    grids: dict[str, tuple[int, int] | None] | None = None,
+    skipped: dict[str, str] | None = None,
+) -> dict[str, Observation]:
+    """Every case run by both sides with the same answer and features, but where the arguments say
+    otherwise: `answers` (reference's, candidate's) and the candidate's `features` by case, the processor's
+    `grids`, the cases `skipped` here with their reason."""
+    answers, features, skipped = answers or {}, features or {}, skipped or {}
+    grids = {**GRIDS, **(grids or {})}
+    run = [c for c in CASES if c not in skipped]
+    about = {
+        "cases": {
+            c: {
+                "image_sha256" if c != "video" else "frames_sha256": "m",
+                "inputs_sha256": "i",
+                "processing": "processor",
+                "grid": f"{grids[c][0]}x{grids[c][1]}" if grids[c] else "none",
+                "n_slices": grids[c][0] * grids[c][1] if grids[c] else 0,
+                **({"downsample_mode": "4x"} if c == "downsample_4x" else {}),
+                **({"downsample_mode": "16x"} if c == "downsample_16x" else {}),
+                **({"frames": 6} if c == "video" else {}),
+            }
+            for c in run
+        },
+        "skipped": skipped,
+    }
+    ones = np.ones((6, 4), np.float32)
+    return {
+        "answers": _answers([answers.get(c, (SAME, SAME))[0] for c in run], about),
+        "continued": _answers([answers.get(c, (SAME, SAME))[1] for c in run], {}),
+        "forced-ref": _forced(len(run), reference=True),
+        "forced": _forced(len(run), reference=False),
+        "features:ref": Observation(name="f", arrays={f"features-{c}": ones for c in run}),
+        "features:ckpt": Observation(name="f", arrays={f"features-{c}": features.get(c, ones) for c in run}),
+    }
 
 
 def results_document(result: TaskResult) -> dict:
@@ -77,9 +146,16 @@ def test_the_shipped_spec_has_the_single_image_then_each_case(vision):
         ("downsample_16x", "16x", False),
         ("video", None, True),
     ]
-    observers = [n.observer for n in vision.needs()]
-    assert len({o.name for o in observers}) == 5 and len(observers) == 10  # one observer per case, both sides
-    assert observers[0].name == "vision-answer"  # the single image keeps its observation's name
+    labels = [(n.label, n.role) for n in vision.needs()]
+    # The cases are the prompts of one set of answer observations (smoke's), the features one per side.
+    assert labels == [
+        ("features:ref", "ref"),
+        ("answers", "ref"),
+        ("forced-ref", "ref"),
+        ("forced", "ckpt"),
+        ("continued", "ckpt"),
+        ("features:ckpt", "ckpt"),
+    ]
 
 
 def test_identical_sides_pass_every_case_with_unprefixed_names_for_the_single_image(vision, tmp_path):
@@ -98,39 +174,33 @@ def test_identical_sides_pass_every_case_with_unprefixed_names_for_the_single_im
 
 def test_a_perturbed_tower_fails_the_parity_checks_of_the_case(vision, tmp_path):
     noisy = np.ones((6, 4), np.float32) + np.random.default_rng(1).normal(size=(6, 4)).astype(np.float32)
-    result = vision.compare(
-        observed(vision, downsample_4x=(observation(), observation(features=noisy))), tmp_path / "a"
-    )
+    result = vision.compare(observed(vision, features={"downsample_4x": noisy}), tmp_path / "a")
     failed = {c.name for c in result.checks if not c.passed}
     assert failed == {"downsample_4x.vision_cosine", "downsample_4x.vision_rel_err"}
 
 
 def test_an_unsliced_large_image_fails_the_slices_case(vision, tmp_path):
-    flat = observation("red", grid=None)
-    result = vision.compare(observed(vision, slices=(flat, flat)), tmp_path / "a")
+    result = vision.compare(observed(vision, grids={"slices": None}), tmp_path / "a")
     assert result.metrics["slices.grid"] == "none" and result.metrics["slices.n_slices"] == 0
     assert {c.name for c in result.checks if not c.passed} == {"slices.n_slices"}
 
 
 def test_an_answer_the_reference_gets_and_the_candidate_loses_fails(vision, tmp_path):
-    result = vision.compare(
-        observed(vision, video=(observation("It moves from left to right."), observation("It moves left."))),
-        tmp_path / "a",
-    )
+    lost = {"video": ("It moves from left to right.", "It moves left.")}
+    result = vision.compare(observed(vision, answers=lost), tmp_path / "a")
     m = result.metrics
     assert (m["video.ref_pass"], m["video.ckpt_pass"], m["video.answer_lost"]) == (True, False, True)
     assert {c.name for c in result.checks if not c.passed} == {"video.answer_lost"}
     # A reference that fails too is no regression: the case reports it, and answer_lost holds.
     both = vision.compare(
-        observed(vision, video=(observation("It moves up."), observation("It moves left."))), tmp_path / "b"
+        observed(vision, answers={"video": ("It moves up.", "It moves left.")}), tmp_path / "b"
     )
     assert both.status == "pass" and both.metrics["video.ref_pass"] is False
 
 
 def test_a_skipped_case_is_reported_with_its_reason_and_its_checks_not_measured(vision, tmp_path):
     reason = "the video processor cannot be built here (ImportError: needs torchvision)"
-    skipped = Observation(name="x", meta={"skipped": reason})
-    result = vision.compare(observed(vision, video=(skipped, skipped)), tmp_path / "artifacts")
+    result = vision.compare(observed(vision, skipped={"video": reason}), tmp_path / "artifacts")
     assert result.status == "pass" and result.metrics["skipped_cases"] == "video"
     assert result.metrics["cases_run"] == 4 and not any(k.startswith("video.") for k in result.metrics)
     assert set(result.not_measured) == {"video.vision_cosine", "video.vision_rel_err", "video.answer_lost"}

@@ -12,7 +12,6 @@ its reason; the others still run.
 from __future__ import annotations
 
 import hashlib
-import io
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +26,16 @@ from evalsuite import metrics, tensor_errors
 from evalsuite.errors import InputError
 from evalsuite.multimodal import NoVisualPath, VisualProcessing
 from evalsuite.observation import Observation
+from evalsuite.observers.forced_answers import (
+    FORCED_LABEL,
+    FORCED_REFERENCE_LABEL,
+    PromptDivergence,
+    divergences,
+    path_noise,
+)
+from evalsuite.observers.greedy_answers import ANSWERS_LABEL, ANSWERS_META, PROMPTS, GreedyAnswers
+from evalsuite.observers.kld_detail import kld_at_reference
+from evalsuite.observers.window_logits import RecordOptions
 from evalsuite.run_folder import write_atomic
 from evalsuite.side import Side
 from evalsuite.spec import Check, StrictModel, TaskSpec, Threshold, apply_threshold
@@ -40,11 +49,12 @@ from evalsuite.task import (
     skip_if_cannot_generate,
     task,
 )
+from evalsuite.tasks.smoke import CONTINUED_LABEL, smoke_needs
+from evalsuite.tasks.vision._pictures import ImageSpec, VideoSpec, contact_sheet, draw, draw_frames, png
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
 
-RGB = tuple[int, int, int]
 # The single image's case: its metrics have no prefix (the names `vision` reported before it had cases).
 SINGLE = "image"
 # Metrics every case reports that a threshold may bound (prefixed `CASE.` except for the single image).
@@ -55,7 +65,9 @@ CASE_METRICS = (
     "vision_tokens",
     "first_tokens_kld",
     "first_tokens_compared",
+    "answer_kld_mean",
     "answers_identical",
+    "first_diff_token",
     "ref_pass",
     "ckpt_pass",
     "answer_lost",
@@ -64,47 +76,6 @@ CASE_METRICS = (
 ANSWER_METRICS = frozenset({"ref_pass", "ckpt_pass", "answer_lost"})
 # The cases of the shipped spec, so that `--thresholds` may name their metrics.
 SHIPPED_CASES = ("slices", "downsample_4x", "downsample_16x", "video")
-
-
-class Square(StrictModel):
-    left: int
-    top: int
-    size: int
-    color: RGB
-
-
-class Circle(StrictModel):
-    center_x: int
-    center_y: int
-    radius: int
-    color: RGB
-
-
-class ImageSpec(StrictModel):
-    width: int = 448
-    height: int = 448
-    background: RGB = (255, 255, 255)
-    square: Square
-    circle: Circle
-
-
-class MovingSquare(StrictModel):
-    """A square crossing the frame in a straight line: its left edge goes from `left_first` in the first
-    frame to `left_last` in the last, in equal steps."""
-
-    top: int
-    size: int
-    color: RGB
-    left_first: int
-    left_last: int
-
-
-class VideoSpec(StrictModel):
-    frames: int = Field(6, ge=2, le=64)
-    width: int = 448
-    height: int = 448
-    background: RGB = (255, 255, 255)
-    square: MovingSquare
 
 
 class GenerationSpec(StrictModel):
@@ -173,6 +144,8 @@ class VisionSpec(TaskSpec):
     cases: list[CaseSpec] = Field(default_factory=list)
     # Bounds on every [[cases]] entry's metrics (not the single image's: [thresholds] has those).
     case_thresholds: dict[str, Threshold] = Field(default_factory=dict)
+    # What the reference's forced rows keep for the KLD along the answers (top-k exact, sampled beyond).
+    record: RecordOptions = RecordOptions()
 
     COMPARE_ONLY: ClassVar[frozenset[str]] = TaskSpec.COMPARE_ONLY | {"case_thresholds"}
 
@@ -247,52 +220,6 @@ class Case:
         }
 
 
-def draw(spec: ImageSpec) -> Any:
-    """The test image, drawn with Pillow from the spec (deterministic: no anti-aliasing)."""
-    from PIL import Image, ImageDraw
-
-    image = Image.new("RGB", (spec.width, spec.height), spec.background)
-    pen = ImageDraw.Draw(image)
-    s, c = spec.square, spec.circle
-    pen.rectangle((s.left, s.top, s.left + s.size - 1, s.top + s.size - 1), fill=s.color)
-    pen.ellipse(
-        (c.center_x - c.radius, c.center_y - c.radius, c.center_x + c.radius, c.center_y + c.radius),
-        fill=c.color,
-    )
-    return image
-
-
-def draw_frames(spec: VideoSpec) -> list[Any]:
-    """The clip's frames, drawn with Pillow: the square one equal step further along in each."""
-    from PIL import Image, ImageDraw
-
-    frames = []
-    s = spec.square
-    for i in range(spec.frames):
-        left = s.left_first + round(i * (s.left_last - s.left_first) / (spec.frames - 1))
-        frame = Image.new("RGB", (spec.width, spec.height), spec.background)
-        ImageDraw.Draw(frame).rectangle((left, s.top, left + s.size - 1, s.top + s.size - 1), fill=s.color)
-        frames.append(frame)
-    return frames
-
-
-def contact_sheet(frames: list[Any], gap: int = 4) -> Any:
-    """The frames side by side at half size, in order, on a grey strip: the clip at a glance."""
-    from PIL import Image
-
-    small = [
-        f.resize((max(1, f.width // 2), max(1, f.height // 2)), Image.Resampling.NEAREST) for f in frames
-    ]
-    width = sum(f.width for f in small) + gap * (len(small) + 1)
-    height = max(f.height for f in small) + 2 * gap
-    sheet = Image.new("RGB", (width, height), (128, 128, 128))
-    x = gap
-    for f in small:
-        sheet.paste(f, (x, gap))
-        x += f.width + gap
-    return sheet
-
-
 def tensors_sha256(inputs: dict[str, Any]) -> str:
     """Hash of the model inputs (names, dtypes, shapes and bytes; settings by value), so both sides provably
     got the same."""
@@ -307,55 +234,67 @@ def tensors_sha256(inputs: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def _png(image: Any) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
+class VisionFeatures:
+    """Observer of one side: the vision tower and merger's output for every visual token of every case run
+    (`features-CASE`). A side's answers to the cases are observed as `smoke`'s are (`smoke_needs`): the
+    reference's decoded, both sides forced along them, the candidate's own after a divergence."""
 
+    # Its recording is the observation itself: a replay plans it under the key it was made under.
+    records_itself = True
 
-class VisionAnswer:
-    """Observer of one case: the visual features of every visual token (vision tower + merger), and the
-    greedy answer with the full next-token distributions of its first steps. A case whose inputs could not
-    be made here is observed as skipped, with the reason."""
+    name = "vision-features"
 
-    def __init__(self, case: Case) -> None:
-        self.case = case
-        self.name = "vision-answer" if case.name == SINGLE else f"vision-answer-{case.name}"
+    def __init__(self, cases: list[Case]) -> None:
+        self.cases = cases
 
     def identity(self) -> dict[str, Any]:
-        return self.case.identity()
+        return {"cases": [c.identity() for c in self.cases]}
 
     def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
-        prepared = inputs["cases"][self.case.name]
-        if "skipped" in prepared:
-            return Observation(name=self.name, meta={"skipped": prepared["skipped"]})
-        gen_spec = self.case.generation
-        step = progress(f"vision {self.case.name}", 1)
-        features = backend.image_features(prepared["tensors"])
-        gen = backend.generate_greedy(
-            prepared["tensors"], gen_spec.max_new_tokens, top_k=5, full_steps=gen_spec.kld_steps
-        )
-        step()
-        return Observation(
-            name=self.name,
-            meta={
-                "answer": backend.tokenizer.decode(gen.tokens, skip_special_tokens=True),
-                "media_sha256": prepared["media_sha256"],
-                "inputs_sha256": prepared["inputs_sha256"],
-                "processing": prepared["processing"],
-                "grid": prepared["grid"],
-                "execution": backend.describe(),
-            },
-            arrays={
-                "features": features.numpy(),
-                "tokens": np.asarray(gen.tokens, dtype=np.int64),
-                "first_logp": gen.full_logp,
-            },
-        )
+        run = [c for c in self.cases if "skipped" not in inputs["cases"][c.name]]
+        step = progress("vision features", len(run))
+        arrays = {}
+        for case in run:
+            arrays[f"features-{case.name}"] = backend.image_features(
+                inputs["cases"][case.name]["tensors"]
+            ).numpy()
+            step()
+        return Observation(name=self.name, meta={"execution": backend.describe()}, arrays=arrays)
 
     def record(self, obs: Observation, folder: Path) -> Observation:
-        """Features, tokens and the first steps' distributions are what a replay needs: kept as they are."""
+        """Features are what a replay needs: kept as they are."""
         return Observation(name=obs.name, key=obs.key, meta=obs.meta, arrays=obs.arrays)
+
+
+def case_prompt(case: Case, prepared: dict[str, Any]) -> dict[str, Any]:
+    """A case as a prompt of the answer observers: its question's token ids, its images (and settings) as
+    the rest of the model's inputs, the digest of those inputs."""
+    tensors = prepared["tensors"]
+    extra = {k: v for k, v in tensors.items() if k not in ("input_ids", "attention_mask")}
+    return {
+        "ids": tensors["input_ids"].reshape(-1).tolist(),
+        "extra": extra,
+        "extra_sha256": prepared["inputs_sha256"],
+        "max_new_tokens": case.generation.max_new_tokens,
+    }
+
+
+def case_inputs(case: Case, prepared: dict[str, Any]) -> dict[str, Any]:
+    """What a case's metrics say of its inputs: the picture's digest, the inputs', how they were made, the
+    processor's grid."""
+    grid = prepared["grid"]
+    values: dict[str, Any] = {
+        case.media_metric: prepared["media_sha256"],
+        "inputs_sha256": prepared["inputs_sha256"],
+        "processing": prepared["processing"],
+        "grid": f"{grid[0]}x{grid[1]}" if grid else "none",
+        "n_slices": grid[0] * grid[1] if grid else 0,
+    }
+    if case.downsample_mode is not None:
+        values["downsample_mode"] = case.downsample_mode
+    if case.video is not None:
+        values["frames"] = case.video.frames
+    return values
 
 
 def prepare_case(case: Case, processing: VisualProcessing) -> dict[str, Any]:
@@ -380,42 +319,47 @@ def prepare_case(case: Case, processing: VisualProcessing) -> dict[str, Any]:
     }
 
 
-def compare_case(case: Case, ref: Observation, ckpt: Observation) -> dict[str, Any]:
-    """One case's metrics (unprefixed) from both sides' observations."""
-    if ref.meta["inputs_sha256"] != ckpt.meta["inputs_sha256"]:
-        raise InputError(f"the sides were given different inputs for vision case {case.name!r}")
-    fa, fb = ref.arrays["features"], ckpt.arrays["features"]
+def compare_case(
+    case: Case,
+    index: int,
+    observed: Mapping[str, Observation],
+    part: PromptDivergence,
+) -> dict[str, Any]:
+    """One case's metrics (unprefixed) from both sides' observations: `index` is its place among the cases
+    run (the prompts of the answer observations)."""
+    answers, continued = observed[ANSWERS_LABEL], observed[CONTINUED_LABEL]
+    forced_ref, forced = observed[FORCED_REFERENCE_LABEL], observed[FORCED_LABEL]
+    fa = observed["features:ref"].arrays[f"features-{case.name}"]
+    fb = observed["features:ckpt"].arrays[f"features-{case.name}"]
     if fa.shape != fb.shape:
         raise InputError(f"vision case {case.name!r}: the features differ in shape: {fa.shape} vs {fb.shape}")
-    # Steps are comparable while both sides share their prefix: up to and including the first divergence.
-    d = metrics.first_divergence(ref.arrays["tokens"], ckpt.arrays["tokens"])
-    limit = min(len(ref.arrays["first_logp"]), len(ckpt.arrays["first_logp"]))
-    steps = limit if d is None else min(limit, d + 1)
-    kld = metrics.kl_divergence(ref.arrays["first_logp"][:steps], ckpt.arrays["first_logp"][:steps])
-    grid = ref.meta["grid"]
+    # The first steps' full distributions, both sides forced along the reference's answer.
+    full = forced_ref.arrays["full_offsets"]
+    start = int(full[index])
+    steps = min(case.generation.kld_steps, int(full[index + 1]) - start)
+    kld = metrics.kl_divergence(
+        forced_ref.arrays["full_logp"][start : start + steps],
+        forced.arrays["full_logp"][start : start + steps],
+    )
+    rows = slice(int(forced_ref.arrays["offsets"][index]), int(forced_ref.arrays["offsets"][index + 1]))
+    along = kld_at_reference(forced_ref, forced)[rows]
+    ref_answer, ckpt_answer = answers.meta["texts"][index], continued.meta["texts"][index]
     values: dict[str, Any] = {
-        case.media_metric: ref.meta["media_sha256"],
-        "inputs_sha256": ref.meta["inputs_sha256"],
-        "processing": ref.meta["processing"],
-        "grid": f"{grid[0]}x{grid[1]}" if grid else "none",
-        "n_slices": grid[0] * grid[1] if grid else 0,
+        "vision_tokens": int(fa.shape[0]),
     }
-    if case.downsample_mode is not None:
-        values["downsample_mode"] = case.downsample_mode
-    if case.video is not None:
-        values["frames"] = case.video.frames
     if case.answer is not None:
-        ref_pass = case.answer.matches(ref.meta["answer"])
-        ckpt_pass = case.answer.matches(ckpt.meta["answer"])
+        ref_pass = case.answer.matches(ref_answer)
+        ckpt_pass = case.answer.matches(ckpt_answer)
         values.update(ref_pass=ref_pass, ckpt_pass=ckpt_pass, answer_lost=ref_pass and not ckpt_pass)
     values.update(
         vision_cosine=tensor_errors.cosine_similarity(fa, fb),
         vision_rel_err=tensor_errors.relative_frobenius_error(fa, fb),
         vision_max_abs=tensor_errors.max_abs_error(fa, fb),
-        vision_tokens=int(fa.shape[0]),
         first_tokens_kld=float(kld.mean()) if steps else float("nan"),
         first_tokens_compared=steps,
-        answers_identical=d is None,
+        answer_kld_mean=float(along.mean()) if len(along) else float("nan"),
+        answers_identical=part.step is None,
+        first_diff_token=part.step,
     )
     return values
 
@@ -438,7 +382,14 @@ class Vision:
         "vision_cosine": "cosine of the two sides' vision tower + merger features over every visual token",
         "vision_rel_err": "relative Frobenius error of the candidate's vision features against the ref's",
         "vision_max_abs": "largest absolute difference of one vision feature",
-        "first_tokens_kld": "mean KL(ref ‖ ckpt) over the first generated tokens, while both share a prefix",
+        "first_tokens_kld": (
+            "mean KL(ref ‖ ckpt) over the first tokens of the reference's answer, both sides forced along it"
+        ),
+        "answer_kld_mean": (
+            "mean KL(ref ‖ ckpt) over every token of the reference's answer, both sides forced along it "
+            "(top-k exact, sampled tail)"
+        ),
+        "first_diff_token": "the first token of the reference's answer the candidate would not choose",
     }
 
     def __init__(self, spec: VisionSpec, context: RunContext) -> None:
@@ -490,14 +441,26 @@ class Vision:
             for key in ("media_sha256", "inputs_sha256", "processing"):
                 name = case.media_metric if key == "media_sha256" else key
                 inputs[f"{case.prefix}{name}"] = prepared[key]
+        run = [c for c in self.cases if "skipped" not in inputs["cases"][c.name]]
+        inputs[PROMPTS] = [case_prompt(c, inputs["cases"][c.name]) for c in run]
+        # What compare says of each case's inputs, kept with the reference's answers (and its recording).
+        inputs[ANSWERS_META] = {
+            "cases": {c.name: case_inputs(c, inputs["cases"][c.name]) for c in run},
+            "skipped": {n: p["skipped"] for n, p in inputs["cases"].items() if "skipped" in p},
+        }
         return inputs
 
     def needs(self) -> list[Need]:
-        needs = []
-        for case in self.cases:
-            observer = VisionAnswer(case)
-            needs += [Need(f"{case.name}:ref", "ref", observer), Need(f"{case.name}:ckpt", "ckpt", observer)]
-        return needs
+        identity = {"cases": [c.identity() for c in self.cases]}
+        full_steps = max(c.generation.kld_steps for c in self.cases)
+        answers = GreedyAnswers("vision-answers", "vision cases", identity, 5, full_steps, 1)
+        features = VisionFeatures(self.cases)
+        return [
+            Need("features:ref", "ref", features),
+            # A question about an image is decoded alone (`greedy_answers.batches`).
+            *smoke_needs("vision", answers, self.spec.record, 5, 1, full_steps),
+            Need("features:ckpt", "ckpt", features),
+        ]
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
         values: dict[str, Any] = {}
@@ -506,24 +469,39 @@ class Vision:
         skipped: dict[str, str] = {}
         details: list[dict[str, Any]] = []
         pictures: dict[str, str] = {}
+        about = observed[ANSWERS_LABEL].meta
+        skipped_here: dict[str, str] = about.get("skipped", {})
+        run = [c.name for c in self.cases if c.name in about.get("cases", {})]
+        parts = divergences(
+            observed[FORCED_REFERENCE_LABEL],
+            observed[FORCED_LABEL],
+            max(
+                path_noise(observed[ANSWERS_LABEL], observed[FORCED_REFERENCE_LABEL]),
+                float(observed[CONTINUED_LABEL].meta.get("path_noise", 0.0)),
+            ),
+        )
         for case in self.cases:
-            ref, ckpt = observed[f"{case.name}:ref"], observed[f"{case.name}:ckpt"]
             pictures[case.name] = self.picture(case, artifacts)
-            reason = ref.meta.get("skipped") or ckpt.meta.get("skipped")
+            reason = skipped_here.get(case.name) or (None if case.name in run else "not observed")
             if reason:
                 skipped[case.name] = reason
                 not_measured += [case.prefix + m for m in case.thresholds]
                 row = {"case": case.name, "input": pictures[case.name], "note": f"skipped: {reason}"}
                 details.append(row)
                 continue
-            found = compare_case(case, ref, ckpt)
+            index = run.index(case.name)
+            found = {**about["cases"][case.name], **compare_case(case, index, observed, parts[index])}
             values.update({case.prefix + k: v for k, v in found.items()})
             for metric, threshold in case.thresholds.items():
                 if metric in ANSWER_METRICS and case.answer is None:
                     not_measured.append(case.prefix + metric)
                     continue
                 checks += apply_threshold(case.prefix + metric, found.get(metric), threshold)
-            details.append(self.row(case, found, ref, ckpt, pictures[case.name]))
+            answers = (
+                observed[ANSWERS_LABEL].meta["texts"][index],
+                observed[CONTINUED_LABEL].meta["texts"][index],
+            )
+            details.append(self.row(case, found, answers, pictures[case.name]))
         values["cases_run"] = len(self.cases) - len(skipped)
         values["skipped_cases"] = ", ".join(skipped)
         # A threshold of [thresholds] on a skipped case's metric was not measured; any other missing metric
@@ -541,7 +519,7 @@ class Vision:
         )
 
     @staticmethod
-    def row(case: Case, found: dict[str, Any], ref: Observation, ckpt: Observation, picture: str) -> dict:
+    def row(case: Case, found: dict[str, Any], answers: tuple[str, str], picture: str) -> dict:
         """A case's line in report.md: what was shown, both answers and whether each matches."""
         note = f"grid {found['grid']}, {found['vision_tokens']} visual tokens"
         if case.downsample_mode is not None:
@@ -551,9 +529,9 @@ class Vision:
         return {
             "case": case.name,
             "input": picture,
-            "ref_answer": ref.meta["answer"],
+            "ref_answer": answers[0],
             "ref_pass": found.get("ref_pass"),
-            "ckpt_answer": ckpt.meta["answer"],
+            "ckpt_answer": answers[1],
             "ckpt_pass": found.get("ckpt_pass"),
             "note": note,
         }
@@ -567,5 +545,5 @@ class Vision:
         else:
             name = "vision_image.png" if case.name == SINGLE else f"vision_{case.name}.png"
             image = draw(case.image)
-        write_atomic(artifacts / name, _png(image))
+        write_atomic(artifacts / name, png(image))
         return f"{artifacts.name}/{name}"
