@@ -108,3 +108,25 @@ def test_a_passed_plan_is_kept_on_disk_for_the_next_process_under_the_same_code(
     monkeypatch.setattr(run_cache, "code_versions", lambda: "another evalsuite or Transformers")
     once_in_a_new_process()
     assert checked == ["good", "good"]
+
+
+def test_a_plan_passed_in_this_process_is_refused_once_an_internal_it_calls_goes_missing(
+    tiny_pair, tmp_path, checked, monkeypatch
+):
+    import transformers.core_model_loading
+
+    from evalsuite.errors import DependencyError
+
+    good = copy_checkpoint(tiny_pair[TINY_W4A8], tmp_path / "good")
+    streamed = BackendOptions(stream=True).check()
+    digests = DigestCache()
+
+    def once() -> None:
+        plan.check_load_plan_once(open_side("ckpt", str(good), streamed), streamed, digests)
+
+    once()
+    # A caller of `evalsuite.run` that swapped Transformers' internals after an earlier run in its process.
+    monkeypatch.delattr(transformers.core_model_loading, "rename_source_key")
+    with pytest.raises(DependencyError, match="rename_source_key"):
+        once()
+    assert checked == ["good"]
