@@ -27,6 +27,7 @@ from evalsuite.backends.memory import streamed_if_needed
 from evalsuite.backends.options import BackendOptions
 from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
+from evalsuite.formats.gguf import read_gguf
 from evalsuite.observation import Observation
 from evalsuite.registry import get_task, spec_source
 from evalsuite.results import read_results
@@ -324,6 +325,9 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
     ref = open_side("ref", request.ref, ref_options)
     ckpt = open_side("ckpt", request.ckpt, ckpt_options)
     for side in (ref, ckpt):
+        if side.checkpoint is not None and side.checkpoint.gguf_file is not None:
+            # Its tensor table, checked as llama.cpp checks it, before its vocabulary is rebuilt to tokenize.
+            read_gguf(side.checkpoint.gguf_file)
         stream_if_needed(side)
     check_out_folder(request.out)
     # File tasks hash through the run's digest cache: a file is read once per run, whichever task asks.

@@ -24,6 +24,8 @@ refused here too, naming the tensors, before any task or backend judges what it 
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from evalsuite.errors import DependencyError, InputError
+from evalsuite.file_identity import FileIdentity
 
 # What a quantized module `X` stores in the candidate's view of a GGUF file: `X.ggml`, holding the GGUF
 # tensor's bytes with its ggml type as dtype (`gguf_view` in the tensors task pairs names with the source's).
@@ -83,14 +86,42 @@ class GgufFile:
 MAX_LISTED = 1024
 
 
+# Files read in this process, by path and identity: `gguf.GGUFReader` builds a view of every metadata item
+# (seconds for a vocabulary of 50,000 tokens), and one run reads the same file for its memory plan, its load
+# check, its backend and `tensors`. A file changed since is another key, so it is read again.
+_READ: OrderedDict[tuple[str, FileIdentity], GgufFile] = OrderedDict()
+_READ_LOCK = threading.Lock()
+_READ_KEEP = 8
+
+
 def read_gguf(path: Path) -> GgufFile:
     """The file's tensor table and metadata through `gguf.GGUFReader`, each tensor checked: a type the
-    package knows, a byte range inside the file whose size is its shape's blocks.
+    package knows, a byte range inside the file whose size is its shape's blocks. A file read before in
+    this process, unchanged (the same identity on disk), is not parsed again.
 
     Raises:
         InputError: the file does not parse, or a tensor's header disagrees with the file.
         DependencyError: the gguf package is not installed.
     """
+    try:
+        before = FileIdentity.of(path.stat())
+    except OSError as exc:
+        raise InputError(f"cannot read the file: {exc.strerror}", path) from None
+    key = (str(path.resolve()), before)
+    with _READ_LOCK:
+        if key in _READ:
+            _READ.move_to_end(key)
+            return _READ[key]
+    read = _parse_gguf(path)
+    if FileIdentity.of(path.stat()) == before:  # a file that changed while parsed is never kept
+        with _READ_LOCK:
+            _READ[key] = read
+            while len(_READ) > _READ_KEEP:
+                _READ.popitem(last=False)
+    return read
+
+
+def _parse_gguf(path: Path) -> GgufFile:
     try:
         import gguf
     except ImportError:

@@ -20,6 +20,7 @@ from pydantic import model_validator
 
 from evalsuite import logit_rows, metrics
 from evalsuite.backends.layer_pass import LayerVisitor, QuietVisitor
+from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
 from evalsuite.observers.logits_file import LogitsWriter, core_left_for_writing, read_rows, window_file
@@ -135,18 +136,24 @@ def _tokenize(side: Side, corpus: Corpus, protocol: WindowProtocol, shared: Shar
 def _token_cache_key(side: Side, corpus: Corpus, protocol: WindowProtocol) -> dict[str, str] | None:
     """What a side's ids of the corpus depend on, for the disk cache (`RunCache`): its tokenizer files and
     config (AutoTokenizer may pick the class from config.json), the text and the special-tokens flag. None
-    where the files do not decide the ids: code from the checkpoint (`trust_remote_code`), a tokenizer read
-    from a GGUF file, a folder without tokenizer files."""
+    where the files do not decide the ids: code from the checkpoint (`trust_remote_code`), a folder without
+    tokenizer files. A tokenizer read from a GGUF file is keyed by the whole file's digest (the run hashes it
+    for its observations' keys anyway, and cached by the file's identity): Transformers rebuilds it from the
+    file's vocabulary with the gguf package's reader, seconds for a vocabulary of 50,000 tokens, each run."""
     checkpoint = side.checkpoint
-    if side.options.trust_remote_code or checkpoint.gguf_file is not None:
+    if side.options.trust_remote_code:
         return None
-    if not checkpoint.tokenizer_files():
+    gguf = {}
+    if checkpoint.gguf_file is not None:
+        gguf = {"gguf": DigestCache.default().sha256(checkpoint.gguf_file)}
+    elif not checkpoint.tokenizer_files():
         return None
     config = checkpoint.path / "config.json"
     config_sha = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else ""
     return {
         "tokenizer": checkpoint.tokenizer_sha256,
         "config": config_sha,
+        **gguf,
         "corpus": corpus.sha256,
         "add_special_tokens": str(protocol.add_special_tokens),
     }

@@ -128,25 +128,12 @@ def dead_proxy() -> Iterator[dict[str, str]]:
         yield {**dict.fromkeys(PROXY_VARIABLES, url), "no_proxy": "", "NO_PROXY": ""}
 
 
-def test_two_runs_at_once_behind_a_dead_proxy_score_as_a_run_without_it(
+def test_two_runs_at_once_behind_a_dead_proxy_and_beside_a_service_on_port_8080_score_as_a_run_without_them(
     runs, q4_1, smollm2_pair, tmp_path, dead_proxy
 ):
-    """The llama.cpp side's token ids go to its own server, not to a proxy, and two runs at once each have
-    their own: both pass with the metrics of the run made without a proxy."""
-    bf16 = smollm2_pair["smollm2-135m-bf16"]
-    with ThreadPoolExecutor(2) as pool:
-        done = list(
-            pool.map(
-                lambda name: ppl_run(q4_1, bf16, "llamacpp", tmp_path / name, env=dead_proxy, codes=(0,)),
-                ["first", "second"],
-            )
-        )
-    alone = runs["llamacpp"]["tasks"]["ppl"]["metrics"]
-    for doc in done:
-        assert doc["tasks"]["ppl"]["metrics"] == alone
-
-
-def test_a_service_on_llama_cpps_default_port_does_not_break_a_run(runs, q4_1, smollm2_pair, tmp_path):
+    """The llama.cpp side's token ids go to its own server, not to a proxy nor to whatever listens on
+    llama-server's default port, and two runs at once each have their own: both pass with the metrics of the
+    run made without a proxy (one pair of runs shows the three: each is a full SmolLM2 load)."""
     bf16 = smollm2_pair["smollm2-135m-bf16"]
     with socket.socket() as service:
         try:
@@ -154,8 +141,16 @@ def test_a_service_on_llama_cpps_default_port_does_not_break_a_run(runs, q4_1, s
             service.listen()
         except OSError:
             pass  # a service holds it already: the case itself
-        doc = ppl_run(q4_1, bf16, "llamacpp", tmp_path / "run", codes=(0,))
-    assert doc["tasks"]["ppl"]["metrics"] == runs["llamacpp"]["tasks"]["ppl"]["metrics"]
+        with ThreadPoolExecutor(2) as pool:
+            done = list(
+                pool.map(
+                    lambda name: ppl_run(q4_1, bf16, "llamacpp", tmp_path / name, env=dead_proxy, codes=(0,)),
+                    ["first", "second"],
+                )
+            )
+    alone = runs["llamacpp"]["tasks"]["ppl"]["metrics"]
+    for doc in done:
+        assert doc["tasks"]["ppl"]["metrics"] == alone
 
 
 @pytest.mark.parametrize("backend", ["hf", "llamacpp"])

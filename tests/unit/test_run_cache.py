@@ -168,3 +168,29 @@ def test_evalsuite_cache_shows_and_clears_all_but_the_fixtures(tiny_pair, tmp_pa
     assert [shown()[k][0] for k in ("tokens", "load-plans", "digests", "fixtures")] == [
         "0 entries", "0 entries", "0 entries", "1 entries"
     ]  # fmt: skip
+
+
+def test_a_gguf_s_ids_are_read_back_under_the_same_file_only(smollm2_pair, tmp_path, monkeypatch):
+    """Transformers rebuilds a GGUF file's tokenizer from its vocabulary each time (seconds for SmolLM2's):
+    the ids are kept under the file's digest, and a file whose bytes changed is tokenized again."""
+    import shutil
+
+    from evalsuite.fixtures.smollm2 import smollm2_gguf_path
+    from tests.conftest import FIXTURES
+
+    monkeypatch.setenv("EVALSUITE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "pack").mkdir()
+    pack = Path(shutil.copy(smollm2_gguf_path(FIXTURES), tmp_path / "pack"))
+    corpus = load_corpus("python-docs")
+    first, tokenized = windows_of(pack.parent, corpus)
+    assert tokenized
+    again, tokenized = windows_of(pack.parent, corpus)
+    assert not tokenized and np.array_equal(first, again)
+
+    with pack.open("r+b") as f:  # the last weight byte: the same vocabulary, other bytes
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    _, tokenized = windows_of(pack.parent, corpus)
+    assert tokenized
