@@ -57,6 +57,7 @@ class VisualProcessing:
         self._processor: Any = None
         self._failure: str | None = None
         self._loaded = False
+        self._image_path: tuple[Any, Any] | None = None  # (tokenizer, image processor), read once
 
     @property
     def processor(self) -> Any:
@@ -92,7 +93,17 @@ class VisualProcessing:
             tensors = dict(processor(images=[image], text=prompt, return_tensors="pt", **settings))
             image_processor, path = getattr(processor, "image_processor", None), PROCESSOR
         else:
-            from transformers import AutoConfig, AutoImageProcessor
+            tokenizer, image_processor = self._image_only_path()
+            tensors, grid = _minicpmv_expansion(image, question, downsample_mode, tokenizer, image_processor)
+            tensors.update(settings)
+            return VisualInputs(tensors, IMAGE_PROCESSOR, grid)
+        tensors.update(settings)
+        return VisualInputs(tensors, path, slice_grid(image_processor, image, settings))
+
+    def _image_only_path(self) -> tuple[Any, Any]:
+        # Read once per folder: a vision task asks for a dozen images, and `device_support` plans it often.
+        if self._image_path is None:
+            from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
             config = AutoConfig.from_pretrained(str(self.model_dir), trust_remote_code=self.trust_remote_code)
             if not config.model_type.startswith("minicpmv"):
@@ -100,10 +111,10 @@ class VisualProcessing:
                     f"the processor cannot be built here ({self._failure}) and model type "
                     f"{config.model_type!r} has no image-only path"
                 )
-            tensors = minicpmv_inputs(self.model_dir, image, question, downsample_mode)
-            image_processor, path = AutoImageProcessor.from_pretrained(str(self.model_dir)), IMAGE_PROCESSOR
-        tensors.update(settings)
-        return VisualInputs(tensors, path, slice_grid(image_processor, image, settings))
+            folder = str(self.model_dir)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            self._image_path = (tokenizer, AutoImageProcessor.from_pretrained(folder))
+        return self._image_path
 
     def video(self, frames: Any, question: str, downsample_mode: str | None = None) -> VisualInputs:
         """Inputs for a clip (frames as a (T, H, W, 3) uint8 array, every one used: no frame sampling) and a
@@ -142,13 +153,26 @@ def slice_grid(image_processor: Any, image: Any, settings: dict[str, Any]) -> tu
 
 
 def minicpmv_inputs(
-    model_dir: Path, image: Any, question: str, downsample_mode: str | None = None
+    model_dir: Path,
+    image: Any,
+    question: str,
+    downsample_mode: str | None = None,
+    parts: tuple[Any, Any] | None = None,
 ) -> dict[str, Any]:
-    """The MiniCPM-V processor's expansion of one image and a question, by image processor and tokenizer."""
-    from transformers import AutoImageProcessor, AutoTokenizer
+    """The MiniCPM-V processor's expansion of one image and a question, by image processor and tokenizer
+    (`parts`: the folder's (tokenizer, image processor), where the caller has read them already)."""
+    if parts is None:
+        from transformers import AutoImageProcessor, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        folder = str(model_dir)
+        parts = (AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder))
+    return _minicpmv_expansion(image, question, downsample_mode, *parts)[0]
+
+
+def _minicpmv_expansion(
+    image: Any, question: str, downsample_mode: str | None, tokenizer: Any, image_processor: Any
+) -> tuple[dict[str, Any], tuple[int, int] | None]:
+    # The inputs and the slice grid `slice_grid` would report, from one pass of the image processor.
     settings = {} if downsample_mode is None else {"downsample_mode": downsample_mode}
     pixels = image_processor(image, return_tensors="pt", **settings)
     mode = downsample_mode or image_processor.downsample_mode
@@ -170,7 +194,7 @@ def minicpmv_inputs(
     prompt = _chat_prompt(tokenizer, "image", question)
     prompt = prompt.replace(tokenizer.image_token, placeholder, 1)
     encoded = tokenizer(prompt, return_tensors="pt")
-    return {
+    tensors = {
         "input_ids": encoded["input_ids"],
         "attention_mask": encoded["attention_mask"],
         # int64, as the processor makes it: both paths give the same inputs, byte for byte.
@@ -178,3 +202,4 @@ def minicpmv_inputs(
         "pixel_values": pixels["pixel_values"],
         "target_sizes": pixels["target_sizes"],
     }
+    return tensors, ((int(rows), int(cols)) if rows > 0 and cols > 0 else None)
