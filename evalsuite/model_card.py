@@ -228,9 +228,70 @@ def _results_table(results: dict[str, Any]) -> list[str]:
         "### Results",
         "",
         *_ppl_results(results),
+        *_chat_splits(results),
+        *_calibration_overlap(results),
         *_greedy_answers(results),
         *_downstream_results(results),
     ]
+
+
+def _chat_splits(results: dict[str, Any]) -> list[str]:
+    """`ppl` on chats, split by tag and by assistant turn: each split's mean KLD with its one-sided 95%
+    upper bound and same-top rate, errors clustered by chat (too few chats for a bound: none)."""
+    m = _measured(results["tasks"].get("ppl"))
+    names = {k.removesuffix("_kld_mean") for k in m if k.endswith("_kld_mean")}
+    splits = sorted(
+        (n for n in names if n.startswith(("tag_", "turn_"))), key=lambda n: (not n.startswith("tag_"), n)
+    )
+    if not splits:
+        return []
+    lines = [
+        "Scored on chats through the model's chat template, assistant tokens only, split by tag and by "
+        "assistant turn (errors clustered by chat):",
+        "",
+        "| split | chats | tokens | mean KLD | KLD 95% upper bound | same top token |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in splits:
+        label = f"tag `{name.removeprefix('tag_')}`" if name.startswith("tag_") else name.replace("_", " ")
+        lines.append(
+            _row(
+                [
+                    label,
+                    format_number(m.get(f"{name}_n_windows")),
+                    format_number(m.get(f"{name}_n_tokens")),
+                    format_number(m[f"{name}_kld_mean"]),
+                    format_number(m.get(f"{name}_kld_mean_upper95")),
+                    format_number(m.get(f"{name}_same_top_p")),
+                ]
+            )
+        )
+    return [*lines, ""]
+
+
+def _calibration_overlap(results: dict[str, Any]) -> list[str]:
+    """How much of the scored text the calibration set holds (`--calibration`), and the verdict with and
+    without the windows or chats it overlaps; nothing where no calibration set was given."""
+    m = _measured(results["tasks"].get("ppl"))
+    if "calibration_note" in m:
+        return [f"Calibration set: {m['calibration_note']}.", ""]
+    if "calibration_overlap_share" not in m:
+        return []
+    unit = "chats" if "calibration_flagged_chats" in m else "windows"
+    flagged = m.get(f"calibration_flagged_{unit}", 0)
+    text = (
+        f"Calibration set `{m.get('calibration_source')}`: "
+        f"{format_number(m['calibration_overlap_share'])} of the scored tokens lie in a "
+        f"{m.get('calibration_ngram')}-gram it holds; {flagged} {unit} overlap it "
+        f"by more than {format_number(m.get('calibration_flag_share'))}"
+    )
+    if "verdict_without_flagged" in m:
+        text += (
+            f" (verdict with them: {m['verdict_with_flagged']}, without them: {m['verdict_without_flagged']})"
+        )
+    elif "clean_note" in m:
+        text += f" ({m['clean_note']})"
+    return [text + ".", ""]
 
 
 def _greedy_answers(results: dict[str, Any]) -> list[str]:
@@ -438,6 +499,10 @@ def caveats(results: dict[str, Any]) -> list[str]:
         for row in tasks["vision"].get("details", []):
             if str(row.get("note", "")).startswith("skipped: "):
                 notes.append(f"vision case `{row.get('case')}` {row['note']}")
+    # An OCR case whose reference does not read its text: the candidate's reading was compared with nothing.
+    for name, reason in (tasks.get("vision") or {}).get("null_reasons", {}).items():
+        if name.endswith(".cer_delta"):
+            notes.append(f"vision case `{name.rpartition('.')[0]}`: cer_delta not judged: {reason}")
     ppl = _measured(tasks.get("ppl"))
     lmeval = _measured(tasks.get("lmeval"))
     if lmeval_metrics(lmeval):

@@ -17,6 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from evalsuite.corpus import load_corpus
+from evalsuite.model_card import render_model_card
 from evalsuite.observers.window_logits import WindowProtocol
 from tests.conftest import (
     SMOLLM2_BF16,
@@ -120,6 +121,10 @@ def test_a_calibration_file_holding_two_windows_flags_them_and_judges_without_th
     assert {c["name"] for c in ppl["checks"]} >= {"clean_kld_mean", "clean_same_top_p", "clean_ppl_ratio"}
     assert m["clean_kld_mean"] != m["kld_mean"]
     assert {m["verdict_with_flagged"], m["verdict_without_flagged"]} <= {"pass", "fail"}
+    card = render_model_card(flagged.results)
+    assert "2 windows overlap it by more than" in card
+    verdicts = m["verdict_with_flagged"], m["verdict_without_flagged"]
+    assert "verdict with them: {}, without them: {}".format(*verdicts) in card
     clear = rerun(tiny_run, tmp_path / "clear", *args, "--calibration", disjoint)
     c = clear.metrics("ppl")
     assert c["calibration_flagged_windows"] == 0 and c["calibration_overlap_share"] == 0.0
@@ -154,3 +159,6 @@ def test_smollm2_on_the_shipped_chats_gives_each_tag_its_chat_clustered_interval
         assert m[f"tag_{tag}_kld_mean_stderr_window"] > m[f"tag_{tag}_kld_mean_stderr"] * 0.5
     assert m["turn_1_n_tokens"] + m["turn_2_n_tokens"] + m["turn_3plus_n_tokens"] == m["n_scored_tokens"]
     assert "tag_zh_kld_mean" in {c["name"] for c in _results(out)["checks"]}
+    card = render_model_card(json.loads((out / "results.json").read_text(encoding="utf-8")))
+    for tag, chats in (("zh", 32), ("en", 32), ("math", 32), ("code", 14)):
+        assert f"| tag `{tag}` | {chats} | " in card, card

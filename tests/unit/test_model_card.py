@@ -213,3 +213,35 @@ def test_rendering_does_not_change_the_results_document():
     before = copy.deepcopy(results)
     render_model_card(results)
     assert results == before
+
+
+def test_chat_splits_are_a_row_each_tags_first_and_the_calibration_verdicts_beside_them():
+    splits = {
+        f"{name}_{metric}": value
+        for name, chats in (("turn_1", 30), ("tag_zh", 12), ("tag_en", 18))
+        for metric, value in (
+            ("n_windows", chats),
+            ("n_tokens", chats * 40),
+            ("kld_mean", 0.0123),
+            ("kld_mean_upper95", 0.0171),
+            ("same_top_p", 0.9312),
+        )
+    }
+    calibration = {
+        "calibration_source": "calibration.jsonl",
+        "calibration_ngram": 13,
+        "calibration_overlap_share": 0.0667,
+        "calibration_flag_share": 0.5,
+        "calibration_flagged_chats": 2,
+        "verdict_with_flagged": "pass",
+        "verdict_without_flagged": "fail",
+    }
+    card = render_model_card(results_document(ppl=ppl_task(**splits, **calibration)))
+    rows = [line for line in card.splitlines() if line.startswith(("| tag ", "| turn "))]
+    assert rows == [
+        "| tag `en` | 18 | 720 | 0.0123 | 0.0171 | 0.9312 |",
+        "| tag `zh` | 12 | 480 | 0.0123 | 0.0171 | 0.9312 |",
+        "| turn 1 | 30 | 1,200 | 0.0123 | 0.0171 | 0.9312 |",
+    ], card
+    assert "2 chats overlap it by more than 0.5 (verdict with them: pass, without them: fail)." in card
+    assert "calibration" not in render_model_card(results_document(ppl=ppl_task())).lower()
