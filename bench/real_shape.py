@@ -52,6 +52,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -81,6 +82,8 @@ from evalsuite.checkpoint import Checkpoint
 from evalsuite.digest import DigestCache
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.names import DEFAULT_WIDE_LAYERS, TINY_BF16, TINY_EXL3, TINY_W4A8, wide_names
+from evalsuite.spec import default_spec_path, load_spec
+from evalsuite.tasks.smoke import SmokeSpec
 
 REAL_LAYERS = 40
 REAL_LAYER_TYPES = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(REAL_LAYERS)]
@@ -92,22 +95,60 @@ LOADED_GOAL = 1.25
 DEPTH_GOAL = 1.05
 STREAMED_PEAK_GOAL_GB = 6.5
 LOADED_RUNS = ("ppl-loaded", "intref-loaded", "smoke-loaded", "exl3-ppl-loaded")
-W4A8_VALIDATION = ("tensors", "ppl", "smoke", "moe", "intref")
+W4A8_VALIDATION = ("tensors", "ppl", "smoke", "vision", "moe", "intref")
+SEED_VALIDATION = ",".join(W4A8_VALIDATION)
+# What a recording of the reference holds for that validation (`tensors` reads both checkpoints' files).
+RECORDED = ",".join(t for t in W4A8_VALIDATION if t != "tensors")
+RECORDING = "recording"
+# The seed's validation as a publisher runs it, by what each run is (the page names them so).
+SEED_RUNS = {
+    "validation-replayed": "nightly validation of the W4A8 pack, reference replayed",
+    "validation-streamed": "validation of the W4A8 pack, reference observed",
+    "record-ref": "one-time recording of the reference (answers included)",
+}
+SEED_GOALS = {"validation-replayed": "<= 30"}
 EXL3_VALIDATION = ("tensors", "ppl")
 
 
 @dataclass(frozen=True)
 class Run:
     """One `evalsuite run`: the candidate (`w4a8` or `exl3`) against the BF16 reference, its tasks, and
-    whether both sides stream."""
+    whether both sides stream. `kind` `record`: `evalsuite record` of the reference alone (the recording
+    kept for the runs of kind `replay`, whose reference it is)."""
 
     candidate: str
     tasks: str
     streamed: bool
+    kind: str = "run"
 
-    def args(self, ref: Path, ckpt: Path, out: Path) -> list[str]:
-        args = ["run", "--ref", str(ref), "--ckpt", str(ckpt), "--tasks", self.tasks, "--corpus", CORPUS]
-        return [*args, "--out", str(out), "--no-resume", "--quiet"] + (["--stream"] if self.streamed else [])
+    def args(self, ref: Path, ckpt: Path, out: Path, recording: Path | None = None) -> list[str]:
+        stream = ["--stream"] if self.streamed else []
+        if self.kind == "record":
+            args = [
+                "record",
+                "--ckpt",
+                str(ref),
+                "--tasks",
+                self.tasks,
+                "--corpus",
+                CORPUS,
+                "--out",
+                str(out),
+            ]
+            return [*args, "--quiet", *stream]
+        reference = recording if self.kind == "replay" and recording is not None else ref
+        args = [
+            "run",
+            "--ref",
+            str(reference),
+            "--ckpt",
+            str(ckpt),
+            "--tasks",
+            self.tasks,
+            "--corpus",
+            CORPUS,
+        ]
+        return [*args, "--out", str(out), "--no-resume", "--quiet", *stream]
 
 
 RUNS = {
@@ -120,6 +161,11 @@ RUNS = {
     "intref-loaded": Run("w4a8", "intref", streamed=False),
     "intref-streamed": Run("w4a8", "intref", streamed=True),
     "ppl-moe-layers-streamed": Run("w4a8", "ppl,moe,layers", streamed=True),
+    # The seed's whole validation of the W4A8 pack in one streamed run: the reference observed, then replayed
+    # from its recording (made once, by `record-ref`).
+    "validation-streamed": Run("w4a8", SEED_VALIDATION, streamed=True),
+    "record-ref": Run("w4a8", RECORDED, streamed=True, kind="record"),
+    "validation-replayed": Run("w4a8", SEED_VALIDATION, streamed=True, kind="replay"),
     "exl3-tensors": Run("exl3", "tensors", streamed=False),
     "exl3-ppl-loaded": Run("exl3", "ppl", streamed=False),
     "exl3-ppl-streamed": Run("exl3", "ppl", streamed=True),
@@ -275,11 +321,21 @@ def extrapolate(doc: dict[str, Any], machine_bytes: int) -> dict[str, Any]:
     # its loaded bytes grow with depth as the reference's files do (its own files compress unevenly).
     deeper = files_40["ref"] / sizes["ref"]["files"]
     loaded_40 = {side: s["loaded"] * deeper for side, s in sizes.items()}
+    layers_40 = {
+        side: at_real_depth(0.0, s["layers"], kinds) / sum(s["layers"])
+        for side, s in sizes.items()
+        if s["layers"]
+    }
     for name, run in doc["runs"].items():
         spec = RUNS[name]
         cand = spec.candidate
         if f"bare-{cand}" not in doc["bare"]:
             continue  # no floor of this candidate measured: nothing to scale by
+        if run.get("decoding") or spec.kind == "record":
+            decoded = decoding_at_depth(name, doc, out, layers_40, machine_bytes)
+            if decoded is not None:
+                out["runs"][name] = decoded
+            continue
         bare_now = doc["bare"]["bare-ref"]["seconds"] + doc["bare"][f"bare-{cand}"]["seconds"]
         bare_40 = out["bare_40"]["bare-ref"] + out["bare_40"][f"bare-{cand}"]
         if spec.tasks == "tensors":
@@ -306,6 +362,63 @@ def extrapolate(doc: dict[str, Any], machine_bytes: int) -> dict[str, Any]:
         "exl3": validation(out, EXL3_VALIDATION, "exl3"),
     }
     return out
+
+
+def decoding_at_depth(
+    name: str, doc: dict[str, Any], out: dict[str, Any], layers_40: dict[str, float], machine_bytes: int
+) -> dict[str, Any] | None:
+    """A run that decodes, at 40 layers: its decoding forwards cost what each reads (every layer once, its
+    routed experts only), so their seconds and bytes grow as the decoder layers' bytes do (per side); the
+    rest of the run as the bare forward's time does. Its peak grows by the decoding caches of the 36 more
+    layers (`cache_growth`). A recording (`record-ref`) is the reference's side of the streamed validation:
+    scaled as that side is there."""
+    run, spec = doc["runs"][name], RUNS[name]
+    bare_now = doc["bare"]["bare-ref"]["seconds"] + doc["bare"][f"bare-{spec.candidate}"]["seconds"]
+    scale = (out["bare_40"]["bare-ref"] + out["bare_40"][f"bare-{spec.candidate}"]) / bare_now
+    side_of = {"ref": "ref", "ckpt": spec.candidate}
+    if spec.kind == "record":
+        source = doc["runs"].get("validation-streamed", {}).get("decoding", {}).get("ref")
+        if source is None:
+            return None
+        decoding = {"ref": {**source, "seconds": run["seconds"] * source["seconds"] / source["side_seconds"]}}
+    else:
+        decoding = run["decoding"]
+    decoded = sum(d["seconds"] for d in decoding.values())
+    seconds_40 = (run["seconds"] - decoded) * scale + sum(
+        d["seconds"] * layers_40[side_of[side]] for side, d in decoding.items()
+    )
+    per_forward = {
+        side: {
+            "seconds": d["seconds_per_forward"] * layers_40[side_of[side]],
+            "bytes": d["bytes_per_forward"] * layers_40[side_of[side]],
+            "share_of_layers_bytes": d["bytes_per_forward"] / d["layers_bytes"],
+        }
+        for side, d in decoding.items()
+    }
+    peak = run["peak_rss"] + cache_growth(doc)
+    return {
+        "seconds": seconds_40,
+        "seconds_per_layer": (seconds_40 - run["seconds"]) / (REAL_LAYERS - doc["layers"]),
+        "peak_rss": peak,
+        "fits_machine": peak <= machine_bytes,
+        "decoding_forward": per_forward,
+    }
+
+
+def cache_growth(doc: dict[str, Any]) -> float:
+    """Bytes more a decoding's caches hold at 40 layers than at the fixture's depth, for one batch of smoke's
+    prompts: per Gated DeltaNet layer and prompt its recurrent state (value heads × key dim × value dim, in
+    float32) and convolution state, per attention layer and token its keys and values (BF16)."""
+    config = doc.get("text_config") or {}
+    batch, tokens = doc.get("decoding_batch", 32), doc.get("decoding_tokens", 128)
+    v_heads, k_dim = config.get("linear_num_value_heads", 32), config.get("linear_key_head_dim", 128)
+    v_dim, k_heads = config.get("linear_value_head_dim", 128), config.get("linear_num_key_heads", 16)
+    conv = config.get("linear_conv_kernel_dim", 4) * (2 * k_heads * k_dim + v_heads * v_dim) * 4
+    gdn = batch * (v_heads * k_dim * v_dim * 4 + conv)
+    attention = batch * tokens * 2 * config.get("num_key_value_heads", 2) * config.get("head_dim", 256) * 2
+    now = doc["bare"]["bare-ref"]["layer_kinds"]
+    grow = {"linear_attention": gdn, "full_attention": attention}
+    return sum(grow.get(k, 0) for k in REAL_LAYER_TYPES) - sum(grow.get(k, 0) for k in now)
 
 
 def validation(extrapolated: dict[str, Any], tasks: tuple[str, ...], candidate: str) -> dict[str, Any]:
@@ -399,10 +512,26 @@ def report(doc: dict[str, Any]) -> None:
         if f"{name}_peak_over_loaded_bytes" in ratios:
             value = ratios[f"{name}_peak_over_loaded_bytes"]
             print(f"{name}: peak RSS / larger side's loaded bytes = {value:.2f}  (goal <= {LOADED_GOAL})")
+    for name, run in doc["runs"].items():
+        for side, d in (run.get("decoding") or {}).items():
+            share = d["bytes_per_forward"] / d["layers_bytes"]
+            print(
+                f"{name}, {side} decoding: {d['forwards']} forwards, {d['seconds_per_forward']:.2f} s and "
+                f"{gb(d['bytes_per_forward'])} read per forward ({share:.0%} of its decoder layers' bytes: "
+                "routed experts only)"
+            )
     extrapolated = doc.get("extrapolated")
     if not extrapolated:
         return
     print(f"\nextrapolated to {REAL_LAYERS} layers on this machine ({gb(doc['memory_bytes'])} RAM):")
+    for name, what in SEED_RUNS.items():
+        run = extrapolated["runs"].get(name)
+        if run is None:
+            continue
+        fits = "fits" if run["fits_machine"] else "does NOT fit this machine's memory"
+        print(f"  {what}: {run['seconds'] / 60:.0f} min, peak {gb(run['peak_rss'])} ({fits})")
+        for side, f in run.get("decoding_forward", {}).items():
+            print(f"    {side} decoding: {f['seconds']:.1f} s and {gb(f['bytes'])} read per forward")
     for what, v in extrapolated["validations"].items():
         if not v["runs"]:
             print(f"  {what} validation: not extrapolated (needs its runs and the bare-{what} floor)")
@@ -486,6 +615,26 @@ def add_figures(doc: dict[str, Any], figures: Figures) -> None:
         figures.add(f"{at_40}, {name}: time per layer", run["seconds_per_layer"], "s")
         figures.add(f"{at_40}, {name}: peak RSS", run["peak_rss"] / 1e9, "GB")
         figures.add(f"{at_40}, {name}: fits this machine's memory", run["fits_machine"])
+    for name, what in SEED_RUNS.items():
+        run = extrapolated["runs"].get(name)
+        if run is None:
+            continue
+        figures.add(f"{at_40}, {what}: time", run["seconds"] / 60, "min", goal=SEED_GOALS.get(name))
+        figures.add(f"{at_40}, {what}: peak RSS", run["peak_rss"] / 1e9, "GB")
+        for side, f in run.get("decoding_forward", {}).items():
+            figures.add(f"{at_40}, {what}: {side} time per decoding forward", f["seconds"], "s")
+            figures.add(f"{at_40}, {what}: {side} bytes read per decoding forward", f["bytes"] / 1e9, "GB")
+    for name, run in doc["runs"].items():
+        for side, d in (run.get("decoding") or {}).items():
+            figures.add(f"{name}, {side}: decoding forwards", d["forwards"])
+            figures.add(f"{name}, {side}: seconds per decoding forward", d["seconds_per_forward"], "s")
+            figures.add(
+                f"{name}, {side}: bytes read per decoding forward", d["bytes_per_forward"] / 1e9, "GB"
+            )
+            figures.add(
+                f"{name}, {side}: bytes read per decoding forward / its decoder layers' bytes",
+                d["bytes_per_forward"] / d["layers_bytes"],
+            )
     for what, v in extrapolated["validations"].items():
         runs = ", ".join(f"{task}: {run}" for task, run in v["runs"].items()) or "none measured"
         figures.add(f"{at_40}, {what} validation: runs", runs)
@@ -578,6 +727,9 @@ def main() -> int:
                 "commit": shallow_run.get("commit"),
             }
     doc["bytes"] = {**doc.get("bytes", {}), **{side: unit_bytes(f) for side, f in folders.items()}}
+    # What a decoding's caches grow with (`cache_growth`): the text model's widths and smoke's batch.
+    doc["text_config"] = Checkpoint.open(folders["ref"]).config.get("text_config", {})
+    doc["decoding_batch"] = load_spec(SmokeSpec, default_spec_path("smoke")).generation.batch
     with recorded(bench, __doc__, options) as figures:
         figures.data = doc
         stamp = f"{commit}{'+dirty' if dirty else ''}"
@@ -602,23 +754,64 @@ def measure_one(name: str, folders: dict[str, Path], commit: str, tmp: Path) -> 
         return entry | {k: result[k] for k in ("peak_rss", "load_average")}
     spec = RUNS[name]
     run_out = tmp / name
-    args = spec.args(folders["ref"], folders[spec.candidate], run_out)
+    recording = tmp / "record-ref" / RECORDING
+    if spec.kind == "replay" and not recording.is_dir():
+        print("  (recording the reference first: record-ref)", file=sys.stderr, flush=True)
+        if measure_one("record-ref", folders, commit, tmp) is None:
+            return None
+        evict_page_cache(list(folders.values()))
+    if spec.kind == "record":
+        run_out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(recording, ignore_errors=True)
+        run_out = recording
+    args = spec.args(folders["ref"], folders[spec.candidate], run_out, recording)
     result = measured([sys.executable, "-m", "evalsuite.cli", *args])
     if result["exit"] not in (0, 1):
         return None
-    results = json.loads((run_out / "results.json").read_text())
-    return {
+    common = {
         "tasks": spec.tasks,
+        "kind": spec.kind,
         "streamed": spec.streamed,
         "exit": result["exit"],
-        "statuses": {task: entry["status"] for task, entry in results["tasks"].items()},
         "seconds": result["seconds"],
         "peak_rss": result["peak_rss"],
         "load_average": result["load_average"],
-        "layer_loads": layer_loads(results),
         "commit": commit,
+    }
+    if spec.kind == "record":
+        return {**common, "recording_bytes": sum(p.stat().st_size for p in run_out.rglob("*") if p.is_file())}
+    results = json.loads((run_out / "results.json").read_text())
+    return {
+        **common,
+        "statuses": {task: entry["status"] for task, entry in results["tasks"].items()},
+        "layer_loads": layer_loads(results),
+        "decoding": decoding(results),
         **fed_share(results),
     }
+
+
+def decoding(results: dict[str, Any]) -> dict[str, Any]:
+    """Per side, what decoding cost in the run: its forwards (one per new token for a batch of prompts, each
+    reading every decoder layer), their wall seconds (the observations that decode: answers, continuations),
+    the bytes read per forward (routed experts only), and a whole decoder layer's bytes for scale."""
+    out = {}
+    for entry in results.get("model_loads", []):
+        forwards = entry.get("generation_forwards") or 0
+        if not forwards:
+            continue
+        seconds = sum(
+            v for name, v in entry.get("seconds", {}).items() if name.endswith(("answers", "continuations"))
+        )
+        out[entry["side"]] = {
+            "forwards": forwards,
+            "seconds": seconds,
+            "side_seconds": sum(entry.get("seconds", {}).values()),
+            "seconds_per_forward": seconds / forwards,
+            "bytes_per_forward": entry["generation_bytes"] / forwards,
+            "layers_bytes": entry["decoder_layers_bytes"],
+            "n_layers": entry["n_layers"],
+        }
+    return out
 
 
 def fed_share(results: dict[str, Any]) -> dict[str, float]:

@@ -5,6 +5,7 @@ completes, and an interrupted one resumes from what its observer left in its fol
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,14 +64,20 @@ def observe_all(
                 loads_before = getattr(backend, "layer_loads", None)
                 forwards_before = getattr(backend, "generation_forwards", 0)
                 bytes_before = getattr(backend, "generation_bytes", 0)
+                seconds: dict[str, float] = {}
                 for batch in _passes(todo, observed, backend):
+                    started = time.perf_counter()
                     _observe_batch(batch, backend, folder, resume, progress, observed, plan.allow_download)
+                    names = ", ".join(p.need.observer.name for p in batch)
+                    seconds[names] = round(time.perf_counter() - started, 3)
                 if log is not None:
-                    log.append(
-                        _load_entry(
-                            role, options, todo, backend, loads_before, (forwards_before, bytes_before)
-                        )
+                    entry = _load_entry(
+                        role, options, todo, backend, loads_before, (forwards_before, bytes_before)
                     )
+                    # Wall seconds of each observation (a layer pass names all that rode it): what a bench
+                    # divides by a decoding's forwards, or a pass's layers. Not part of any key or verdict.
+                    entry["seconds"] = seconds
+                    log.append(entry)
             finally:
                 backend.close()
                 # The next side loads into what this one leaves: its freed heaps go back to the system first.
