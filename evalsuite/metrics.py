@@ -298,6 +298,26 @@ def recovery(ref: float, ckpt: float) -> float:
     return float(ckpt) / float(ref) if ref else float("nan")
 
 
+def edit_distance(a: Sequence[object], b: Sequence[object]) -> int:
+    """Levenshtein distance: the fewest substitutions, deletions and insertions that turn `a` into `b`."""
+    previous = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        current = [i]
+        for j, y in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
+        previous = current
+    return previous[-1]
+
+
+def character_error_rate(hypothesis: str, reference: str) -> float:
+    """CER as OCR reports it (jiwer's `cer`): the edit distance of the hypothesis to the reference, in
+    characters, over the reference's length. 0 is an exact reading; an empty hypothesis scores 1; a
+    hypothesis longer than the reference can score above 1 (every extra character is an insertion)."""
+    if not reference:
+        raise ValueError("the character error rate needs a non-empty reference text")
+    return edit_distance(hypothesis, reference) / len(reference)
+
+
 @dataclass(frozen=True)
 class Flips:
     """Documents whose correctness changed between the sides: correct → wrong and wrong → correct, of n."""

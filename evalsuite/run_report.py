@@ -376,7 +376,9 @@ def render_markdown(results: dict[str, Any]) -> str:
             lines += [f"{entry['reason']}", ""]
         if entry.get("not_measured"):
             lines += [
-                f"Not measured (nothing to measure in this format): {', '.join(entry['not_measured'])}.",
+                # Nothing to measure in this format (an EXL3 pack's decode), a case skipped here, or a
+                # metric left undefined (its null reason below says why).
+                f"Not measured here: {', '.join(entry['not_measured'])}.",
                 "",
             ]
         lines += _metric_rows(entry)

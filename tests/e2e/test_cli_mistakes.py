@@ -81,16 +81,20 @@ def test_a_bad_threshold_value_is_blamed_on_the_user_s_file(models, pair, tmp_pa
     assert "ppl.toml" not in lines[0]
 
 
-@pytest.mark.slow
-def test_vision_on_a_text_only_model_is_skipped_and_says_why(models, smollm2_pair, tmp_path):
+def test_vision_on_a_text_only_model_is_skipped_as_needing_a_vision_model(models, smollm2_pair, tmp_path):
+    """SmolLM2 cannot see: its vision cases are skipped with that reason, never failed, and nothing loads."""
     args = ("--ckpt", smollm2_pair["smollm2-135m-w4a8"], "--ref", smollm2_pair["smollm2-135m-bf16"])
     code, lines, _ = cli("run", *args, "--tasks", "vision", "--out", tmp_path / "r", "--quiet")
     # Nothing could be compared: no verdict (exit 2), with the reason in one line; vision itself is skipped.
-    assert_refused(code, lines, "no verdict", "vision skipped", "text-only")
+    reason = "the vision cases need a vision model: llama is text-only (no vision tower)"
+    assert_refused(code, lines, "no verdict", f"vision skipped: {reason}")
     import json
 
-    vision = json.loads((tmp_path / "r" / "results.json").read_text())["tasks"]["vision"]
-    assert vision["status"] == "skipped" and models.loads == []
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert results["verdict"] != "fail" and models.loads == []
+    assert results["tasks"]["vision"] == {**results["tasks"]["vision"], "status": "skipped", "reason": reason}
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert f"- `vision` was skipped: {reason}." in report.splitlines()
 
 
 def test_help_is_not_cut_when_piped():

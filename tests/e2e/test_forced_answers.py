@@ -2,8 +2,8 @@
 (`evalsuite.observers.forced_answers`): the divergence forcing finds is the one the candidate's own greedy
 decoding makes, or a step the report marks as within the logits' resolution; a candidate built to part at a
 known token is caught at that token; and a streamed run of `ppl,smoke,vision` skips nothing, gives the loaded
-run's answers and divergences, and reads each decoder layer once for the shared pass plus once per decoding
-step."""
+run's answers, divergences and OCR character error rates, and reads each decoder layer once for the shared
+pass plus once per decoding step."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from evalsuite.observers.greedy_answers import batches, generate_batch
 from evalsuite.side import open_side
 from evalsuite.spec import default_spec_path, load_spec
 from evalsuite.tasks.smoke import SmokeSpec, prompt_ids
+from evalsuite.tasks.vision._reading import as_reading
 from tests.conftest import Run, copy_checkpoint, edit_tensors, run_pair
 
 SHIPPED = default_spec_path("smoke")
@@ -44,12 +45,12 @@ def subset_spec(folder: Path, count: int = 12) -> Path:
 
 
 def short_vision_spec(folder: Path) -> Path:
-    """The shipped vision spec with short answers and one case beside the single image (the slicing one):
-    every path of the task, at a fraction of its decoding steps."""
+    """The shipped vision spec with short answers and two cases beside the single image (the slicing one and
+    the label to read): every path of the task, at a fraction of its decoding steps."""
     text = SHIPPED.with_name("vision.toml").read_text(encoding="utf-8")
     head, *cases = text.split("\n[[cases]]")
     head = head.replace("max_new_tokens = 40", "max_new_tokens = 8")
-    kept = [c for c in cases if 'name = "slices"' in c]
+    kept = [c for c in cases if 'name = "slices"' in c or 'name = "ocr"' in c]
     path = folder / "vision-short.toml"
     path.write_text(head + "".join("\n[[cases]]" + c for c in kept), encoding="utf-8")
     return path
@@ -147,6 +148,8 @@ def test_a_candidate_built_to_part_at_a_known_token_is_caught_at_that_token(tiny
 
 
 def test_a_streamed_run_of_ppl_smoke_and_vision_skips_nothing_and_equals_the_loaded_run(tiny_pair, tmp_path):
+    """The vision task runs its OCR case too: both runs read the label with the same answers, hence the same
+    character error rates, each that of its answer against the text drawn."""
     spec = subset_spec(tmp_path)
     args = ("--spec", f"smoke={spec}", "--spec", f"vision={short_vision_spec(tmp_path)}")
     loaded = run_pair(
@@ -168,6 +171,16 @@ def test_a_streamed_run_of_ppl_smoke_and_vision_skips_nothing_and_equals_the_loa
         same = {k for k in a["metrics"] if not k.endswith("_execution")}
         assert {k: a["metrics"][k] for k in same} == {k: b["metrics"][k] for k in same}, task
         assert a.get("details") == b.get("details"), task
+    vision = streamed.task("vision")
+    m, row = vision["metrics"], next(r for r in vision["details"] if r["case"] == "ocr")
+    for side in ("ref", "ckpt"):
+        read = metrics.character_error_rate(as_reading(row[f"{side}_answer"]), "KAFKA 7351")
+        assert m[f"ocr.{side}_cer"] == read, (side, row)
+    assert m["ocr.answer_kld_mean"] >= 0 and m["ocr.vision_cosine"] == 1.0
+    # The random model reads nothing: cer_delta is left undefined, with its reason, and not judged.
+    assert m["ocr.ref_cer"] > 0.5 and m["ocr.cer_delta"] is None, row
+    assert "does not read 'KAFKA 7351'" in vision["null_reasons"]["ocr.cer_delta"]
+    assert "ocr.cer_delta" in vision["not_measured"]
     # One read of each layer for the pass every forced and windowed observation rides, plus one per forward
     # of each decoding (the reference's answers; the candidate's continuations after a divergence), plus, on
     # the candidate's side, one pass forcing each task's continuations (its decoding paths' difference).

@@ -13,7 +13,7 @@ import torch
 from tests.conftest import copy_checkpoint, edit_tensors, rerun
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
-IMAGE_CASES = ("", "slices.", "downsample_4x.", "downsample_16x.")
+IMAGE_CASES = ("", "slices.", "downsample_4x.", "downsample_16x.", "ocr.", "chart.", "count.")
 HAS_VIDEO = importlib.util.find_spec("torchvision") is not None
 RUN_CASES = (*IMAGE_CASES, "video.") if HAS_VIDEO else IMAGE_CASES
 
@@ -97,6 +97,9 @@ def test_report_shows_every_picture_beside_both_answers(exact):
         "downsample_4x": "vision_downsample_4x",
         "downsample_16x": "vision_downsample_16x",
         "video": "vision_video_frames",
+        "ocr": "vision_ocr",
+        "chart": "vision_chart",
+        "count": "vision_count",
     }
     for case, stem in pictures.items():
         row = next(line for line in report.splitlines() if line.startswith(f"| {case} |"))

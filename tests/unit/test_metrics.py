@@ -85,6 +85,32 @@ def test_first_divergence(a, b, expected):
     assert metrics.first_divergence(a, b) == expected
 
 
+@pytest.mark.parametrize(
+    ("answer", "edits"),
+    [
+        ("KAFKA 7351", 0),  # read exactly
+        ("KAFKA 7857", 2),  # two digits substituted: 3 → 8, 1 → 7
+        ("KAFKA7351", 1),  # the space deleted
+        ("KAFKA 7351.", 1),  # a full stop inserted
+        ("The text is KAFKA 7351", 12),  # "The text is " inserted: 12 characters
+        ("", 10),  # nothing read: every character deleted
+        ("7351 KAFKA", 10),  # the words swapped: Levenshtein counts 10 single-character edits here
+    ],
+)
+def test_character_error_rate_by_hand(answer, edits):
+    truth = "KAFKA 7351"  # 10 characters
+    assert metrics.edit_distance(answer, truth) == edits
+    assert metrics.character_error_rate(answer, truth) == edits / 10
+
+
+def test_edit_distance_counts_characters_not_bytes():
+    assert metrics.edit_distance("kitten", "sitting") == 3  # k → s, e → i, + g
+    # One Chinese character substituted: one edit of four, though it is three bytes in UTF-8.
+    assert metrics.character_error_rate("评测套装", "评测套件") == 0.25
+    with pytest.raises(ValueError):
+        metrics.character_error_rate("anything", "")
+
+
 def test_statistics_of_nothing_are_refused():
     with pytest.raises(ValueError):
         metrics.mean_with_stderr([])

@@ -20,9 +20,13 @@ SPEC_TEXT = default_spec_path("vision").read_text()
 VOCAB = 8
 
 
-CASES = ("image", "slices", "downsample_4x", "downsample_16x", "video")
-GRIDS = {"image": None, "slices": (2, 3), "downsample_4x": (2, 3), "downsample_16x": (2, 3), "video": None}
+CASES = ("image", "slices", "downsample_4x", "downsample_16x", "video", "ocr", "chart", "count")
+GRIDS = {
+    **{"image": None, "slices": (2, 3), "downsample_4x": (2, 3), "downsample_16x": (2, 3), "video": None},
+    **{"ocr": (1, 2), "chart": None, "count": None},
+}
 SAME = "a red square and a blue circle; it moves from left to right"
+LABEL = "KAFKA 7351"  # the text the shipped `ocr` case's image shows
 
 
 def _logp(rows: int, seed: int = 0) -> np.ndarray:
@@ -89,10 +93,11 @@ def observed(
     grids: dict[str, tuple[int, int] | None] | None = None,
     skipped: dict[str, str] | None = None,
 ) -> dict[str, Observation]:
-    """Every case run by both sides with the same answer and features, but where the arguments say
-    otherwise: `answers` (reference's, candidate's) and the candidate's `features` by case, the processor's
-    `grids`, the cases `skipped` here with their reason."""
-    answers, features, skipped = answers or {}, features or {}, skipped or {}
+    """Every case run by both sides with the same answer (the label's text for `ocr`) and features, but where
+    the arguments say otherwise: `answers` (reference's, candidate's) and the candidate's `features` by case,
+    the processor's `grids`, the cases `skipped` here with their reason."""
+    answers = {"ocr": (LABEL, LABEL), **(answers or {})}
+    features, skipped = features or {}, skipped or {}
     grids = {**GRIDS, **(grids or {})}
     run = [c for c in CASES if c not in skipped]
     about = {
@@ -145,6 +150,9 @@ def test_the_shipped_spec_has_the_single_image_then_each_case(vision):
         ("downsample_4x", "4x", False),
         ("downsample_16x", "16x", False),
         ("video", None, True),
+        ("ocr", None, False),
+        ("chart", None, False),
+        ("count", None, False),
     ]
     labels = [(n.label, n.role) for n in vision.needs()]
     # The cases are the prompts of one set of answer observations (smoke's), the features one per side.
@@ -163,12 +171,14 @@ def test_identical_sides_pass_every_case_with_unprefixed_names_for_the_single_im
     assert result.status == "pass", [c for c in result.checks if not c.passed]
     m = result.metrics
     assert m["vision_cosine"] == 1.0 and m["slices.vision_cosine"] == 1.0 and m["video.vision_rel_err"] == 0.0
-    assert m["slices.grid"] == "2x3" and m["slices.n_slices"] == 6 and m["cases_run"] == 5
+    assert m["slices.grid"] == "2x3" and m["slices.n_slices"] == 6 and m["cases_run"] == len(CASES)
     assert m["skipped_cases"] == "" and m["downsample_4x.downsample_mode"] == "4x" and m["video.frames"] == 6
+    assert (m["ocr.ref_cer"], m["ocr.ckpt_cer"], m["ocr.cer_delta"]) == (0.0, 0.0, 0.0)
     assert {c.name for c in result.checks} >= {
         "slices.n_slices",
         "video.answer_lost",
         "downsample_4x.vision_cosine",
+        "ocr.cer_delta",
     }
 
 
@@ -198,11 +208,46 @@ def test_an_answer_the_reference_gets_and_the_candidate_loses_fails(vision, tmp_
     assert both.status == "pass" and both.metrics["video.ref_pass"] is False
 
 
+def test_a_candidate_that_reads_the_label_worse_than_the_reference_fails_cer_delta(vision, tmp_path):
+    # Two digits misread of ten characters: CER 0.2 against the reference's 0.
+    misread = vision.compare(observed(vision, answers={"ocr": (LABEL, "KAFKA 7857")}), tmp_path / "a")
+    m = misread.metrics
+    assert (m["ocr.ref_cer"], m["ocr.ckpt_cer"], m["ocr.cer_delta"]) == (0.0, 0.2, 0.2)
+    assert {c.name for c in misread.checks if not c.passed} == {"ocr.cer_delta", "ocr.answer_lost"}
+    row = next(r for r in misread.details if r["case"] == "ocr")
+    assert row["note"].endswith("reads 'KAFKA 7351': CER ref 0, ckpt 0.2, cer_delta 0.2")
+    # Spaces around and between the words do not count; a full stop does: one character in ten, within
+    # the shipped tolerance.
+    stop = vision.compare(observed(vision, answers={"ocr": (LABEL, "  KAFKA \n 7351. ")}), tmp_path / "b")
+    assert stop.metrics["ocr.cer_delta"] == 0.1 and stop.status == "pass"
+
+
+def test_a_reference_that_cannot_read_the_label_leaves_cer_delta_unjudged_and_says_why(vision, tmp_path):
+    garbage = "z\ufffd--ss\ufffd'stance"  # what the tiny random model answers: 14 characters, none right
+    result = vision.compare(observed(vision, answers={"ocr": (garbage, LABEL)}), tmp_path / "a")
+    m = result.metrics
+    assert m["ocr.ref_cer"] == 1.4 and m["ocr.ckpt_cer"] == 0.0 and np.isnan(m["ocr.cer_delta"])
+    assert result.status == "pass" and "ocr.cer_delta" in result.not_measured
+    assert "ocr.cer_delta" not in {c.name for c in result.checks}
+    reason = result.null_reasons["ocr.cer_delta"]
+    assert reason.startswith("the reference does not read 'KAFKA 7351' (its CER 1.4 > ocr.ref_reads 0.5)")
+    entry = result.to_json()
+    assert entry["metrics"]["ocr.cer_delta"] is None and entry["null_reasons"]["ocr.cer_delta"] == reason
+    row = next(r for r in result.details if r["case"] == "ocr")
+    assert row["note"].endswith(f"CER ref 1.4, ckpt 0; cer_delta not judged: {reason}")
+    document = results_document(result)
+    caveat = f"- Vision case `ocr`: cer_delta not judged: {reason}."
+    assert caveat in render_model_card(document).splitlines()
+    assert f"| ocr.cer_delta | — ({reason}) |" in render_markdown(document)
+
+
 def test_a_skipped_case_is_reported_with_its_reason_and_its_checks_not_measured(vision, tmp_path):
     reason = "the video processor cannot be built here (ImportError: needs torchvision)"
     result = vision.compare(observed(vision, skipped={"video": reason}), tmp_path / "artifacts")
     assert result.status == "pass" and result.metrics["skipped_cases"] == "video"
-    assert result.metrics["cases_run"] == 4 and not any(k.startswith("video.") for k in result.metrics)
+    assert result.metrics["cases_run"] == len(CASES) - 1 and not any(
+        k.startswith("video.") for k in result.metrics
+    )
     assert set(result.not_measured) == {"video.vision_cosine", "video.vision_rel_err", "video.answer_lost"}
     row = next(r for r in result.details if r["case"] == "video")
     assert row["note"] == f"skipped: {reason}" and row["input"] == "artifacts/vision_video_frames.png"
@@ -239,8 +284,23 @@ def test_report_shows_each_picture_in_its_row_beside_both_answers(vision, tmp_pa
             "`cases.1.downsample_mode` (line {line})",
         ),
         (lambda t: t.replace('name = "video"', 'name = "video"\nimage = "large"'), "an image or a video"),
+        (
+            lambda t: t.replace('image = "label"', 'image = "chart"'),
+            "case 'ocr' reads text (`ocr`) but its image draws none (`text`)",
+        ),
+        (lambda t: t.replace('name = "video"', 'name = "video"\nocr = {}'), "OCR cases show an image"),
+        (lambda t: t.replace("ocr = { ref_reads = 0.5 }", "ocr = { ref_reads = -1 }"), "ref_reads"),
     ],
-    ids=["unknown-image", "repeated-name", "unknown-metric", "unknown-mode", "two-media"],
+    ids=[
+        "unknown-image",
+        "repeated-name",
+        "unknown-metric",
+        "unknown-mode",
+        "two-media",
+        "ocr-without-text",
+        "ocr-of-a-video",
+        "ocr-bad-bound",
+    ],
 )
 def test_a_bad_case_spec_is_refused_at_start_up(tmp_path, edit, fragment):
     path = tmp_path / "vision.toml"
@@ -255,5 +315,6 @@ def test_a_bad_case_spec_is_refused_at_start_up(tmp_path, edit, fragment):
 
 
 def test_metric_names_let_thresholds_name_every_shipped_case():
-    for name in ("vision_cosine", "slices.n_slices", "downsample_4x.vision_rel_err", "video.answer_lost"):
+    shipped = ("vision_cosine", "slices.n_slices", "downsample_4x.vision_rel_err", "video.answer_lost")
+    for name in (*shipped, "ocr.cer_delta", "ocr.ref_cer", "chart.answer_lost", "count.answer_lost"):
         assert name in Vision.metric_names

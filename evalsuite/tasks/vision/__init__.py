@@ -3,10 +3,11 @@
 The task runs cases, each an input the packs claim to handle: the single image (a red square and a blue
 circle; its metrics keep their names without a prefix), and the spec's `[[cases]]`: a large image the
 processor slices into a grid, that image under each `downsample_mode`, a clip of the square moving through
-the video processor. Each case is its own observation on each side (observer `vision-answer[-CASE]`): the
-vision tower and merger's output for every visual token, and the greedy answer with the full next-token
-distributions of its first steps. A case that cannot run here (a video without torchvision) is skipped with
-its reason; the others still run.
+the video processor, a label to read (OCR: each side's character error rate against the text drawn), a
+bar chart and shapes to count. Each case is its own observation on each side (observer
+`vision-answer[-CASE]`): the vision tower and merger's output for every visual token, and the greedy answer
+with the full next-token distributions of its first steps. A case that cannot run here (a video without
+torchvision) is skipped with its reason; the others still run.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from evalsuite.task import (
 )
 from evalsuite.tasks.smoke import CONTINUED_LABEL, smoke_needs
 from evalsuite.tasks.vision._pictures import ImageSpec, VideoSpec, contact_sheet, draw, draw_frames, png
+from evalsuite.tasks.vision._reading import OCR_DESCRIPTIONS, OCR_METRICS, OcrSpec, ocr_values
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
@@ -72,10 +74,13 @@ CASE_METRICS = (
     "ckpt_pass",
     "answer_lost",
     "n_slices",
+    "ref_cer",
+    "ckpt_cer",
+    "cer_delta",
 )
 ANSWER_METRICS = frozenset({"ref_pass", "ckpt_pass", "answer_lost"})
 # The cases of the shipped spec, so that `--thresholds` may name their metrics.
-SHIPPED_CASES = ("slices", "downsample_4x", "downsample_16x", "video")
+SHIPPED_CASES = ("slices", "downsample_4x", "downsample_16x", "video", "ocr", "chart", "count")
 
 
 class GenerationSpec(StrictModel):
@@ -120,6 +125,7 @@ class CaseSpec(StrictModel):
     max_new_tokens: int | None = None
     kld_steps: int | None = None
     answer: AnswerSpec | None = None
+    ocr: OcrSpec | None = None  # the answer is a reading of the image's text, scored by its CER
     thresholds: dict[str, Threshold] = Field(default_factory=dict)  # on top of [case_thresholds]
 
     @field_validator("thresholds")
@@ -133,6 +139,8 @@ class CaseSpec(StrictModel):
             raise ValueError(f"case name {SINGLE!r} is the single image's ([image])")
         if self.image is not None and self.video is not None:
             raise ValueError("a case shows an image or a video, not both")
+        if self.ocr is not None and self.video is not None:
+            raise ValueError(f"case {self.name!r} reads text (`ocr`) from a video: OCR cases show an image")
         return self
 
 
@@ -163,6 +171,9 @@ class VisionSpec(TaskSpec):
         for case in self.cases:
             if case.image is not None and case.image not in self.images:
                 raise ValueError(f"case {case.name!r} shows image {case.image!r}, not defined in [images]")
+            shown = self.images[case.image] if case.image else self.image
+            if case.ocr is not None and not shown.written():
+                raise ValueError(f"case {case.name!r} reads text (`ocr`) but its image draws none (`text`)")
         return self
 
     def resolved_cases(self) -> list[Case]:
@@ -179,7 +190,8 @@ class VisionSpec(TaskSpec):
             answer = c.answer if c.answer is not None or c.prompt else self.answer
             image = None if c.video is not None else self.images[c.image] if c.image else self.image
             thresholds = {**self.case_thresholds, **c.thresholds}
-            cases.append(Case(c.name, image, c.video, c.downsample_mode, generation, answer, thresholds))
+            shown = (c.name, image, c.video, c.downsample_mode)
+            cases.append(Case(*shown, generation, answer, thresholds, c.ocr))
         return cases
 
 
@@ -194,11 +206,17 @@ class Case:
     generation: GenerationSpec
     answer: AnswerSpec | None
     thresholds: dict[str, Threshold] = field(default_factory=dict)
+    ocr: OcrSpec | None = None
 
     @property
     def prefix(self) -> str:
         """Its metrics' prefix: none for the single image."""
         return "" if self.name == SINGLE else f"{self.name}."
+
+    @property
+    def reads(self) -> str | None:
+        """The text an OCR case's answers are scored against: the one its image shows; None elsewhere."""
+        return self.image.written() if self.ocr is not None and self.image is not None else None
 
     @property
     def media_metric(self) -> str:
@@ -390,6 +408,7 @@ class Vision:
             "(top-k exact, sampled tail)"
         ),
         "first_diff_token": "the first token of the reference's answer the candidate would not choose",
+        **{name: about.format(text="the text the image shows") for name, about in OCR_DESCRIPTIONS.items()},
     }
 
     def __init__(self, spec: VisionSpec, context: RunContext) -> None:
@@ -401,11 +420,13 @@ class Vision:
         """Every case's picture or clip, drawn and processed once and fed to both sides; the candidate's
         processor must make the same inputs. The single image must be possible here; another case that is
         not (a video without torchvision) is skipped with the reason."""
-        skip_if_cannot_generate(ref, ckpt, "vision")
         source = ckpt if ref.is_recorded else ref
         config = source.checkpoint.config
         if "vision_config" not in config:
-            raise TaskSkipped(f"{source.checkpoint.model_type or 'this model'} is text-only: no vision tower")
+            # The first reason a reader needs: no backend or case could change it.
+            model = source.checkpoint.model_type or "this model"
+            raise TaskSkipped(f"the vision cases need a vision model: {model} is text-only (no vision tower)")
+        skip_if_cannot_generate(ref, ckpt, "vision")
         if not ckpt.is_recorded and ckpt.options.backend == "exl3":
             from evalsuite.backends.exl3 import exllamav3_path
 
@@ -469,6 +490,8 @@ class Vision:
         skipped: dict[str, str] = {}
         details: list[dict[str, Any]] = []
         pictures: dict[str, str] = {}
+        null_reasons: dict[str, str] = {}
+        descriptions: dict[str, str] = {}
         about = observed[ANSWERS_LABEL].meta
         skipped_here: dict[str, str] = about.get("skipped", {})
         run = [c.name for c in self.cases if c.name in about.get("cases", {})]
@@ -491,17 +514,32 @@ class Vision:
                 continue
             index = run.index(case.name)
             found = {**about["cases"][case.name], **compare_case(case, index, observed, parts[index])}
-            values.update({case.prefix + k: v for k, v in found.items()})
-            for metric, threshold in case.thresholds.items():
-                if metric in ANSWER_METRICS and case.answer is None:
-                    not_measured.append(case.prefix + metric)
-                    continue
-                checks += apply_threshold(case.prefix + metric, found.get(metric), threshold)
             answers = (
                 observed[ANSWERS_LABEL].meta["texts"][index],
                 observed[CONTINUED_LABEL].meta["texts"][index],
             )
-            details.append(self.row(case, found, answers, pictures[case.name]))
+            unjudged: set[str] = set()
+            if case.ocr is not None:
+                read, reason = ocr_values(case.ocr, case.reads or "", *answers)
+                found.update(read)
+                if reason is not None:
+                    null_reasons[f"{case.prefix}cer_delta"] = reason
+                    unjudged.add("cer_delta")
+                for metric, about_it in OCR_DESCRIPTIONS.items():
+                    descriptions[case.prefix + metric] = about_it.format(text=repr(case.reads))
+                # The KLD along the reference's reading, shown beside the error rates.
+                descriptions[f"{case.prefix}answer_kld_mean"] = self.metric_descriptions["answer_kld_mean"]
+            else:
+                unjudged |= OCR_METRICS
+            if case.answer is None:
+                unjudged |= ANSWER_METRICS
+            values.update({case.prefix + k: v for k, v in found.items()})
+            for metric, threshold in case.thresholds.items():
+                if metric in unjudged:
+                    not_measured.append(case.prefix + metric)
+                    continue
+                checks += apply_threshold(case.prefix + metric, found.get(metric), threshold)
+            details.append(self.row(case, found, answers, pictures[case.name], null_reasons))
         values["cases_run"] = len(self.cases) - len(skipped)
         values["skipped_cases"] = ", ".join(skipped)
         # A threshold of [thresholds] on a skipped case's metric was not measured; any other missing metric
@@ -516,16 +554,25 @@ class Vision:
             artifacts={case: path for case, path in pictures.items()},
             details=details,
             not_measured=unmeasured + not_measured,
+            null_reasons=null_reasons,
+            descriptions=descriptions,
         )
 
     @staticmethod
-    def row(case: Case, found: dict[str, Any], answers: tuple[str, str], picture: str) -> dict:
-        """A case's line in report.md: what was shown, both answers and whether each matches."""
+    def row(
+        case: Case, found: dict[str, Any], answers: tuple[str, str], picture: str, unjudged: dict[str, str]
+    ) -> dict:
+        """A case's line in report.md: what was shown, both answers and whether each matches (an OCR case:
+        each answer's character error rate, and why cer_delta was not judged where it was not)."""
         note = f"grid {found['grid']}, {found['vision_tokens']} visual tokens"
         if case.downsample_mode is not None:
             note += f", downsample {case.downsample_mode}"
         if case.video is not None:
             note = f"{case.video.frames} frames, {found['vision_tokens']} visual tokens"
+        if case.ocr is not None:
+            note += f"; reads {case.reads!r}: CER ref {found['ref_cer']:.3g}, ckpt {found['ckpt_cer']:.3g}"
+            reason = unjudged.get(f"{case.prefix}cer_delta")
+            note += f"; cer_delta not judged: {reason}" if reason else f", cer_delta {found['cer_delta']:.3g}"
         return {
             "case": case.name,
             "input": picture,

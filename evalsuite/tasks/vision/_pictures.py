@@ -1,5 +1,5 @@
-"""The pictures the vision task shows, drawn with Pillow from the spec: deterministic (no anti-aliasing), so
-that both sides, and every run, see the same pixels."""
+"""The pictures the vision task shows, drawn from the spec: shapes and text with Pillow, a bar chart with
+matplotlib, all without anti-aliasing, so that both sides, and every run, see the same pixels."""
 
 from __future__ import annotations
 
@@ -27,12 +27,46 @@ class Circle(StrictModel):
     color: RGB
 
 
+class Text(StrictModel):
+    """A line of text in Pillow's own font (Aileron Regular, shipped inside Pillow: the same glyphs on every
+    machine) at a font size of `size` pixels, its top-left corner at (`left`, `top`)."""
+
+    text: str = Field(min_length=1)
+    left: int
+    top: int
+    size: int = Field(48, ge=8, le=512)
+    color: RGB = (0, 0, 0)
+
+
+class Bar(StrictModel):
+    label: str = Field(min_length=1)
+    value: float = Field(ge=0)
+
+
+class BarChart(StrictModel):
+    """A bar chart drawn by matplotlib over the whole picture: one bar per entry, left to right, each labelled
+    below its bar, on a value axis from 0."""
+
+    bars: list[Bar] = Field(min_length=2, max_length=12)
+    title: str = ""
+    color: RGB = (70, 110, 180)
+
+
 class ImageSpec(StrictModel):
+    """A picture: the chart if any, then the square, the circle and the `shapes` in order, then the text."""
+
     width: int = 448
     height: int = 448
     background: RGB = (255, 255, 255)
-    square: Square
-    circle: Circle
+    square: Square | None = None
+    circle: Circle | None = None
+    shapes: list[Square | Circle] = Field(default_factory=list)  # more of them, e.g. to be counted
+    text: list[Text] = Field(default_factory=list)
+    chart: BarChart | None = None
+
+    def written(self) -> str:
+        """The text the picture shows, its lines joined by a space: what an OCR case reads."""
+        return " ".join(t.text for t in self.text)
 
 
 class MovingSquare(StrictModel):
@@ -55,18 +89,58 @@ class VideoSpec(StrictModel):
 
 
 def draw(spec: ImageSpec) -> Any:
-    """The test image, drawn with Pillow from the spec (deterministic: no anti-aliasing)."""
-    from PIL import Image, ImageDraw
+    """The test image, drawn from the spec (deterministic: no anti-aliasing)."""
+    from PIL import Image, ImageDraw, ImageFont
 
-    image = Image.new("RGB", (spec.width, spec.height), spec.background)
+    if spec.chart is not None:
+        image = draw_chart(spec.chart, spec.width, spec.height, spec.background)
+    else:
+        image = Image.new("RGB", (spec.width, spec.height), spec.background)
     pen = ImageDraw.Draw(image)
-    s, c = spec.square, spec.circle
-    pen.rectangle((s.left, s.top, s.left + s.size - 1, s.top + s.size - 1), fill=s.color)
-    pen.ellipse(
-        (c.center_x - c.radius, c.center_y - c.radius, c.center_x + c.radius, c.center_y + c.radius),
-        fill=c.color,
-    )
+    pen.fontmode = "1"  # glyphs without anti-aliasing: pixels do not depend on how the edges are blended
+    shapes = [s for s in (spec.square, spec.circle) if s is not None] + spec.shapes
+    for shape in shapes:
+        if isinstance(shape, Square):
+            left, top, size = shape.left, shape.top, shape.size
+            pen.rectangle((left, top, left + size - 1, top + size - 1), fill=shape.color)
+        else:
+            x, y, r = shape.center_x, shape.center_y, shape.radius
+            pen.ellipse((x - r, y - r, x + r, y + r), fill=shape.color)
+    for line in spec.text:
+        pen.text((line.left, line.top), line.text, fill=line.color, font=ImageFont.load_default(line.size))
     return image
+
+
+def draw_chart(chart: BarChart, width: int, height: int, background: RGB) -> Any:
+    """The bar chart as a Pillow image of `width` × `height` pixels, drawn by matplotlib's Agg renderer in
+    matplotlib's default style (whatever a matplotlibrc says) with its own DejaVu Sans, unsmoothed."""
+    import matplotlib.style
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from PIL import Image
+
+    dpi = 100
+    unsmoothed = {"text.antialiased": False, "patch.antialiased": False, "lines.antialiased": False}
+    with matplotlib.style.context(["default", unsmoothed]):
+        figure = Figure(figsize=(width / dpi, height / dpi), dpi=dpi, facecolor=_rgb01(background))
+        canvas = FigureCanvasAgg(figure)
+        axes = figure.add_subplot()
+        axes.set_facecolor(_rgb01(background))
+        labels = [b.label for b in chart.bars]
+        axes.bar(labels, [b.value for b in chart.bars], color=_rgb01(chart.color), edgecolor="black")
+        axes.tick_params(labelsize=14)
+        if chart.title:
+            axes.set_title(chart.title, fontsize=16)
+        axes.spines[["top", "right"]].set_visible(False)
+        figure.tight_layout()
+        canvas.draw()
+        pixels = canvas.buffer_rgba()
+    return Image.frombuffer("RGBA", (width, height), bytes(pixels)).convert("RGB")
+
+
+def _rgb01(color: RGB) -> tuple[float, float, float]:
+    r, g, b = color
+    return (r / 255, g / 255, b / 255)
 
 
 def draw_frames(spec: VideoSpec) -> list[Any]:
