@@ -14,6 +14,9 @@ from typing import Any
 
 import yaml
 
+from evalsuite.model_card_tables import calibration_overlap, chat_splits, greedy_answers
+from evalsuite.model_card_tables import measured as _measured
+from evalsuite.model_card_tables import table_row as _row
 from evalsuite.run_report import (
     baseline_caveats,
     check_sample,
@@ -93,13 +96,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _measured(entry: dict[str, Any] | None) -> dict[str, Any]:
-    """The metrics of a task that ran (pass or fail); empty for one absent, skipped or failed to run."""
-    if entry is None or entry.get("status") in ("skipped", "error"):
-        return {}
-    return entry.get("metrics", {})
-
-
 def model_index(results: dict[str, Any]) -> dict[str, Any]:
     """The Hugging Face `model-index` front matter as data: the candidate's ppl metrics on its corpus.
 
@@ -123,14 +119,6 @@ def model_index(results: dict[str, Any]) -> dict[str, Any]:
             }
         )
     return {"model-index": [{"name": model_name(results), "results": entries}]}
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
 def _front_matter(results: dict[str, Any]) -> list[str]:
@@ -228,114 +216,11 @@ def _results_table(results: dict[str, Any]) -> list[str]:
         "### Results",
         "",
         *_ppl_results(results),
-        *_chat_splits(results),
-        *_calibration_overlap(results),
-        *_greedy_answers(results),
+        *chat_splits(results),
+        *calibration_overlap(results),
+        *greedy_answers(results),
         *_downstream_results(results),
     ]
-
-
-def _chat_splits(results: dict[str, Any]) -> list[str]:
-    """`ppl` on chats, split by tag and by assistant turn: each split's mean KLD with its one-sided 95%
-    upper bound and same-top rate, errors clustered by chat (too few chats for a bound: none)."""
-    m = _measured(results["tasks"].get("ppl"))
-    names = {k.removesuffix("_kld_mean") for k in m if k.endswith("_kld_mean")}
-    splits = sorted(
-        (n for n in names if n.startswith(("tag_", "turn_"))), key=lambda n: (not n.startswith("tag_"), n)
-    )
-    if not splits:
-        return []
-    lines = [
-        "Scored on chats through the model's chat template, assistant tokens only, split by tag and by "
-        "assistant turn (errors clustered by chat):",
-        "",
-        "| split | chats | tokens | mean KLD | KLD 95% upper bound | same top token |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for name in splits:
-        label = f"tag `{name.removeprefix('tag_')}`" if name.startswith("tag_") else name.replace("_", " ")
-        lines.append(
-            _row(
-                [
-                    label,
-                    format_number(m.get(f"{name}_n_windows")),
-                    format_number(m.get(f"{name}_n_tokens")),
-                    format_number(m[f"{name}_kld_mean"]),
-                    format_number(m.get(f"{name}_kld_mean_upper95")),
-                    format_number(m.get(f"{name}_same_top_p")),
-                ]
-            )
-        )
-    return [*lines, ""]
-
-
-def _calibration_overlap(results: dict[str, Any]) -> list[str]:
-    """How much of the scored text the calibration set holds (`--calibration`), and the verdict with and
-    without the windows or chats it overlaps; nothing where no calibration set was given."""
-    m = _measured(results["tasks"].get("ppl"))
-    if "calibration_note" in m:
-        return [f"Calibration set: {m['calibration_note']}.", ""]
-    if "calibration_overlap_share" not in m:
-        return []
-    unit = "chats" if "calibration_flagged_chats" in m else "windows"
-    flagged = m.get(f"calibration_flagged_{unit}", 0)
-    text = (
-        f"Calibration set `{m.get('calibration_source')}`: "
-        f"{format_number(m['calibration_overlap_share'])} of the scored tokens lie in a "
-        f"{m.get('calibration_ngram')}-gram it holds; {flagged} {unit} overlap it "
-        f"by more than {format_number(m.get('calibration_flag_share'))}"
-    )
-    if "verdict_without_flagged" in m:
-        text += (
-            f" (verdict with them: {m['verdict_with_flagged']}, without them: {m['verdict_without_flagged']})"
-        )
-    elif "clean_note" in m:
-        text += f" ({m['clean_note']})"
-    return [text + ".", ""]
-
-
-def _greedy_answers(results: dict[str, Any]) -> list[str]:
-    """How long the two sides' greedy answers agree (`smoke`'s trajectory survival), with its intervals."""
-    m = _measured(results["tasks"].get("smoke"))
-    lengths = sorted(int(k.removeprefix("survival_")) for k in m if k.removeprefix("survival_").isdigit())
-    if not lengths:
-        return []
-    lines = [
-        f"Greedy answers to {format_number(m.get('n_prompts'))} prompts (`smoke`): the share whose two "
-        "answers agree for their first N tokens (trajectory survival), with a 95% Wilson interval over "
-        "prompts:",
-        "",
-        "| N | survival | 95% interval | prompts |",
-        "| --- | --- | --- | --- |",
-    ]
-    for n in lengths:
-        low, high = m.get(f"survival_{n}_lower95"), m.get(f"survival_{n}_upper95")
-        lines.append(
-            _row(
-                [
-                    str(n),
-                    format_number(m[f"survival_{n}"]),
-                    f"[{format_number(low)}, {format_number(high)}]",
-                    format_number(m.get(f"survival_{n}_n")),
-                ]
-            )
-        )
-    lines += [
-        "",
-        f"- answered identically: {format_number(m.get('identical'))}; the reference's answer right and the "
-        f"candidate's wrong: {format_number(m.get('ref_pass_ckpt_fail'))}; parting on a token outside the "
-        f"reference's top-5: {format_number(m.get('diverged_outside_top5'))}",
-        "- the candidate was forced along the reference's answers (one forward per prompt) and decoded on "
-        "its own only after it parts; a prompt whose reference answer ended at its token limit before N is "
-        "not counted at N",
-    ]
-    if "kld_mean" in m:
-        lines.append(
-            f"- KLD along the reference's answers: {with_stderr(m, 'kld_mean')} over "
-            f"{format_number(m.get('answer_tokens'))} tokens "
-            f"({m.get('kld_estimator', 'estimator not stated')})"
-        )
-    return [*lines, ""]
 
 
 def _ppl_results(results: dict[str, Any]) -> list[str]:

@@ -1,0 +1,124 @@
+"""The model card's tables of what the run measured beyond WikiText's perplexity (`evalsuite.model_card`
+places them in its Results section): `ppl` on chats split by tag and turn, the calibration set's overlap,
+and `smoke`'s trajectory survival. Every number is read from results.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from evalsuite.run_report import format_number, with_stderr
+
+
+def measured(entry: dict[str, Any] | None) -> dict[str, Any]:
+    """The metrics of a task that ran (pass or fail); empty for one absent, skipped or failed to run."""
+    if entry is None or entry.get("status") in ("skipped", "error"):
+        return {}
+    return entry.get("metrics", {})
+
+
+def table_row(cells: list[str]) -> str:
+    """A markdown table row, each cell's pipes escaped and its line breaks folded."""
+    return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+
+def chat_splits(results: dict[str, Any]) -> list[str]:
+    """`ppl` on chats, split by tag and by assistant turn: each split's mean KLD with its one-sided 95%
+    upper bound and same-top rate, errors clustered by chat (too few chats for a bound: none)."""
+    m = measured(results["tasks"].get("ppl"))
+    names = {k.removesuffix("_kld_mean") for k in m if k.endswith("_kld_mean")}
+    splits = sorted(
+        (n for n in names if n.startswith(("tag_", "turn_"))), key=lambda n: (not n.startswith("tag_"), n)
+    )
+    if not splits:
+        return []
+    lines = [
+        "Scored on chats through the model's chat template, assistant tokens only, split by tag and by "
+        "assistant turn (errors clustered by chat):",
+        "",
+        "| split | chats | tokens | mean KLD | KLD 95% upper bound | same top token |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in splits:
+        label = f"tag `{name.removeprefix('tag_')}`" if name.startswith("tag_") else name.replace("_", " ")
+        lines.append(
+            table_row(
+                [
+                    label,
+                    format_number(m.get(f"{name}_n_windows")),
+                    format_number(m.get(f"{name}_n_tokens")),
+                    format_number(m[f"{name}_kld_mean"]),
+                    format_number(m.get(f"{name}_kld_mean_upper95")),
+                    format_number(m.get(f"{name}_same_top_p")),
+                ]
+            )
+        )
+    return [*lines, ""]
+
+
+def calibration_overlap(results: dict[str, Any]) -> list[str]:
+    """How much of the scored text the calibration set holds (`--calibration`), and the verdict with and
+    without the windows or chats it overlaps; nothing where no calibration set was given."""
+    m = measured(results["tasks"].get("ppl"))
+    if "calibration_note" in m:
+        return [f"Calibration set: {m['calibration_note']}.", ""]
+    if "calibration_overlap_share" not in m:
+        return []
+    unit = "chats" if "calibration_flagged_chats" in m else "windows"
+    flagged = m.get(f"calibration_flagged_{unit}", 0)
+    text = (
+        f"Calibration set `{m.get('calibration_source')}`: "
+        f"{format_number(m['calibration_overlap_share'])} of the scored tokens lie in a "
+        f"{m.get('calibration_ngram')}-gram it holds; {flagged} {unit} overlap it "
+        f"by more than {format_number(m.get('calibration_flag_share'))}"
+    )
+    if "verdict_without_flagged" in m:
+        text += (
+            f" (verdict with them: {m['verdict_with_flagged']}, without them: {m['verdict_without_flagged']})"
+        )
+    elif "clean_note" in m:
+        text += f" ({m['clean_note']})"
+    return [text + ".", ""]
+
+
+def greedy_answers(results: dict[str, Any]) -> list[str]:
+    """How long the two sides' greedy answers agree (`smoke`'s trajectory survival), with its intervals."""
+    m = measured(results["tasks"].get("smoke"))
+    lengths = sorted(int(k.removeprefix("survival_")) for k in m if k.removeprefix("survival_").isdigit())
+    if not lengths:
+        return []
+    lines = [
+        f"Greedy answers to {format_number(m.get('n_prompts'))} prompts (`smoke`): the share whose two "
+        "answers agree for their first N tokens (trajectory survival), with a 95% Wilson interval over "
+        "prompts:",
+        "",
+        "| N | survival | 95% interval | prompts |",
+        "| --- | --- | --- | --- |",
+    ]
+    for n in lengths:
+        low, high = m.get(f"survival_{n}_lower95"), m.get(f"survival_{n}_upper95")
+        lines.append(
+            table_row(
+                [
+                    str(n),
+                    format_number(m[f"survival_{n}"]),
+                    f"[{format_number(low)}, {format_number(high)}]",
+                    format_number(m.get(f"survival_{n}_n")),
+                ]
+            )
+        )
+    lines += [
+        "",
+        f"- answered identically: {format_number(m.get('identical'))}; the reference's answer right and the "
+        f"candidate's wrong: {format_number(m.get('ref_pass_ckpt_fail'))}; parting on a token outside the "
+        f"reference's top-5: {format_number(m.get('diverged_outside_top5'))}",
+        "- the candidate was forced along the reference's answers (one forward per prompt) and decoded on "
+        "its own only after it parts; a prompt whose reference answer ended at its token limit before N is "
+        "not counted at N",
+    ]
+    if "kld_mean" in m:
+        lines.append(
+            f"- KLD along the reference's answers: {with_stderr(m, 'kld_mean')} over "
+            f"{format_number(m.get('answer_tokens'))} tokens "
+            f"({m.get('kld_estimator', 'estimator not stated')})"
+        )
+    return [*lines, ""]
