@@ -1,7 +1,7 @@
 """Benchmark of the seed's model at its real shape: each task on the wide fixtures, extrapolated to 40 layers.
 
     python bench/real_shape.py [--layers 4|8] [--runs NAME,...] [--rounds N] [--fixtures DIR] [--quick]
-                               [--results DIR]
+                               [--prompts N [--cases M]] [--results DIR]
 
 The fixtures are `minicpmv47-35b-a3b-wide` (MiniCPM-V-4.7-35B-A3B's real widths and 248,320 vocabulary at the
 first `--layers` decoder layers of its pattern, random BF16 weights), its W4A8 copy written with the seed's
@@ -15,6 +15,9 @@ median time:
 
 - the W4A8 pair: `tensors`; `ppl` loaded and streamed; `smoke` loaded (generation cannot stream); `moe`,
   `layers` streamed; `intref` loaded and streamed; and `ppl,moe,layers` streamed in one run;
+- the seed's whole validation of the W4A8 pack (`tensors`, `ppl`, `smoke`, `vision`, `moe`, `intref`) in one
+  streamed run, the reference observed (`validation-streamed`) or replayed (`validation-replayed`) from its
+  recording (`record-ref`), with per side the greedy decoding's forwards, seconds and bytes read per forward;
 - the EXL3 pack against the same BF16 reference: `tensors`; `ppl` loaded and streamed;
 - the floor: a bare streamed forward of each side (`bare_streamed_forward`: the `ppl` windows through every
   layer, one resident at a time, and the head on the scored positions; no task, nothing written), with the
@@ -31,7 +34,7 @@ memory, layer loads per side where the run reports them, and:
 - at 8 layers, the streamed `ppl,moe,layers` run's peak RSS / its peak in the latest 4-layer JSON (goal
   <= 1.05: a streamed peak does not grow with depth);
 - the extrapolation to the real 40-layer model on this machine: the time and peak memory of a publisher's
-  validation of the W4A8 pack (`tensors`, `ppl`, `smoke`, `moe`, `intref`; each task by the fastest measured
+  validation of the W4A8 pack (`tensors`, `ppl`, `smoke`, `vision`, `moe`, `intref`; each task by the fastest
   run that covers it and fits the machine, a run of several tasks counted once) and of the EXL3 pack
   (`tensors`, `ppl`), beside the bare streamed
   forward of both sides. How: the 40-layer model's bytes are the fixture's non-layer bytes plus 30 Gated
@@ -39,6 +42,14 @@ memory, layer loads per side where the run reports them, and:
   forward's (fixed part + 40 layers of their measured times) / (fixed part + the fixture's layers), a
   `tensors` run's by the bytes; a loaded run's peak grows by the extra bytes loaded, a streamed run's peak
   does not grow with depth (`--layers 8` shows how far that holds).
+
+A streamed decoding reads every decoder layer (of a MoE layer, the experts its tokens route to) per forward,
+so on the wide pair a forward costs seconds: `--prompts N` (and `--cases M`) runs `smoke` on its first N
+prompts and `vision` on its first M cases (its single image kept), enough to measure a forward's cost, and the
+extrapolation counts the whole sets' forwards (per smoke batch its longest answer, per vision case its own:
+the random pair's answers all run to their limit and all part from the reference's) at that cost. Where only
+the observed validation was measured, the replayed one and the recording are derived from it by side (the
+reference's observations are the recording; the rest is what a replay still runs), and said so.
 
 `--runs` runs only the named runs and keeps the others' figures from the bench's latest JSON file (its `data`:
 so that the benchmark can be run in pieces on a shared machine; the file is rewritten after each run, and the
@@ -108,6 +119,9 @@ SEED_RUNS = {
 }
 SEED_GOALS = {"validation-replayed": "<= 30"}
 EXL3_VALIDATION = ("tensors", "ppl")
+# `--prompts N`: smoke's and vision's specs cut to their first N prompts and cases, by task (set by `main`);
+# the decoding's seconds are then scaled to the whole sets' forwards (`decoding_scale`).
+SUBSET_SPECS: dict[str, Path] = {}
 
 
 @dataclass(frozen=True)
@@ -123,6 +137,8 @@ class Run:
 
     def args(self, ref: Path, ckpt: Path, out: Path, recording: Path | None = None) -> list[str]:
         stream = ["--stream"] if self.streamed else []
+        stream += [arg for task, path in SUBSET_SPECS.items() if task in self.tasks.split(",")
+                   for arg in ("--spec", f"{task}={path}")]  # fmt: skip
         if self.kind == "record":
             args = [
                 "record",
@@ -361,6 +377,24 @@ def extrapolate(doc: dict[str, Any], machine_bytes: int) -> dict[str, Any]:
         "w4a8": validation(out, W4A8_VALIDATION, "w4a8"),
         "exl3": validation(out, EXL3_VALIDATION, "exl3"),
     }
+    observed = out["runs"].get("validation-streamed")
+    if observed is not None and observed.get("ref_side_seconds") is not None:
+        # Not measured here: the replayed validation and the recording, from the observed run's split by side
+        # (its reference's observations make the recording; the rest is what a replay still runs).
+        why = "derived from validation-streamed, split by side"
+        ref_40 = observed["ref_side_seconds"]
+        for name, seconds in (("validation-replayed", observed["seconds"] - ref_40), ("record-ref", ref_40)):
+            if name not in doc["runs"]:
+                out["runs"][name] = {
+                    **observed,
+                    "seconds": seconds,
+                    "decoding_forward": {
+                        side: f
+                        for side, f in observed["decoding_forward"].items()
+                        if (side == "ref") == (name == "record-ref")
+                    },
+                    "derived": why,
+                }
     return out
 
 
@@ -384,8 +418,10 @@ def decoding_at_depth(
     else:
         decoding = run["decoding"]
     decoded = sum(d["seconds"] for d in decoding.values())
+    # Run on a cut of the prompt sets: the whole sets' decoding forwards, each at the measured cost.
+    whole = doc.get("decoding_scale", 1.0)
     seconds_40 = (run["seconds"] - decoded) * scale + sum(
-        d["seconds"] * layers_40[side_of[side]] for side, d in decoding.items()
+        d["seconds"] * layers_40[side_of[side]] * whole for side, d in decoding.items()
     )
     per_forward = {
         side: {
@@ -396,7 +432,13 @@ def decoding_at_depth(
         for side, d in decoding.items()
     }
     peak = run["peak_rss"] + cache_growth(doc)
+    ref = decoding.get("ref")
+    # The reference's side alone at 40 layers: what a recording of it costs, and what a replay saves.
+    ref_40 = None
+    if ref is not None and spec.kind != "record":
+        ref_40 = (ref["side_seconds"] - ref["seconds"]) * scale + ref["seconds"] * layers_40["ref"] * whole
     return {
+        "ref_side_seconds": ref_40,
         "seconds": seconds_40,
         "seconds_per_layer": (seconds_40 - run["seconds"]) / (REAL_LAYERS - doc["layers"]),
         "peak_rss": peak,
@@ -529,7 +571,8 @@ def report(doc: dict[str, Any]) -> None:
         if run is None:
             continue
         fits = "fits" if run["fits_machine"] else "does NOT fit this machine's memory"
-        print(f"  {what}: {run['seconds'] / 60:.0f} min, peak {gb(run['peak_rss'])} ({fits})")
+        how = f" [{run['derived']}]" if run.get("derived") else ""
+        print(f"  {what}: {run['seconds'] / 60:.0f} min, peak {gb(run['peak_rss'])} ({fits}){how}")
         for side, f in run.get("decoding_forward", {}).items():
             print(f"    {side} decoding: {f['seconds']:.1f} s and {gb(f['bytes'])} read per forward")
     for what, v in extrapolated["validations"].items():
@@ -584,7 +627,8 @@ def add_figures(doc: dict[str, Any], figures: Figures) -> None:
     for name, run in [*doc["runs"].items(), *doc["bare"].items()]:
         figures.add(f"{name}: time", run["seconds"], "s")
         # The streamed peak's goal is set at the default depth; deeper, it is read against that depth's.
-        at_default_depth = name == "ppl-moe-layers-streamed" and doc["layers"] == DEFAULT_WIDE_LAYERS
+        streamed_goal = ("ppl-moe-layers-streamed", "validation-streamed", "validation-replayed")
+        at_default_depth = name in streamed_goal and doc["layers"] == DEFAULT_WIDE_LAYERS
         goal = f"<= {STREAMED_PEAK_GOAL_GB}" if at_default_depth else None
         figures.add(f"{name}: peak RSS", run["peak_rss"] / 1e9, "GB", goal=goal)
     ratios = doc.get("ratios", {})
@@ -611,6 +655,8 @@ def add_figures(doc: dict[str, Any], figures: Figures) -> None:
     for name, seconds in extrapolated["bare_40"].items():
         figures.add(f"{at_40}, {name}: time", seconds / 60, "min")
     for name, run in extrapolated["runs"].items():
+        if run.get("derived"):
+            continue  # named below, among the seed's runs, with how it was derived
         figures.add(f"{at_40}, {name}: time", run["seconds"] / 60, "min")
         figures.add(f"{at_40}, {name}: time per layer", run["seconds_per_layer"], "s")
         figures.add(f"{at_40}, {name}: peak RSS", run["peak_rss"] / 1e9, "GB")
@@ -619,6 +665,7 @@ def add_figures(doc: dict[str, Any], figures: Figures) -> None:
         run = extrapolated["runs"].get(name)
         if run is None:
             continue
+        what = f"{what} ({run['derived']})" if run.get("derived") else what
         figures.add(f"{at_40}, {what}: time", run["seconds"] / 60, "min", goal=SEED_GOALS.get(name))
         figures.add(f"{at_40}, {what}: peak RSS", run["peak_rss"] / 1e9, "GB")
         for side, f in run.get("decoding_forward", {}).items():
@@ -666,6 +713,15 @@ def main() -> int:
         action="store_true",
         help="measure nothing: the figures again from the latest JSON's runs (after a change to how they are "
         "derived); each run keeps its own commit",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        help="run smoke on its first N prompts (one decoding batch is enough to measure a forward's cost); "
+        "the extrapolation scales the decoding to the whole sets' forwards",
+    )
+    parser.add_argument(
+        "--cases", type=int, help="with --prompts: vision's first N cases (default N of --prompts)"
     )
     parser.add_argument("--bare", type=Path, help=argparse.SUPPRESS)  # the child of a bare forward
     add_arguments(parser)
@@ -730,6 +786,21 @@ def main() -> int:
     # What a decoding's caches grow with (`cache_growth`): the text model's widths and smoke's batch.
     doc["text_config"] = Checkpoint.open(folders["ref"]).config.get("text_config", {})
     doc["decoding_batch"] = load_spec(SmokeSpec, default_spec_path("smoke")).generation.batch
+    if not options.no_measure:  # re-derived figures keep the cut their runs were measured on
+        doc.pop("decoding_scale", None)
+        doc.pop("decoding_subset", None)
+    if options.prompts:
+        subset_root = Path(tempfile.mkdtemp(prefix="evalsuite-bench-subset-"))
+        cases = options.prompts if options.cases is None else options.cases
+        SUBSET_SPECS.update(subset_specs(subset_root, options.prompts, cases))
+        full, cut = decoding_forwards(folders["ref"], {}), decoding_forwards(folders["ref"], SUBSET_SPECS)
+        doc["decoding_scale"] = full / cut
+        doc["decoding_subset"] = {
+            "prompts": options.prompts,
+            "cases": cases,
+            "forwards": cut,
+            "whole_forwards": full,
+        }
     with recorded(bench, __doc__, options) as figures:
         figures.data = doc
         stamp = f"{commit}{'+dirty' if dirty else ''}"
@@ -738,6 +809,40 @@ def main() -> int:
         report(doc)
         add_figures(doc, figures)
     return code
+
+
+def subset_specs(folder: Path, prompts: int, cases: int) -> dict[str, Path]:
+    """smoke's shipped spec with its first `prompts` prompts and vision's with its first `cases` cases (its
+    single image kept), each written into `folder`: the same tables and settings, fewer decodings."""
+    out = {}
+    for task, block, count in (("smoke", "\n[[prompts]]", prompts), ("vision", "\n[[cases]]", cases)):
+        head, *items = default_spec_path(task).read_text(encoding="utf-8").split(block)
+        path = folder / f"{task}-first-{count}.toml"
+        path.write_text(head + "".join(block + item for item in items[:count]), encoding="utf-8")
+        out[task] = path
+    return out
+
+
+def decoding_forwards(ref: Path, specs: dict[str, Path]) -> int:
+    """The forwards a reference's greedy answers take under these specs (else the shipped ones): per smoke
+    batch its longest `max_new_tokens` (the random wide pair never stops early), per vision case its own
+    and the single image's (each decoded alone). A candidate whose every answer parts from the reference's
+    decodes as many."""
+    from evalsuite.observers.greedy_answers import batches
+    from evalsuite.side import open_side
+    from evalsuite.tasks.smoke import prompt_ids
+    from evalsuite.tasks.vision import VisionSpec
+
+    smoke = load_spec(SmokeSpec, specs.get("smoke", default_spec_path("smoke")))
+    side = open_side("ref", str(ref), BackendOptions())
+    prompts = [{"ids": prompt_ids(side, p), "max_new_tokens": p.max_new_tokens} for p in smoke.prompts]
+    forwards = sum(
+        max(prompts[i]["max_new_tokens"] for i in members)
+        for members in batches(prompts, smoke.generation.batch)
+    )
+    vision = load_spec(VisionSpec, specs.get("vision", default_spec_path("vision")))
+    own = vision.generation.max_new_tokens  # the single image, then each case
+    return forwards + own + sum(case.max_new_tokens or own for case in vision.cases)
 
 
 def measure_one(name: str, folders: dict[str, Path], commit: str, tmp: Path) -> dict[str, Any] | None:
