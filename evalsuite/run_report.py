@@ -120,6 +120,22 @@ def significant_differences(results: dict[str, Any]) -> tuple[list[dict[str, Any
     """Every paired difference from the reference the tasks tested (results.json's `differences`) whose p,
     adjusted by Holm's correction over all of them, is below 0.05, each with its task, its adjusted p and
     the checks that cover it (empty: none does); and how many were tested."""
+    tested = _tested_differences(results)
+    return [d for d in tested if d["p_holm"] < claims.ALPHA], len(tested)
+
+
+def undetermined_unchecked(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tested differences no check covers whose candidate side is the worse one but whose Holm-adjusted
+    p is not below 0.05: a drop that neither a threshold nor the data decide, said beside the verdict as
+    undetermined rather than left to a table."""
+    return [
+        d
+        for d in _tested_differences(results)
+        if d["p_holm"] >= claims.ALPHA and d.get("worse") and not d["checks"]
+    ]
+
+
+def _tested_differences(results: dict[str, Any]) -> list[dict[str, Any]]:
     tested = [
         {**d, "task": task, "checks": _covering(entry, d)}
         for task, entry in results["tasks"].items()
@@ -129,7 +145,7 @@ def significant_differences(results: dict[str, Any]) -> tuple[list[dict[str, Any
     if any(not isinstance(d.get("p_holm"), int | float) for d in tested):  # written without it: adjust here
         adjusted = claims.holm([float(d["p"]) for d in tested])
         tested = [{**d, "p_holm": p} for d, p in zip(tested, adjusted, strict=True)]
-    return [d for d in tested if d["p_holm"] < claims.ALPHA], len(tested)
+    return tested
 
 
 def _covering(entry: dict[str, Any], difference: dict[str, Any]) -> list[str]:
@@ -160,9 +176,28 @@ def verdict_paragraph(results: dict[str, Any]) -> list[str]:
     family = "significant after Holm's correction over every paired test of the candidate against the "
     family += "reference that this report tabulates (results.json's `differences`)"
     if not shown:
-        return [f"No difference from the reference is {family}.", ""]
-    lines = [f"Beside the verdict, the data show these differences from the reference ({family}):", ""]
-    return [*lines, *[f"- {difference_sentence(d)}." for d in shown], ""]
+        lines = [f"No difference from the reference is {family}.", ""]
+    else:
+        lines = [f"Beside the verdict, the data show these differences from the reference ({family}):", ""]
+        lines += [*[f"- {difference_sentence(d)}." for d in shown], ""]
+    unsettled = undetermined_unchecked(results)
+    if unsettled:
+        lines += [
+            "Undetermined beside the verdict (the candidate on the worse side, no check covering it, not "
+            "significant after Holm's correction: the data show neither a difference nor its absence):",
+            "",
+            *[f"- {undetermined_sentence(d)}." for d in unsettled],
+            "",
+        ]
+    return lines
+
+
+def undetermined_sentence(d: dict[str, Any]) -> str:
+    """One unchecked drop the data do not decide, as the verdict's paragraph says it."""
+    return (
+        f"{d['name']} ({d['task']}): {d['said']} ({d['test']}: p = {format_number(d['p'], 2)}, Holm p = "
+        f"{format_number(d['p_holm'], 2)})"
+    )
 
 
 def difference_caveats(results: dict[str, Any]) -> list[str]:

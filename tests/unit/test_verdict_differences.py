@@ -91,7 +91,9 @@ def test_a_difference_significant_alone_but_not_after_holm_is_not_named():
     doc = results_document(lmeval=lmeval_task(p_gen=0.03))
     doc["tasks"]["lmeval"]["differences"].append(difference("`other`", 0.04, "other"))
     card = render_model_card(doc)
-    assert f"`{GEN}`" not in verdict_paragraph(card)
+    # Not a difference the data show; said undetermined (unchecked, on the worse side), never shown.
+    differences, undetermined = verdict_paragraph(card).split("Undetermined beside the verdict")
+    assert f"`{GEN}`" not in differences and f"`{GEN}`" in undetermined
     assert "No difference from the reference is significant after Holm's correction" in verdict_paragraph(
         card
     )
@@ -200,3 +202,16 @@ def test_a_thresholds_file_is_named_relative_to_the_project_never_by_its_absolut
         doc
     )
     assert Path(said.split()[-1]).is_absolute() is False
+
+
+def test_an_unchecked_drop_the_data_do_not_decide_is_said_undetermined_beside_the_verdict():
+    # The regenerated example on another CPU: the generation task 0.6 → 0.35, McNemar p = 0.125.
+    doc = results_document(lmeval=lmeval_task(p_gen=0.125))
+    head = verdict_paragraph(render_model_card(doc))
+    assert "No difference from the reference is significant after Holm's correction" in head
+    assert "Undetermined beside the verdict" in head
+    assert f"`{GEN}` (lmeval): 0.6 → 0.2, 8 documents correct → wrong against 0" in head
+    assert "p = 0.12, Holm p = 0.25" in head
+    # A drop a check covers is the check's to judge; a significant one is a difference, not undetermined.
+    assert "`evalsuite-mini.acc`" not in head.split("Undetermined")[1]
+    assert "Undetermined" not in verdict_paragraph(render_model_card(example()))
