@@ -6,6 +6,7 @@ the backend cannot do is refused or skipped with its reason."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from evalsuite.fixtures.smollm2 import smollm2_gguf_path
-from tests.conftest import FIXTURES, run_cli
+from tests.conftest import FIXTURES, assert_refused, cli_in_process, run_cli
 from tests.e2e.test_gguf import alias_second_tensor
 from tests.e2e.test_streamed import TWO_WINDOWS
 
@@ -61,17 +62,44 @@ def ppl_run(
     return json.loads((out / "results.json").read_text())
 
 
+@contextlib.contextmanager
+def dead_proxy() -> Iterator[dict[str, str]]:
+    """Every proxy variable set to a loopback port held but not listening (a connection to it is refused,
+    and nothing else can take the port meanwhile), and no host exempted from the proxy."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{held.getsockname()[1]}"
+        yield {**dict.fromkeys(PROXY_VARIABLES, url), "no_proxy": "", "NO_PROXY": ""}
+
+
+@contextlib.contextmanager
+def service_on_port_8080() -> Iterator[None]:
+    """Something listening on llama-server's default port (or, where a service holds it already, that)."""
+    with socket.socket() as service:
+        try:
+            service.bind(("127.0.0.1", 8080))
+            service.listen()
+        except OSError:
+            pass  # a service holds it already: the case itself
+        yield
+
+
 @pytest.fixture(scope="module")
 def runs(q4_1, smollm2_pair, tmp_path_factory) -> dict[str, dict]:
     """The Q4_1 file through llama.cpp against itself through Transformers (with `smoke`, which this backend
-    skips), and through llama.cpp against the BF16 source."""
+    skips), alone; and through llama.cpp against the BF16 source twice at once, behind a dead proxy and
+    beside a service on port 8080 (each run is a whole SmolLM2 load: one pair shows all three)."""
     pytest.importorskip("xllamacpp", reason="backend llamacpp needs xllamacpp: pip install -e '.[llamacpp]'")
     root = tmp_path_factory.mktemp("llamacpp")
     bf16 = smollm2_pair["smollm2-135m-bf16"]
-    return {
-        "executions": ppl_run(q4_1, q4_1, "llamacpp", root / "executions", "ppl,smoke"),
-        "llamacpp": ppl_run(q4_1, bf16, "llamacpp", root / "llamacpp"),
-    }
+    executions = ppl_run(q4_1, q4_1, "llamacpp", root / "executions", "ppl,smoke")
+    with dead_proxy() as env, service_on_port_8080(), ThreadPoolExecutor(2) as pool:
+
+        def at_once(name: str) -> dict:
+            return ppl_run(q4_1, bf16, "llamacpp", root / name, env=env, codes=(0,))
+
+        first, second = pool.map(at_once, ["first", "second"])
+    return {"executions": executions, "llamacpp": first, "llamacpp-at-once": second}
 
 
 @pytest.mark.format_evidence(format="gguf", claim="ppl", writer="llama.cpp (SmolLM2's published GGUF)")
@@ -108,49 +136,20 @@ def test_the_tasks_that_generate_are_skipped_on_llamacpp_with_the_reason(runs):
 def test_what_llamacpp_cannot_run_is_refused_in_one_line_before_loading(case, q4_1, smollm2_pair, tmp_path):
     bf16 = smollm2_pair["smollm2-135m-bf16"]
     ckpt, extra = (bf16, ()) if case == "safetensors" else (q4_1, ("--stream",))
-    res = run_cli(
+    code, lines, _ = cli_in_process(
         "run", "--ckpt", ckpt, "--ref", bf16, "--tasks", "ppl", "--backend", "llamacpp", *extra,
         "--out", tmp_path / "out", "--quiet",
     )  # fmt: skip
-    assert res.returncode == 2, res.stderr
-    last = res.stderr.strip().splitlines()[-1]
-    assert ("runs GGUF files" if case == "safetensors" else "not streamed") in last, last
-    assert "loading" not in res.stderr
+    assert_refused(code, lines, "runs GGUF files" if case == "safetensors" else "not streamed")
 
 
-@pytest.fixture
-def dead_proxy() -> Iterator[dict[str, str]]:
-    """Every proxy variable set to a loopback port held but not listening (a connection to it is refused,
-    and nothing else can take the port meanwhile), and no host exempted from the proxy."""
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{held.getsockname()[1]}"
-        yield {**dict.fromkeys(PROXY_VARIABLES, url), "no_proxy": "", "NO_PROXY": ""}
-
-
-def test_two_runs_at_once_behind_a_dead_proxy_and_beside_a_service_on_port_8080_score_as_a_run_without_them(
-    runs, q4_1, smollm2_pair, tmp_path, dead_proxy
-):
+def test_two_runs_at_once_behind_a_dead_proxy_and_beside_a_service_on_port_8080_score_as_without_them(runs):
     """The llama.cpp side's token ids go to its own server, not to a proxy nor to whatever listens on
-    llama-server's default port, and two runs at once each have their own: both pass with the metrics of the
-    run made without a proxy (one pair of runs shows the three: each is a full SmolLM2 load)."""
-    bf16 = smollm2_pair["smollm2-135m-bf16"]
-    with socket.socket() as service:
-        try:
-            service.bind(("127.0.0.1", 8080))  # llama-server's default port
-            service.listen()
-        except OSError:
-            pass  # a service holds it already: the case itself
-        with ThreadPoolExecutor(2) as pool:
-            done = list(
-                pool.map(
-                    lambda name: ppl_run(q4_1, bf16, "llamacpp", tmp_path / name, env=dead_proxy, codes=(0,)),
-                    ["first", "second"],
-                )
-            )
-    alone = runs["llamacpp"]["tasks"]["ppl"]["metrics"]
-    for doc in done:
-        assert doc["tasks"]["ppl"]["metrics"] == alone
+    llama-server's default port, and two runs at once each have their own: both pass, with the same metrics,
+    and the llama.cpp side's perplexity is the one it gives in the run made alone without a proxy."""
+    first, second = (runs[name]["tasks"]["ppl"]["metrics"] for name in ("llamacpp", "llamacpp-at-once"))
+    assert first == second
+    assert first["ppl_ckpt"] == runs["executions"]["tasks"]["ppl"]["metrics"]["ppl_ckpt"]
 
 
 @pytest.mark.parametrize("backend", ["hf", "llamacpp"])
@@ -163,11 +162,9 @@ def test_a_gguf_whose_tensors_share_bytes_is_refused_before_any_model_loads(
     shutil.copytree(q4_1, folder)
     path = next(folder.glob("*.gguf"))
     names = alias_second_tensor(path)
-    res = run_cli(
+    code, lines, _ = cli_in_process(
         "run", "--ckpt", folder, "--ref", smollm2_pair["smollm2-135m-bf16"], "--tasks", "ppl",
         "--backend", backend, "--corpus", "python-docs", "--out", tmp_path / "out", "--quiet",
     )  # fmt: skip
-    assert res.returncode == 2, res.stderr
-    assert len(res.error_lines) == 1 and str(path) in res.error_lines[0], res.stderr
-    assert f"{names} share bytes" in res.error_lines[0], res.stderr
-    assert "loading" not in res.stderr
+    # One line, `evalsuite: error: …`, and nothing else: no model was loaded first.
+    assert_refused(code, lines, str(path), f"{names} share bytes")
