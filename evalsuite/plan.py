@@ -340,6 +340,7 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
         request.thresholds_file,
         request.spec_overrides,
     )
+    _check_files_a_task_reads(tasks, context)
     if ckpt.options.backend == "intref" and not ckpt.options.conventions:
         ckpt.options = ckpt.options.with_backend("intref", intref_conventions(request))
     baseline = load_results(request.baseline) if request.baseline is not None else None
@@ -377,6 +378,21 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
     return RunPlan(
         ref, ckpt, tasks, inputs, skipped, observations, wiring, provenance, request.context.allow_download
     )
+
+
+def _check_files_a_task_reads(tasks: list[Task], context: RunContext) -> None:
+    """Refuse `--chats` and `--calibration` in a run whose tasks would not read them: `ppl` scores the chats
+    and checks its windows and chats against the calibration set; a run without it would ignore the file
+    the user gave and say nothing."""
+    if any(t.name == "ppl" for t in tasks):
+        return
+    for given, what in ((context.chats_file, "--chats"), (context.calibration_file, "--calibration")):
+        if given is not None:
+            raise InputError(
+                f"{what} is read by `ppl` only (its chats, its windows checked against the calibration "
+                "set), which --tasks does not run: add ppl to --tasks",
+                given,
+            )
 
 
 class PassedLoadPlans:

@@ -162,3 +162,15 @@ def test_smollm2_on_the_shipped_chats_gives_each_tag_its_chat_clustered_interval
     card = render_model_card(json.loads((out / "results.json").read_text(encoding="utf-8")))
     for tag, chats in (("zh", 32), ("en", 32), ("math", 32), ("code", 14)):
         assert f"| tag `{tag}` | {chats} | " in card, card
+
+
+@pytest.mark.parametrize("option", ["--chats", "--calibration"])
+def test_a_chats_or_calibration_file_in_a_run_without_ppl_is_refused_naming_it(option, tiny_pair, tmp_path):
+    """Only `ppl` reads them: a run of other tasks would ignore the file and say nothing."""
+    given = tmp_path / "chats.jsonl"
+    given.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n', encoding="utf-8")
+    code, lines, _ = cli_in_process(
+        "run", "--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16], "--tasks", "tensors",
+        option, given, "--out", tmp_path / "out", "--quiet",
+    )  # fmt: skip
+    assert_refused(code, lines, str(given), f"{option} is read by `ppl` only", "add ppl to --tasks")
