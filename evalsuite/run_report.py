@@ -121,18 +121,18 @@ def significant_differences(results: dict[str, Any]) -> tuple[list[dict[str, Any
     adjusted by Holm's correction over all of them, is below 0.05, each with its task, its adjusted p and
     the checks that cover it (empty: none does); and how many were tested."""
     tested = _tested_differences(results)
-    return [d for d in tested if d["p_holm"] < claims.ALPHA], len(tested)
+    return _significant(tested), len(tested)
 
 
-def undetermined_unchecked(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The tested differences no check covers whose candidate side is the worse one but whose Holm-adjusted
-    p is not below 0.05: a drop that neither a threshold nor the data decide, said beside the verdict as
-    undetermined rather than left to a table."""
-    return [
-        d
-        for d in _tested_differences(results)
-        if d["p_holm"] >= claims.ALPHA and d.get("worse") and not d["checks"]
-    ]
+def _significant(tested: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in tested if d["p_holm"] < claims.ALPHA]
+
+
+def _undetermined_unchecked(tested: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Of the tested differences (`_tested_differences`), those no check covers whose candidate side is the
+    worse one but whose Holm-adjusted p is not below 0.05: a drop that neither a threshold nor the data
+    decide, said beside the verdict as undetermined rather than left to a table."""
+    return [d for d in tested if d["p_holm"] >= claims.ALPHA and d.get("worse") and not d["checks"]]
 
 
 def _tested_differences(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -170,9 +170,10 @@ def verdict_paragraph(results: dict[str, Any]) -> list[str]:
     """What the data show beside the verdict: every difference from the reference significant after Holm
     over all the paired tests the report and the card tabulate, whether or not a check covers it; said
     also when there is none. Empty for a results.json that records no paired test."""
-    shown, tested = significant_differences(results)
+    tested = _tested_differences(results)
     if not tested:
         return []
+    shown = _significant(tested)
     family = "significant after Holm's correction over every paired test of the candidate against the "
     family += "reference that this report tabulates (results.json's `differences`)"
     if not shown:
@@ -180,7 +181,7 @@ def verdict_paragraph(results: dict[str, Any]) -> list[str]:
     else:
         lines = [f"Beside the verdict, the data show these differences from the reference ({family}):", ""]
         lines += [*[f"- {difference_sentence(d)}." for d in shown], ""]
-    unsettled = undetermined_unchecked(results)
+    unsettled = _undetermined_unchecked(tested)
     if unsettled:
         lines += [
             "Undetermined beside the verdict (the candidate on the worse side, no check covering it, not "
