@@ -95,6 +95,8 @@ class TransformersLayers:
         self.units = self._plan_units(mapping)
         refuse_partial_load(checkpoint, report)
         self._pristine: nn.Module | None = None
+        # The routed-experts hook of the layer read for a decoding step, and its handle, until it is freed.
+        self._routed: tuple[_RoutedExperts, Any] | None = None
 
     def _plan_units(self, mapping: list[Any]) -> dict[Unit, list[str]]:
         """The files' tensor names by unit, placed by the names Transformers' own renaming gives them; a layer
@@ -174,7 +176,7 @@ class TransformersLayers:
         """Decoder layer `index`, as a loaded model holds it."""
         # The meta layer as built: compressed-tensors decompression rewrites a layer's parameters, so the
         # next pass over this layer loads into a fresh copy of the skeleton's.
-        self._pristine = copy.deepcopy(self.layers[index]) if self.compressor is not None else None
+        self._pristine = self._skeleton_copy(index)
         self._load(self.units.get(index, []))
         modules = list(self.layers[index].modules())
         self._initialise_buffers(modules)
@@ -191,22 +193,48 @@ class TransformersLayers:
             return
         module, by_expert = experts
         rest = [n for n in self.units.get(index, []) if not any(n in names for names in by_expert.values())]
-        self._pristine = copy.deepcopy(self.layers[index]) if self.compressor is not None else None
+        self._pristine = self._skeleton_copy(index)
         self._load(rest)
         read[0] += sum(self.checkpoint.tensors[n].nbytes for n in rest)
         modules = list(self.layers[index].modules())
         self._initialise_buffers(modules)
         self._decompress(modules)
         module = self.layers[index].get_submodule(module)
-        module.register_forward_pre_hook(_RoutedExperts(self, by_expert, read))
+        routed = _RoutedExperts(self, module, by_expert, read)
+        self._routed = (routed, module.register_forward_pre_hook(routed))
 
     def free_layer(self, index: int) -> None:
+        if self._routed is not None:
+            # The same module serves the next read of this layer (a model without a compressor): its hook
+            # goes with this read, and its experts take their full shape and count again.
+            routed, handle = self._routed
+            handle.remove()
+            routed.restore()
+            self._routed = None
         # The layer's tensors go now, whatever holds the module (compressed-tensors binds each quantized
         # module's forward to the module: a reference cycle only the garbage collector would break).
         _release_tensors(self.layers[index], keep_computed=False)
         if self._pristine is not None:
             self.layers[index] = self._pristine
             self._pristine = None
+
+    def _skeleton_copy(self, index: int) -> nn.Module | None:
+        """A copy of decoder layer `index` as built (meta tensors), for the next read of it, where
+        compressed-tensors' decompression will rewrite this one; None without a compressor. Each module's
+        quantization scheme and other pydantic settings are shared with the copy rather than copied: they
+        are read, never written, and copying them was most of the time a decoding step spent here."""
+        if self.compressor is None:
+            return None
+        from pydantic import BaseModel
+
+        layer = self.layers[index]
+        shared = {
+            id(value): value
+            for module in layer.modules()
+            for value in module.__dict__.values()
+            if isinstance(value, BaseModel)
+        }
+        return copy.deepcopy(layer, shared)
 
 
 class IntegerLayers:
@@ -326,43 +354,70 @@ def _routed_experts(layer: nn.Module, names: list[str]) -> tuple[str, dict[int, 
 
 
 class _RoutedExperts:
-    """A forward pre-hook on a layer's fused experts: at their first call, the experts the call's tokens
-    route to are read from the files and converted by Transformers' own loading (into parameters of as many
-    rows, then placed in their rows of the full ones; the other rows are never read by the forward, which
-    runs only the experts a token routes to). A call needing experts not yet read reads them too."""
+    """A forward pre-hook on a layer's fused experts, for a decoding step: at each call, the experts the
+    call's tokens route to that are not yet read are read from the files and converted by Transformers' own
+    loading, and the module holds those experts only, in the order of their indices (a row per expert
+    read, not one per expert of the model). The call's routing is renumbered to those rows and the module's
+    expert count set to theirs: the forward runs each token through the same experts' weights, grouped in
+    the same order, as with every expert present, and no tensor of the model's full expert count is made or
+    filled. `restore` gives the module back its full shape (on the meta device) and count."""
 
-    def __init__(self, loader: TransformersLayers, by_expert: dict[int, list[str]], read: list[int]) -> None:
-        self.loader, self.by_expert, self.read = loader, by_expert, read
-        self.loaded: set[int] = set()
+    def __init__(
+        self, loader: TransformersLayers, module: nn.Module, by_expert: dict[int, list[str]], read: list[int]
+    ) -> None:
+        self.loader, self.module, self.by_expert, self.read = loader, module, by_expert, read
+        self.num_experts = int(module.num_experts)
+        self.shapes = {k: v.shape for k, v in module.named_parameters(recurse=False)}
+        self.dtypes = {k: v.dtype for k, v in module.named_parameters(recurse=False)}
+        self.rows: list[int] = []  # the experts read, ascending: row i holds expert rows[i]
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         routed = args[1] if len(args) > 1 else None
         if not isinstance(routed, torch.Tensor):
             raise InputError(
                 "the experts' forward did not get the tokens' routing: it cannot be read sparsely"
             )
-        wanted = sorted({int(e) for e in routed.reshape(-1).tolist() if 0 <= int(e) < module.num_experts})
-        todo = [e for e in wanted if e not in self.loaded]
-        if not todo:
-            return
-        full = {k: v for k, v in module.named_parameters(recurse=False)}
-        for key, value in full.items():
-            rows = torch.empty((len(todo), *value.shape[1:]), device="meta", dtype=value.dtype)
+        wanted = {int(e) for e in routed.reshape(-1).tolist() if 0 <= int(e) < self.num_experts}
+        todo = sorted(wanted - set(self.rows))
+        if todo:
+            self._read(module, todo)
+        # Expert e → its row; an index outside the model's experts (a sentinel) stays past the last row.
+        table = torch.full((self.num_experts + 1,), len(self.rows), dtype=routed.dtype)
+        table[torch.tensor(self.rows, dtype=torch.long)] = torch.arange(len(self.rows), dtype=routed.dtype)
+        renumbered = table.to(routed.device)[routed.clamp(0, self.num_experts)]
+        module.num_experts = len(self.rows)
+        return (args[0], renumbered, *args[2:])
+
+    def _read(self, module: nn.Module, todo: list[int]) -> None:
+        before = {k: v for k, v in module.named_parameters(recurse=False)}
+        for key in before:
+            rows = torch.empty((len(todo), *self.shapes[key][1:]), device="meta", dtype=self.dtypes[key])
             setattr(module, key, nn.Parameter(rows, requires_grad=False))
         names = [n for e in todo for n in self.by_expert[e]]
         self.loader._load(names)
         self.read[0] += sum(self.loader.checkpoint.tensors[n].nbytes for n in names)
-        where = torch.tensor(todo, dtype=torch.long)
-        for key, value in full.items():
-            part = getattr(module, key)
-            whole = (
-                torch.empty(value.shape, dtype=part.dtype, device=part.device)
-                if value.is_meta
-                else value.data
-            )
-            whole.index_copy_(0, where.to(whole.device), part.data)
+        if not self.rows:
+            self.rows = todo
+            return
+        # A later call of the same read (a prompt's forward after another's) routes to more experts: the
+        # rows are merged in the order of their indices.
+        merged = sorted([*self.rows, *todo])
+        old_at = torch.tensor([merged.index(e) for e in self.rows], dtype=torch.long)
+        new_at = torch.tensor([merged.index(e) for e in todo], dtype=torch.long)
+        for key, old in before.items():
+            new = getattr(module, key).data
+            whole = torch.empty((len(merged), *old.shape[1:]), dtype=new.dtype, device=new.device)
+            whole[old_at.to(new.device)] = old.data
+            whole[new_at.to(new.device)] = new
             setattr(module, key, nn.Parameter(whole, requires_grad=False))
-        self.loaded.update(todo)
+        self.rows = merged
+
+    def restore(self) -> None:
+        """The module's full expert count, and its experts' parameters on the meta device in full shape."""
+        self.module.num_experts = self.num_experts
+        for key, shape in self.shapes.items():
+            empty = torch.empty(shape, device="meta", dtype=self.dtypes[key])
+            setattr(self.module, key, nn.Parameter(empty, requires_grad=False))
 
 
 def _release_tensors(layer: nn.Module, keep_computed: bool) -> None:

@@ -259,3 +259,32 @@ def test_a_streamed_side_reads_its_vision_tower_at_the_first_image_only(
         assert torch.equal(features, loaded.image_features(tensors))
     finally:
         loaded.close()
+
+
+@pytest.mark.parametrize("side", [TINY_BF16, TINY_W4A8])
+def test_a_streamed_decoding_reads_routed_experts_once_a_forward_and_leaves_no_hook_behind(tiny_pair, side):
+    """Each decoding forward reads, of a layer's routed experts, those its tokens route to, through a hook
+    of that read alone: the BF16 side keeps its layer modules between reads, and a hook left from an earlier
+    forward read its experts again at every later one (the reads grew with the answer's length). The
+    answers are those of the side's own loaded `generate`."""
+    checkpoint = Checkpoint.open(tiny_pair[side])
+    backend = StreamedBackend(checkpoint, BackendOptions(stream=True))
+    prompt = {"input_ids": torch.tensor([[5, 17, 99, 3, 42, 7]])}
+    read_by: list[int] = []  # what the decoding had read when each forward reached the head
+    head = backend.model.get_output_embeddings()
+    handle = head.register_forward_pre_hook(lambda *_: read_by.append(backend.generation_bytes))
+    try:
+        streamed = backend.generate_greedy_batch([prompt], [6], 5, 0)[0]
+    finally:
+        handle.remove()
+    experts = [m for layer in backend.layers for n, m in layer.named_modules() if n.endswith("experts")]
+    assert experts and all(not m._forward_pre_hooks for m in experts)
+    assert all(m.num_experts == backend.model.config.get_text_config().num_experts for m in experts)
+    assert backend.generation_forwards == len(read_by) == 6
+    # The prompt's six tokens route to more experts than one new token: each later forward reads less.
+    reads = [b - a for a, b in zip([0, *read_by], read_by, strict=False)]
+    assert all(0 < step < reads[0] <= sum(backend.layer_bytes) for step in reads[1:]), reads
+    backend.close()
+    loaded = load_backend(checkpoint, BackendOptions())
+    assert streamed.tokens == loaded.generate_greedy(prompt, 6).tokens
+    loaded.close()
