@@ -98,8 +98,9 @@ ChatsOption = Annotated[
 CalibrationOption = Annotated[
     Path | None,
     typer.Option(
-        help="The candidate's calibration data (text, or chat or text JSONL): windows and chats it holds "
-        "are flagged, and the verdicts given without them too."
+        help="The candidate's calibration data (text, or chat or text JSONL): ppl's windows and chats, "
+        "smoke's prompts and vision's questions it holds are flagged, and the verdicts given without them "
+        "too."
     ),
 ]
 

@@ -1,6 +1,7 @@
 """The model card's tables of what the run measured beyond WikiText's perplexity (`evalsuite.model_card`
-places them in its Results section): `ppl` on chats split by tag and turn, the calibration set's overlap,
-and `smoke`'s trajectory survival. Every number is read from results.json."""
+places them in its Results section): `ppl` on chats split by tag and turn, the calibration set's overlap
+with each task's evaluated text, and `smoke`'s trajectory survival. Every number is read from
+results.json."""
 
 from __future__ import annotations
 
@@ -55,29 +56,51 @@ def chat_splits(results: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+# What each task checks against the calibration set, as the card says it: its units (None: `ppl`'s windows or
+# chats) and their tokens that overlap it.
+CALIBRATION_UNITS = {
+    "ppl": (None, "the scored tokens lie in a {n}-gram it holds"),
+    "smoke": (
+        "prompts",
+        "the `smoke` prompts' tokens lie in a {n}-gram it holds or in a shorter prompt it holds whole",
+    ),
+    "vision": (
+        "cases",
+        "the `vision` questions' tokens lie in a {n}-gram it holds or in a shorter question it holds whole",
+    ),
+}
+
+
 def calibration_overlap(results: dict[str, Any]) -> list[str]:
-    """How much of the scored text the calibration set holds (`--calibration`), and the verdict with and
-    without the windows or chats it overlaps; nothing where no calibration set was given."""
-    m = measured(results["tasks"].get("ppl"))
-    if "calibration_note" in m:
-        return [f"Calibration set: {m['calibration_note']}.", ""]
-    if "calibration_overlap_share" not in m:
-        return []
-    unit = "chats" if "calibration_flagged_chats" in m else "windows"
-    flagged = m.get(f"calibration_flagged_{unit}", 0)
-    text = (
-        f"Calibration set `{m.get('calibration_source')}`: "
-        f"{format_number(m['calibration_overlap_share'])} of the scored tokens lie in a "
-        f"{m.get('calibration_ngram')}-gram it holds; {flagged} {unit} overlap it "
-        f"by more than {format_number(m.get('calibration_flag_share'))}"
-    )
-    if "verdict_without_flagged" in m:
-        text += (
-            f" (verdict with them: {m['verdict_with_flagged']}, without them: {m['verdict_without_flagged']})"
+    """How much of each task's evaluated text the calibration set holds (`--calibration`: `ppl`'s windows or
+    chats, `smoke`'s prompts, `vision`'s questions), which units it overlaps, and the verdict with and
+    without them; nothing where no calibration set was given."""
+    lines: list[str] = []
+    for task, (unit, overlapping) in CALIBRATION_UNITS.items():
+        m = measured(results["tasks"].get(task))
+        if "calibration_note" in m and f"Calibration set: {m['calibration_note']}." not in lines:
+            lines += [f"Calibration set: {m['calibration_note']}.", ""]
+        if "calibration_overlap_share" not in m:
+            continue
+        unit = unit or ("chats" if "calibration_flagged_chats" in m else "windows")
+        flagged = m.get(f"calibration_flagged_{unit}", 0)
+        share = format_number(m["calibration_overlap_share"])
+        bound = format_number(m.get("calibration_flag_share"))
+        counted = f"1 {unit.removesuffix('s')} overlaps" if flagged == 1 else f"{flagged} {unit} overlap"
+        text = (
+            f"Calibration set `{m.get('calibration_source')}`: {share} of "
+            f"{overlapping.format(n=m.get('calibration_ngram'))}; {counted} it by more than {bound}"
         )
-    elif "clean_note" in m:
-        text += f" ({m['clean_note']})"
-    return [text + ".", ""]
+        names = str(m.get(f"calibration_flagged_{unit.removesuffix('s')}_list") or "")
+        if task != "ppl" and names:  # ppl's units are indices; a prompt or case has a name
+            text += ": " + ", ".join(f"`{name}`" for name in names.split(","))
+        if "verdict_without_flagged" in m:
+            verdicts = m["verdict_with_flagged"], m["verdict_without_flagged"]
+            text += " (verdict with them: {}, without them: {})".format(*verdicts)
+        elif "clean_note" in m:
+            text += f" ({m['clean_note']})"
+        lines += [text + ".", ""]
+    return lines
 
 
 def greedy_answers(results: dict[str, Any]) -> list[str]:

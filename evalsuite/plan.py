@@ -381,18 +381,23 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
 
 
 def _check_files_a_task_reads(tasks: list[Task], context: RunContext) -> None:
-    """Refuse `--chats` and `--calibration` in a run whose tasks would not read them: `ppl` scores the chats
-    and checks its windows and chats against the calibration set; a run without it would ignore the file
-    the user gave and say nothing."""
-    if any(t.name == "ppl" for t in tasks):
-        return
-    for given, what in ((context.chats_file, "--chats"), (context.calibration_file, "--calibration")):
-        if given is not None:
-            raise InputError(
-                f"{what} is read by `ppl` only (its chats, its windows checked against the calibration "
-                "set), which --tasks does not run: add ppl to --tasks",
-                given,
-            )
+    """Refuse `--chats` and `--calibration` in a run whose tasks would not read them: `ppl` scores the chats;
+    `ppl`'s windows and chats, `smoke`'s prompts and `vision`'s questions are checked against the calibration
+    set. A run without them would ignore the file the user gave and say nothing."""
+    names = {t.name for t in tasks}
+    if context.chats_file is not None and "ppl" not in names:
+        raise InputError(
+            "--chats is read by `ppl` only (the chats it scores), which --tasks does not run: add ppl to "
+            "--tasks",
+            context.chats_file,
+        )
+    if context.calibration_file is not None and not names & {"ppl", "smoke", "vision"}:
+        raise InputError(
+            "--calibration is read by `ppl`, `smoke` and `vision` only (their windows, chats, prompts and "
+            "questions checked against the calibration set), none of which --tasks runs: add one of them "
+            "to --tasks",
+            context.calibration_file,
+        )
 
 
 class PassedLoadPlans:

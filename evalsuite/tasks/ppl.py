@@ -46,6 +46,7 @@ from evalsuite.tasks.calibration_overlap import (
     CalibrationOptions,
     Overlap,
     calibration_overlap,
+    flagged_verdicts,
     overlap_metrics,
     overlap_rows,
 )
@@ -400,9 +401,7 @@ class Perplexity:
         clean = with_claims("clean", clean, len(np.unique(windows[keep])))
         checks = subset_checks(self.spec, "clean", clean)
         with_them, _ = self.spec.threshold_checks(values)
-        clean["verdict_with_flagged"] = "pass" if all(c.passed for c in with_them) else "fail"
-        clean["verdict_without_flagged"] = "pass" if all(c.passed for c in checks) else "fail"
-        return clean, checks
+        return {**clean, **flagged_verdicts(with_them, checks)}, checks
 
     def plot(
         self,

@@ -11,6 +11,10 @@ Trajectory survival (`survival_N`): the share of prompts whose two greedy answer
 tokens, with a 95% Wilson interval over prompts (each prompt one independent outcome). A prompt whose
 answers are both shorter than N and agree throughout survives; one whose reference answer was cut at its
 `max_new_tokens` before N is left out of N's count (`survival_N_n` says how many prompts it rests on).
+
+The calibration set kept apart (`--calibration`, `evalsuite.tasks.calibration_overlap`): each prompt's own
+words (its turns' contents, without the chat template) are checked against it; where some prompt is flagged,
+every figure is given without the flagged prompts too (`clean_…`), with the spec's thresholds applied to them.
 """
 
 from __future__ import annotations
@@ -42,8 +46,17 @@ from evalsuite.observers.greedy_answers import ANSWERS_LABEL, PROMPTS, GreedyAns
 from evalsuite.observers.kld_detail import kld_at_reference
 from evalsuite.observers.window_logits import RecordOptions
 from evalsuite.side import Side
-from evalsuite.spec import StrictModel, TaskSpec
+from evalsuite.spec import Check, StrictModel, TaskSpec
 from evalsuite.task import Inputs, Need, RunContext, TaskResult, skip_if_cannot_generate, task
+from evalsuite.tasks.calibration_overlap import (
+    CalibrationOptions,
+    Overlap,
+    flagged_verdicts,
+    overlap_metrics,
+    overlap_rows,
+    text_overlap,
+)
+from evalsuite.tasks.ppl_subsets import subset_checks
 
 DIVERGENCE_MARK = "⟦"  # where the two answers part, inside each answer in report.md
 Category = Literal["factual", "code", "arithmetic", "chinese", "instruction", "mathematics", "chat"]
@@ -100,6 +113,10 @@ class Prompt(StrictModel):
             return [m.model_dump() for m in self.messages]
         return [{"role": "user", "content": self.prompt or ""}]
 
+    def text(self) -> str:
+        """The prompt's own words: its turns' contents one after the other, without any chat template."""
+        return "\n".join(m["content"] for m in self.chat())
+
     def matches(self, answer: str) -> bool:
         """The answer holds the expected answer and nothing the prompt rejects (case-insensitive)."""
         if self.reject is not None and re.search(self.reject, answer, flags=re.IGNORECASE):
@@ -132,7 +149,11 @@ class SmokeSpec(TaskSpec):
     survival: SurvivalOptions = SurvivalOptions()
     # What the reference's forced rows keep for the KLD along the answers (top-k exact, sampled beyond).
     record: RecordOptions = RecordOptions()
+    # Compare-only: it reads the calibration set against the prompts, and shapes no observation.
+    calibration: CalibrationOptions = CalibrationOptions()
     prompts: list[Prompt]
+
+    COMPARE_ONLY: ClassVar[frozenset[str]] = TaskSpec.COMPARE_ONLY | {"calibration"}
 
     def model_post_init(self, _: Any) -> None:
         ids = [p.id for p in self.prompts]
@@ -147,7 +168,7 @@ def prompt_ids(side: Side, prompt: Prompt) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return list(tokenizer("\n".join(m["content"] for m in prompt.chat()))["input_ids"])
+    return list(tokenizer(prompt.text())["input_ids"])
 
 
 def ids_sha256(prompts: list[list[int]]) -> str:
@@ -203,6 +224,8 @@ class Smoke:
         "path_noise",
         "kld_mean",
         *(f"survival_{n}{suffix}" for n in (8, 16, 32) for suffix in ("", "_lower95", "_upper95", "_n")),
+        "clean_*",
+        "calibration_*",
     )
 
     metric_descriptions: ClassVar[dict[str, str]] = {
@@ -228,14 +251,21 @@ class Smoke:
             f"survival_{n}": f"share of prompts whose two greedy answers agree for their first {n} tokens"
             for n in (8, 16, 32)
         },
+        "calibration_overlap_share": "share of the prompts' tokens (their own words, without the chat "
+        "template) in a 13-gram the calibration set holds, or in a shorter prompt found whole in it",
+        "calibration_flagged_prompts": "prompts whose overlap with the calibration set exceeds the spec's "
+        "share; clean_* are the figures (and checks) without them",
     }
 
     def __init__(self, spec: SmokeSpec, context: RunContext) -> None:
         self.spec = spec
         self.context = context
+        # The overlap of each prompt with the calibration set, found by `prepare`.
+        self.overlap: Overlap | None = None
 
     def prepare(self, ref: Side, ckpt: Side) -> Inputs:
-        """Prompt ids made once (with the reference tokenizer), hashed; the candidate must agree."""
+        """Prompt ids made once (with the reference tokenizer), hashed; the candidate must agree. Each
+        prompt's overlap with the calibration set, if one is given or named."""
         skip_if_cannot_generate(ref, ckpt, "smoke")
         source = ckpt if ref.is_recorded else ref
         ids = [prompt_ids(source, p) for p in self.spec.prompts]
@@ -252,6 +282,8 @@ class Smoke:
             {"ids": i, "max_new_tokens": p.max_new_tokens}
             for i, p in zip(ids, self.spec.prompts, strict=True)
         ]
+        texts = {p.id: p.text() for p in self.spec.prompts}
+        self.overlap = text_overlap(self.spec.calibration, self.context, ref, ckpt, texts, "prompt")
         return {PROMPTS: prompts, "prompts_sha256": ids_sha256(ids), "n_prompts": len(ids)}
 
     def needs(self) -> list[Need]:
@@ -275,34 +307,87 @@ class Smoke:
         # continuations.
         noise = max(path_noise(ref, forced_ref), float(ckpt.meta.get("path_noise", 0.0)))
         parts = divergences(forced_ref, forced, noise)
-        rows: list[dict[str, Any]] = []
-        counts = dict.fromkeys(
-            ("ref_pass", "ckpt_pass", "identical", "diverged_outside_top5", "ref_pass_ckpt_fail"), 0
-        )
-        near_ties = 0
-        for i, prompt in enumerate(self.spec.prompts):
-            row = self.compare_prompt(i, prompt, ref, forced_ref, forced, ckpt, parts[i])
-            counts["ref_pass"] += row["ref_pass"]
-            counts["ckpt_pass"] += row["ckpt_pass"]
-            counts["identical"] += row["identical"]
-            counts["diverged_outside_top5"] += row["ckpt_token_in_ref_top5"] is False
-            counts["ref_pass_ckpt_fail"] += row["ref_pass"] and not row["ckpt_pass"]
-            near_ties += bool(row.get("within_resolution"))
-            rows.append(row)
-        values: dict[str, Any] = {"n_prompts": len(self.spec.prompts), **counts}
-        values["near_ties_within_resolution"] = near_ties
+        rows = [
+            self.compare_prompt(i, prompt, ref, forced_ref, forced, ckpt, parts[i])
+            for i, prompt in enumerate(self.spec.prompts)
+        ]
+        # Every answer token's prompt, KL(ref ‖ ckpt) (the reference's compact rows against the candidate's
+        # log-probs at their ids) and whether both sides rank the same token first.
+        offsets = forced_ref.arrays["offsets"]
+        along = {
+            "prompt": np.repeat(np.arange(len(offsets) - 1), np.diff(offsets)),
+            "kld": kld_at_reference(forced_ref, forced),
+            "same_top": forced.arrays["same_top"].astype(np.float64),
+        }
+        keep = np.ones(len(rows), dtype=bool)
+        values: dict[str, Any] = self.prompt_values(rows, keep, ref, parts, along)
         values["path_noise"] = noise
-        values.update(_kld_along_answers(forced_ref, forced))
-        values.update(self._survival(ref, parts))
+        values["kld_estimator"] = (
+            f"top-{forced_ref.meta['top_k']} exact + {forced_ref.meta['tail_samples']} sampled tail ids"
+        )
         checks, _ = self.spec.threshold_checks(values)
-        return TaskResult.from_checks(values, checks, details=rows)
+        details = list(rows)
+        if self.overlap is not None:
+            values.update(overlap_metrics(self.overlap))
+            details += overlap_rows(self.overlap)
+            clean, clean_checks = self.without_flagged(checks, rows, ref, parts, along)
+            values.update(clean)
+            checks += clean_checks
+        return TaskResult.from_checks(values, checks, details=details)
 
-    def _survival(self, ref: Observation, parts: list[PromptDivergence]) -> dict[str, Any]:
+    def prompt_values(
+        self,
+        rows: list[dict[str, Any]],
+        keep: np.ndarray,
+        ref: Observation,
+        parts: list[PromptDivergence],
+        along: dict[str, np.ndarray],
+    ) -> dict[str, Any]:
+        """The figures of the prompts `keep` marks: how many pass on each side, how their answers part, the
+        KLD along the reference's answers (`along`: per answer token) and trajectory survival."""
+        kept = [row for row, k in zip(rows, keep, strict=True) if k]
+        values: dict[str, Any] = {
+            "n_prompts": len(kept),
+            "ref_pass": sum(row["ref_pass"] for row in kept),
+            "ckpt_pass": sum(row["ckpt_pass"] for row in kept),
+            "identical": sum(row["identical"] for row in kept),
+            "diverged_outside_top5": sum(row["ckpt_token_in_ref_top5"] is False for row in kept),
+            "ref_pass_ckpt_fail": sum(row["ref_pass"] and not row["ckpt_pass"] for row in kept),
+            "near_ties_within_resolution": sum(bool(row.get("within_resolution")) for row in kept),
+        }
+        values.update(_kld_along_answers(along, keep))
+        values.update(self._survival(ref, parts, keep))
+        return values
+
+    def without_flagged(
+        self,
+        checks: list[Check],
+        rows: list[dict[str, Any]],
+        ref: Observation,
+        parts: list[PromptDivergence],
+        along: dict[str, np.ndarray],
+    ) -> tuple[dict[str, Any], list[Check]]:
+        """The figures and the checks without the prompts the calibration set overlaps (`clean_…`), where
+        some are flagged; and the verdict with and without them."""
+        assert self.overlap is not None
+        keep = ~self.overlap.flagged
+        if keep.all():
+            return {}, []
+        if not keep.any():
+            return {"clean_note": "every prompt overlaps the calibration set"}, []
+        found = self.prompt_values(rows, keep, ref, parts, along)
+        clean = {f"clean_{name}": value for name, value in found.items()}
+        clean_checks = subset_checks(self.spec, "clean", clean)
+        return {**clean, **flagged_verdicts(checks, clean_checks)}, clean_checks
+
+    def _survival(self, ref: Observation, parts: list[PromptDivergence], keep: np.ndarray) -> dict[str, Any]:
         offsets = ref.arrays["offsets"]
         out: dict[str, Any] = {}
         for n in self.spec.survival.lengths:
             survived = seen = 0
             for i, prompt in enumerate(self.spec.prompts):
+                if not keep[i]:
+                    continue
                 length = int(offsets[i + 1] - offsets[i])
                 ended = length < prompt.max_new_tokens  # a stop token ended the answer
                 if parts[i].step is not None and parts[i].step < n:
@@ -385,23 +470,20 @@ class Smoke:
         return row
 
 
-def _kld_along_answers(ref: Observation, ckpt: Observation) -> dict[str, Any]:
-    """KL(ref ‖ ckpt) over every answer token (the reference's compact rows against the candidate's log-probs
-    at their ids), its mean with a standard error clustered by prompt, and the same-top rate."""
-    kld = kld_at_reference(ref, ckpt)
-    offsets = ref.arrays["offsets"]
-    clusters = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+def _kld_along_answers(along: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, Any]:
+    """KL(ref ‖ ckpt) over every answer token of the prompts `keep` marks, its mean with a standard error
+    clustered by prompt, and the same-top rate."""
+    kept = keep[along["prompt"]]
+    kld, same, clusters = along["kld"][kept], along["same_top"][kept], along["prompt"][kept]
     if not len(kld):
         return {"kld_mean": float("nan"), "kld_mean_stderr": float("nan")}
     mean, stderr = float(kld.mean()), metrics.clustered_stderr(kld, clusters)
-    same = ckpt.arrays["same_top"].astype(np.float64)
     same_mean, same_err = float(same.mean()), metrics.clustered_stderr(same, clusters)
     return {
         "kld_mean": mean,
         "kld_mean_stderr": stderr,
         "same_top_p": same_mean,
         "same_top_p_stderr": same_err,
-        "kld_estimator": f"top-{ref.meta['top_k']} exact + {ref.meta['tail_samples']} sampled tail ids",
         "answer_tokens": len(kld),
     }
 

@@ -164,13 +164,27 @@ def test_smollm2_on_the_shipped_chats_gives_each_tag_its_chat_clustered_interval
         assert f"| tag `{tag}` | {chats} | " in card, card
 
 
-@pytest.mark.parametrize("option", ["--chats", "--calibration"])
-def test_a_chats_or_calibration_file_in_a_run_without_ppl_is_refused_naming_it(option, tiny_pair, tmp_path):
-    """Only `ppl` reads them: a run of other tasks would ignore the file and say nothing."""
+@pytest.mark.parametrize(
+    ("option", "tasks", "said"),
+    [
+        ("--chats", "tensors", ("--chats is read by `ppl` only", "add ppl to --tasks")),
+        ("--chats", "smoke", ("--chats is read by `ppl` only", "add ppl to --tasks")),
+        (
+            "--calibration",
+            "tensors",
+            ("--calibration is read by `ppl`, `smoke` and `vision` only", "add one of them to --tasks"),
+        ),
+    ],
+)
+def test_a_chats_or_calibration_file_in_a_run_that_would_not_read_it_is_refused_naming_it(
+    option, tasks, said, tiny_pair, tmp_path
+):
+    """`ppl` alone scores chats; `ppl`, `smoke` and `vision` check their texts against a calibration set: a
+    run of other tasks would ignore the file and say nothing."""
     given = tmp_path / "chats.jsonl"
     given.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n', encoding="utf-8")
     code, lines, _ = cli_in_process(
-        "run", "--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16], "--tasks", "tensors",
+        "run", "--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16], "--tasks", tasks,
         option, given, "--out", tmp_path / "out", "--quiet",
     )  # fmt: skip
-    assert_refused(code, lines, str(given), f"{option} is read by `ppl` only", "add ppl to --tasks")
+    assert_refused(code, lines, str(given), *said)

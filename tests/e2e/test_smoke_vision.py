@@ -65,6 +65,82 @@ def test_a_baseline_keeps_every_detail_row(tiny_pair, tiny_run, tmp_path):
     assert "capital-france" in (again.out / "report.md").read_text()
 
 
+def test_a_calibration_set_holding_a_prompt_and_a_question_flags_them_and_judges_without_them(
+    tiny_pair, tiny_run, tmp_path
+):
+    """`--calibration` on a copy of `tiny_run` (its observations reused: nothing loads): a calibration chat
+    whose user turn is smoke's `capital-france` prompt and one whose user turn is vision's chart question
+    flag exactly that prompt and that case; smoke's clean_ figures are those of its other prompts' rows, each
+    verdict is that of the checks it names, and report.md and the model card show both."""
+    from evalsuite.model_card import render_model_card
+    from evalsuite.tasks.vision import VisionSpec
+
+    smoke_spec = load_spec(SmokeSpec, default_spec_path("smoke"))
+    france = next(p for p in smoke_spec.prompts if p.id == "capital-france")
+    chart = next(c for c in load_spec(VisionSpec, default_spec_path("vision")).cases if c.name == "chart")
+    calibration = tmp_path / "calibration.jsonl"
+    calibration.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+            + "\n"
+            for q, a in ((france.prompt, "Paris."), (chart.prompt, "plums"))
+        ),
+        encoding="utf-8",
+    )
+    args = ("run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], "--ref", tiny_pair["tiny-minicpmv47-bf16"])
+    args += ("--tasks", "smoke,vision", "--corpus", "python-docs", "--calibration", calibration)
+    again = rerun(tiny_run, tmp_path / "again", *args)
+    assert again.cli.returncode == 1, again.cli.stderr  # vision's answer checks fail, as in tiny_run
+    assert again.loads == []  # a calibration file changes no observation
+    smoke, vision = again.task("smoke"), again.task("vision")
+    m = smoke["metrics"]
+    assert m["calibration_flagged_prompts"] == 1 and m["calibration_flagged_prompt_list"] == "capital-france"
+    assert m["calibration_source"] == str(calibration)
+    prompts = [row for row in smoke["details"] if "table" not in row]
+    kept = [row for row in prompts if row["id"] != "capital-france"]
+    assert len(prompts) == len(smoke_spec.prompts) and m["clean_n_prompts"] == len(kept)
+    for name, count in (
+        ("ref_pass", lambda r: r["ref_pass"]),
+        ("ckpt_pass", lambda r: r["ckpt_pass"]),
+        ("ref_pass_ckpt_fail", lambda r: r["ref_pass"] and not r["ckpt_pass"]),
+        ("diverged_outside_top5", lambda r: r["ckpt_token_in_ref_top5"] is False),
+    ):
+        assert m[f"clean_{name}"] == sum(bool(count(r)) for r in kept), name
+        assert m[name] == sum(bool(count(r)) for r in prompts), name
+    assert m["clean_survival_8_n"] in (m["survival_8_n"] - 1, m["survival_8_n"])
+    checks = {c["name"]: c["passed"] for c in smoke["checks"]}
+    assert {"clean_ref_pass_ckpt_fail", "clean_diverged_outside_top5"} <= set(checks)
+    clean = [ok for name, ok in checks.items() if name.startswith("clean_")]
+    others = [ok for name, ok in checks.items() if not name.startswith("clean_")]
+    verdict = {True: "pass", False: "fail"}
+    assert (m["verdict_with_flagged"], m["verdict_without_flagged"]) == (
+        verdict[all(others)],
+        verdict[all(clean)],
+    )
+    flagged_row = {"table": "overlapping the calibration set (flagged)", "prompt": "capital-france"}
+    assert [r for r in smoke["details"] if "table" in r] == [{**flagged_row, "overlap share": 1.0}]
+    v = vision["metrics"]
+    assert v["calibration_flagged_cases"] == 1 and v["calibration_flagged_case_list"] == "chart"
+    # The single image's answer checks fail with or without the chart's.
+    outside_chart = [c["passed"] for c in vision["checks"] if not c["name"].startswith("chart.")]
+    assert not all(outside_chart) and (v["verdict_with_flagged"], v["verdict_without_flagged"]) == (
+        "fail",
+        "fail",
+    )
+    report = (again.out / "report.md").read_text(encoding="utf-8")
+    assert report.count("overlapping the calibration set (flagged)") == 2
+    assert "| capital-france | 1 |" in report and "| chart | 1 |" in report
+    card = render_model_card(again.results)
+    verdicts = m["verdict_with_flagged"], m["verdict_without_flagged"]
+    said = (
+        "1 prompt overlaps it by more than 0.05: `capital-france` (verdict with them: {}, without them: {})."
+    )
+    assert said.format(*verdicts) in card, card
+    assert (
+        "1 case overlaps it by more than 0.05: `chart` (verdict with them: fail, without them: fail)." in card
+    )
+
+
 def _line_of(text: str, occurrence: int, needle: str) -> int:
     return [n for n, line in enumerate(text.splitlines(), 1) if needle in line][occurrence]
 

@@ -1,5 +1,7 @@
-"""The calibration set against the evaluated text, without a model: 13-gram overlap worked by hand, the
-calibration file's shapes, and the data a pack's metadata names."""
+"""The calibration set against the evaluated text, without a model: 13-gram overlap worked by hand, a unit
+shorter than 13 tokens found whole, the calibration file's shapes, and the data a pack's metadata names;
+smoke's shipped prompts checked against a calibration file by SmolLM2's tokenizer (files only), and smoke's
+figures and verdicts without its flagged prompts, on answers built by hand."""
 
 from __future__ import annotations
 
@@ -8,13 +10,32 @@ import json
 import numpy as np
 import pytest
 
-from evalsuite.calibration import CalibrationSet, calibration_texts, named_calibration_data, ngram_hashes
+from evalsuite.backends.options import BackendOptions
+from evalsuite.calibration import (
+    CalibrationSet,
+    calibration_set,
+    calibration_texts,
+    named_calibration_data,
+    ngram_hashes,
+    token_ids,
+)
+from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
+from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8
+from evalsuite.side import Side
+from evalsuite.spec import default_spec_path, load_spec
+from evalsuite.task import RunContext
+from evalsuite.tasks.calibration_overlap import Overlap, overlap_metrics
+from evalsuite.tasks.smoke import Smoke, SmokeSpec, prompt_ids
+from tests.unit.test_vision_case_checks import answer_observation, flagging, forced_observation
+
+SMOKE = load_spec(SmokeSpec, default_spec_path("smoke"))
+# Under SmolLM2's tokenizer: a prompt of 7 tokens, and a chat of 30 whose every turn is shorter than 13.
+SHORT, CHAT = "capital-france", "chat-favourite-colour"
 
 
 def _set(*sequences: np.ndarray) -> CalibrationSet:
-    hashes = np.unique(np.concatenate([ngram_hashes(s) for s in sequences]))
-    return CalibrationSet("test", "0" * 64, len(sequences), sum(len(s) for s in sequences), hashes)
+    return CalibrationSet.of_texts(sequences, "test", "0" * 64)
 
 
 def test_a_shared_13_gram_covers_its_13_tokens_and_a_shared_12_gram_none():
@@ -27,6 +48,19 @@ def test_a_shared_13_gram_covers_its_13_tokens_and_a_shared_12_gram_none():
     both = _set(evaluated[0:14], evaluated[30:40])
     assert np.flatnonzero(both.overlapping(evaluated)).tolist() == list(range(0, 14))
     assert both.shares([evaluated, evaluated[:13], np.arange(5)]).tolist() == [14 / 40, 1.0, 0.0]
+
+
+def test_a_unit_shorter_than_13_tokens_overlaps_where_it_lies_whole_inside_one_calibration_text():
+    unit = np.arange(50, 56)  # 6 token ids
+    inside = _set(np.arange(200, 240), np.concatenate([[1, 2], unit, [3]]))
+    assert inside.overlapping(unit).tolist() == [True] * 6 and inside.shares([unit]).tolist() == [1.0]
+    # The same six tokens split across two texts (end to end in the set's ids): in no one text whole.
+    split = _set(np.concatenate([[1, 2], unit[:3]]), np.concatenate([unit[3:], [3]]))
+    assert not split.overlapping(unit).any() and split.shares([unit]).tolist() == [0.0]
+    # Five of the six, or the six in another order: no overlap either; a window-length unit is unchanged.
+    assert not _set(np.concatenate([[1], unit[:5], [3]])).overlapping(unit).any()
+    assert not _set(unit[::-1]).overlapping(unit).any()
+    assert not inside.overlapping(np.concatenate([unit, np.arange(300, 310)])).any()
 
 
 def test_ngram_hashes_tell_apart_what_differs_in_one_token_or_its_order():
@@ -47,7 +81,7 @@ def test_calibration_files_of_chats_documents_or_text_give_their_texts(tmp_path)
         + "\n",
         encoding="utf-8",
     )
-    assert calibration_texts(chats) == ["q", "a"]
+    assert calibration_texts(chats) == ["q\na"]
     docs = tmp_path / "docs.jsonl"
     docs.write_text('{"text": "one"}\n\n{"text": "two"}\n', encoding="utf-8")
     assert calibration_texts(docs) == ["one", "two"]
@@ -84,3 +118,118 @@ def test_the_data_a_packs_metadata_names_is_read_where_it_is_a_file_on_disk(tmp_
     nothing = tmp_path / "nothing"
     nothing.mkdir()
     assert named_calibration_data(nothing) == (None, None)
+
+
+@pytest.fixture
+def smollm2_sides(smollm2_pair) -> tuple[Side, Side]:
+    return (
+        Side("ref", BackendOptions(), checkpoint=Checkpoint.open(smollm2_pair[SMOLLM2_BF16])),
+        Side("ckpt", BackendOptions(), checkpoint=Checkpoint.open(smollm2_pair[SMOLLM2_W4A8])),
+    )
+
+
+def _chats(path, *chats: list[dict[str, str]]):
+    lines = (json.dumps({"messages": [*chat, {"role": "assistant", "content": "Sure."}]}) for chat in chats)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _smoke_overlap(sides: tuple[Side, Side], calibration) -> Overlap:
+    smoke = Smoke(SMOKE, RunContext(calibration_file=calibration))
+    smoke.prepare(*sides)
+    assert smoke.overlap is not None
+    return smoke.overlap
+
+
+def test_a_calibration_file_holding_two_shipped_smoke_prompts_flags_exactly_those_two(
+    smollm2_sides, tmp_path
+):
+    """A short prompt that is a calibration chat's user turn, and a three-turn chat prompt a calibration chat
+    holds (no turn of it 13 tokens long): both flagged, whole; a file of other chats flags nothing, though it
+    holds the chat template's default system prompt and role markers, which every templated prompt has."""
+    prompts = {p.id: p for p in SMOKE.prompts}
+    tokenizer = smollm2_sides[0].tokenizer
+    short, chat = (len(token_ids(tokenizer, prompts[name].text())) for name in (SHORT, CHAT))
+    assert short < 13 <= chat
+    assert all(len(token_ids(tokenizer, m.content)) < 13 for m in prompts[CHAT].messages or [])
+    other = [{"role": "user", "content": "Tell me about rivers in Europe and where they flow."}]
+    holding = _chats(tmp_path / "holding.jsonl", other, prompts[SHORT].chat(), prompts[CHAT].chat())
+    overlap = _smoke_overlap(smollm2_sides, holding)
+    flagged = {overlap.labels[i]: float(overlap.shares[i]) for i in np.flatnonzero(overlap.flagged)}
+    assert flagged == {SHORT: 1.0, CHAT: 1.0}
+    m = overlap_metrics(overlap)
+    assert m["calibration_flagged_prompts"] == 2 and m["calibration_flagged_prompt_list"] == f"{SHORT},{CHAT}"
+    assert m["calibration_source"] == str(holding) and m["calibration_tokens"] > 0
+    rendered = tokenizer.apply_chat_template(other, tokenize=False, add_generation_prompt=True)
+    assert "You are a helpful AI assistant" in rendered  # the boilerplate every templated prompt begins with
+    disjoint = tmp_path / "disjoint.jsonl"
+    disjoint.write_text(json.dumps({"text": rendered * 3}) + "\n", encoding="utf-8")
+    # The prompts as the model reads them (through the template) would overlap it; their own words do not.
+    templated = prompt_ids(smollm2_sides[0], prompts[SHORT])
+    assert calibration_set(disjoint, tokenizer).shares([np.asarray(templated)])[0] > 0.5
+    clear = _smoke_overlap(smollm2_sides, disjoint)
+    assert not clear.flagged.any() and clear.shares.max() == 0.0
+    assert overlap_metrics(clear)["calibration_flagged_prompt_list"] == ""
+
+
+def _smoke_observed(ref_answers: list[str], ckpt_answers: list[str], far: int) -> dict:
+    """Both sides forced along answers of 4 tokens per prompt that agree everywhere; the candidate's
+    distribution moved (KLD > 0) on the answer of prompt `far` only."""
+    n = len(ref_answers)
+    forced = forced_observation(n, reference=False)
+    rows = slice(4 * far, 4 * far + 4)
+    forced.arrays["at_top"][rows] = np.roll(forced.arrays["at_top"][rows], 1, axis=1)
+    return {
+        "answers": answer_observation(ref_answers, {}),
+        "forced-ref": forced_observation(n, reference=True),
+        "forced": forced,
+        "continued": answer_observation(ckpt_answers, {}),
+    }
+
+
+def test_smoke_without_its_flagged_prompts_gives_the_clean_figures_and_both_verdicts(tmp_path):
+    """Three prompts; the candidate answers the first wrongly (a check fails) and only there moves its
+    distribution. Flagged, the first is left out of every clean_ figure and check: the verdict without it
+    passes, the run's verdict still fails."""
+    spec = SmokeSpec.model_validate(
+        {
+            "thresholds": {"ref_pass_ckpt_fail": {"max": 0}, "diverged_outside_top5": {"max": 0}},
+            "prompts": [
+                {"id": i, "category": "factual", "prompt": q, "max_new_tokens": 24, "expect": e}
+                for i, q, e in (
+                    ("france", "What is the capital of France?", "paris"),
+                    ("japan", "What is the capital of Japan?", "tokyo"),
+                    ("add", "What is 2 + 2?", "4"),
+                )
+            ],
+        }
+    )
+    smoke = Smoke(spec, RunContext())
+    smoke.overlap = flagging("prompt", ("france", "japan", "add"), "france")
+    observed = _smoke_observed(["Paris.", "Tokyo.", "4"], ["London.", "Tokyo.", "4"], far=0)
+    result = smoke.compare(observed, tmp_path)
+    m = result.metrics
+    assert (m["n_prompts"], m["ref_pass"], m["ckpt_pass"], m["ref_pass_ckpt_fail"]) == (3, 3, 2, 1)
+    clean = ("clean_n_prompts", "clean_ref_pass", "clean_ckpt_pass", "clean_ref_pass_ckpt_fail")
+    assert tuple(m[k] for k in clean) == (2, 2, 2, 0)
+    assert m["clean_diverged_outside_top5"] == m["diverged_outside_top5"] == 0
+    assert (m["survival_8_n"], m["clean_survival_8_n"]) == (3, 2) and m["clean_survival_8"] == 1.0
+    assert m["clean_survival_8_lower95"] < m["survival_8_lower95"] < 1.0  # fewer prompts, a wider interval
+    assert m["kld_mean"] > 0.0 and m["clean_kld_mean"] == 0.0 and m["clean_answer_tokens"] == 8
+    passed = {c.name: c.passed for c in result.checks}
+    assert passed == {
+        "ref_pass_ckpt_fail": False,
+        "diverged_outside_top5": True,
+        "clean_ref_pass_ckpt_fail": True,
+        "clean_diverged_outside_top5": True,
+    }
+    assert (m["verdict_with_flagged"], m["verdict_without_flagged"]) == ("fail", "pass")
+    assert result.status == "fail"
+    rows = [r for r in result.details if r.get("table")]
+    assert rows == [
+        {"table": "overlapping the calibration set (flagged)", "prompt": "france", "overlap share": 1.0}
+    ]
+    # Every prompt flagged: nothing is left to judge without them.
+    smoke.overlap = flagging("prompt", ("france", "japan", "add"), "france", "japan", "add")
+    m = smoke.compare(observed, tmp_path).metrics
+    assert m["clean_note"] == "every prompt overlaps the calibration set" and "clean_n_prompts" not in m

@@ -14,6 +14,7 @@ from evalsuite.observation import Observation
 from evalsuite.run_report import render_markdown
 from evalsuite.spec import default_spec_path, load_spec
 from evalsuite.task import RunContext, TaskResult
+from evalsuite.tasks.calibration_overlap import CalibrationOptions, Overlap
 from evalsuite.tasks.vision import Vision, VisionSpec
 
 SPEC_TEXT = default_spec_path("vision").read_text()
@@ -34,7 +35,7 @@ def _logp(rows: int, seed: int = 0) -> np.ndarray:
     return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
 
 
-def _answers(texts: list[str], about: dict) -> Observation:
+def answer_observation(texts: list[str], about: dict) -> Observation:
     """The reference's answers (or the candidate's continuations), one of 4 tokens per case."""
     n = len(texts)
     return Observation(
@@ -49,7 +50,7 @@ def _answers(texts: list[str], about: dict) -> Observation:
     )
 
 
-def _forced(n: int, reference: bool) -> Observation:
+def forced_observation(n: int, reference: bool) -> Observation:
     """Forced rows of `n` cases that agree with the answers everywhere (each answer token the top)."""
     lp = np.tile(_logp(4), (n, 1))
     tokens = np.tile(np.arange(4), n)
@@ -118,10 +119,10 @@ def observed(
     }
     ones = np.ones((6, 4), np.float32)
     return {
-        "answers": _answers([answers.get(c, (SAME, SAME))[0] for c in run], about),
-        "continued": _answers([answers.get(c, (SAME, SAME))[1] for c in run], {}),
-        "forced-ref": _forced(len(run), reference=True),
-        "forced": _forced(len(run), reference=False),
+        "answers": answer_observation([answers.get(c, (SAME, SAME))[0] for c in run], about),
+        "continued": answer_observation([answers.get(c, (SAME, SAME))[1] for c in run], {}),
+        "forced-ref": forced_observation(len(run), reference=True),
+        "forced": forced_observation(len(run), reference=False),
         "features:ref": Observation(name="f", arrays={f"features-{c}": ones for c in run}),
         "features:ckpt": Observation(name="f", arrays={f"features-{c}": features.get(c, ones) for c in run}),
     }
@@ -266,6 +267,57 @@ def test_report_shows_each_picture_in_its_row_beside_both_answers(vision, tmp_pa
     assert '<img src="artifacts/vision_video_frames.png" alt="vision_video_frames" width="240">' in row
     assert row.count("left to right") == 2  # both answers beside the picture
     assert report.count("artifacts/vision_slices.png") == 1  # in its row, not listed again below
+
+
+def flagging(unit: str, labels: tuple[str, ...], *names: str) -> Overlap:
+    """An overlap with the calibration set of the units `labels` (prompt ids, case names) that flags those
+    named, each held whole."""
+    flagged = np.array([label in names for label in labels])
+    return Overlap(
+        unit,
+        flagged.astype(np.float64),
+        flagged,
+        np.full(len(labels), 14),
+        CalibrationOptions(),
+        source="calibration.jsonl",
+        sha256="0" * 64,
+        n_tokens=100,
+        labels=labels,
+        named=True,
+    )
+
+
+def test_the_verdict_without_a_flagged_case_is_that_of_the_other_cases_checks(vision, tmp_path):
+    """The candidate loses the video's answer: flagging the video's question leaves a passing verdict without
+    it; flagging another case does not; the single image owns the unprefixed checks."""
+    lost = {"video": ("It moves from left to right.", "It moves left.")}
+    vision.overlap = flagging("case", CASES, "video")
+    result = vision.compare(observed(vision, answers=lost), tmp_path / "a")
+    m = result.metrics
+    assert result.status == "fail"  # the run's own verdict still counts every case
+    assert m["calibration_flagged_cases"] == 1 and m["calibration_flagged_case_list"] == "video"
+    assert (m["verdict_with_flagged"], m["verdict_without_flagged"]) == ("fail", "pass")
+    rows = [r for r in result.details if r.get("table", "").startswith("overlapping the calibration set")]
+    assert rows == [
+        {"table": "overlapping the calibration set (flagged)", "case": "video", "overlap share": 1.0}
+    ]
+    vision.overlap = flagging("case", CASES, "chart")
+    m = vision.compare(observed(vision, answers=lost), tmp_path / "b").metrics
+    assert (m["verdict_with_flagged"], m["verdict_without_flagged"]) == ("fail", "fail")
+    # The single image's answer lost: its unprefixed checks (ckpt_pass) are left out with it.
+    unseen = {"image": ("A red square and a blue circle.", "Nothing.")}
+    vision.overlap = flagging("case", CASES, "image")
+    m = vision.compare(observed(vision, answers=unseen), tmp_path / "c").metrics
+    assert (m["verdict_with_flagged"], m["verdict_without_flagged"]) == ("fail", "pass")
+    vision.overlap = flagging("case", CASES, "slices")
+    m = vision.compare(observed(vision, answers=unseen), tmp_path / "d").metrics
+    assert (m["verdict_with_flagged"], m["verdict_without_flagged"]) == ("fail", "fail")
+    vision.overlap = flagging("case", CASES, *CASES)
+    m = vision.compare(observed(vision, answers=lost), tmp_path / "e").metrics
+    assert m["clean_note"] == "every case overlaps the calibration set" and "verdict_without_flagged" not in m
+    vision.overlap = flagging("case", CASES)
+    m = vision.compare(observed(vision, answers=lost), tmp_path / "f").metrics
+    assert m["calibration_flagged_cases"] == 0 and "verdict_without_flagged" not in m
 
 
 @pytest.mark.parametrize(
