@@ -77,12 +77,24 @@ def observe_all(
                     # Wall seconds of each observation (a layer pass names all that rode it): what a bench
                     # divides by a decoding's forwards, or a pass's layers. Not part of any key or verdict.
                     entry["seconds"] = seconds
+                    # The process's peak resident memory so far: a load that raised it is the one whose
+                    # observations hold the run's peak (what a bench reads to say where memory goes).
+                    entry["peak_rss_bytes"] = peak_rss_bytes()
                     log.append(entry)
             finally:
                 backend.close()
                 # The next side loads into what this one leaves: its freed heaps go back to the system first.
                 release_freed_memory()
     return observed
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far, in bytes (Linux reports kibibytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def _passes(

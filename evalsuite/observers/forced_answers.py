@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from evalsuite.backends.c_heap import release_freed_memory
 from evalsuite.backends.layer_pass import PassSequence, QuietVisitor, observe_alone
 from evalsuite.errors import InputError
 from evalsuite.observation import Observation
@@ -176,6 +177,10 @@ class _Forced:
                         f"{len(sequence.targets)} tokens"
                     )
                 save_window_part(folder, i, self.reduce(i, logits, sequence, inputs))
+                # Each answer's vocabulary-wide temporaries handed back (`WindowLogits.record`): an answer
+                # of a few dozen tokens makes them below glibc's mmap threshold, in the heaps.
+                del logits
+                release_freed_memory()
             step()
         arrays = joined_window_parts(folder, len(sequences)) if sequences else {}
         lengths = [len(s.targets) for s in sequences]

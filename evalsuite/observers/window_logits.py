@@ -19,6 +19,7 @@ import torch
 from pydantic import model_validator
 
 from evalsuite import logit_rows, metrics
+from evalsuite.backends.c_heap import release_freed_memory
 from evalsuite.backends.layer_pass import LayerVisitor, QuietVisitor
 from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
@@ -290,6 +291,7 @@ class WindowLogits(WindowObserver):
                 # the next forward, it is finished before that forward starts.
                 writer.write(w, rows)
                 scores[w] = self._window_scores(rows.split(self.chunk_rows), windows[w], positions)
+                release_freed_memory()  # the window's temporaries, as `record` hands back each block's
                 if not core_left_for_writing(logits):
                     writer.flush()
                 step()
@@ -337,6 +339,11 @@ class WindowLogits(WindowObserver):
         for block in read_rows(window_paths(obs), self.chunk_rows):
             for k, v in compact_rows(log_softmax64(block), opts, generator).items():
                 parts[k].append(v)
+            # A block's vocabulary-wide temporaries (32 MB each at 248 k) are served from the heaps, between
+            # the small parts that live on: freed, they are holes the next block's do not fit, and the heaps
+            # grew by about a block each time (several GB over the protocol's windows at 248 k). Handed back
+            # to the system after each block, they cost a page fault each and no memory.
+            release_freed_memory()
         arrays = {k: torch.cat(v).numpy() for k, v in parts.items()}
         arrays.update(nll=obs.arrays["nll"], top=obs.arrays["top"])
         meta = {**obs.meta, "kind": "recorded", "top_k": opts.top_k, "tail_samples": opts.tail_samples}

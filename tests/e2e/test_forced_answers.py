@@ -185,6 +185,10 @@ def test_a_streamed_run_of_ppl_smoke_and_vision_skips_nothing_and_equals_the_loa
     # of each decoding (the reference's answers; the candidate's continuations after a divergence), plus, on
     # the candidate's side, one pass forcing each task's continuations (its decoding paths' difference).
     entries = {e["side"]: e for e in streamed.results["model_loads"]}
+    # The process's peak so far, after each load: never falling, so the first load at the largest is where
+    # the run's peak was reached.
+    peaks = [e["peak_rss_bytes"] for e in streamed.results["model_loads"]]
+    assert peaks == sorted(peaks) and peaks[0] > 0, peaks
     continuations = sum(name.endswith("continuations") for name in entries["ckpt"]["observations"])
     for side, passes in (("ref", 1), ("ckpt", 1 + continuations)):
         entry = entries[side]
