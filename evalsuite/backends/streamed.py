@@ -167,6 +167,27 @@ class _ReadPerCall(_StandIn):
             backend.layers[index] = self
 
 
+@contextlib.contextmanager
+def _decoding_as_loaded(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """The decoding steps of `generate` run the MoE experts' implementation a loaded model on `device` runs.
+
+    Transformers switches a model's experts from `grouped_mm` to `batched_mm` for the decoding steps unless
+    the model is on the CPU, and asks the model's first parameter where it is: a streamed model's is often
+    still on the meta device (a vision tower read at the first image), so on the CPU it switched where a
+    loaded model does not. `batched_mm` gathers each routed expert's weights once per token (1.5 GB a layer
+    for a step of 32 prompts at MiniCPM-V 4.7's widths) and need not give `grouped_mm`'s bits. On the CPU
+    the switch is left out, as it is for a loaded model; elsewhere both switch."""
+    if device.type != "cpu":
+        yield
+        return
+    # An instance attribute shadows the method for this model alone (`transformers_internals` checks it).
+    model._optimize_model_for_decode = contextlib.nullcontext
+    try:
+        yield
+    finally:
+        del model._optimize_model_for_decode
+
+
 class StreamedBackend:
     """A side executed one decoder layer at a time (module docstring), by backend `hf`, `intref` or `exl3`.
 
@@ -438,7 +459,8 @@ class StreamedBackend:
         for index, layer in enumerate(real):
             self.layers[index] = _ReadPerCall(layer, index, self)
         try:
-            return greedy_batch(self.model, self.device, prompts, max_new_tokens, top_k, full_steps)
+            with _decoding_as_loaded(self.model, self.device):
+                return greedy_batch(self.model, self.device, prompts, max_new_tokens, top_k, full_steps)
         finally:
             for index in range(self.n_layers):
                 stand_in = self.layers[index]

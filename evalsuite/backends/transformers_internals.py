@@ -34,6 +34,8 @@ STREAMED_INTERNALS = (
     ("transformers.core_model_loading", "WeightRenaming"),
     ("transformers.core_model_loading", "rename_source_key"),
     ("transformers.core_model_loading", "convert_and_load_state_dict_in_model"),
+    # Left out for a streamed decoding on the CPU, as a loaded model's own device leaves it out.
+    ("transformers.generation.utils", "GenerationMixin._optimize_model_for_decode"),
 )
 # A compressed-tensors checkpoint streamed: each layer decompressed by the function its loader's hook applies.
 STREAMED_COMPRESSED_INTERNALS = (

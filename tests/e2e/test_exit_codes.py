@@ -90,8 +90,11 @@ def test_ctrl_c_exits_130(tiny_pair, tmp_path, monkeypatch):
 
 def test_a_missing_transformers_internal_is_refused_before_any_model_loads(tiny_pair, tmp_path, monkeypatch):
     import transformers.core_model_loading
+    import transformers.modeling_utils  # imported as in a release lacking the function
 
-    # A Transformers release without one of the private loading functions streaming calls.
+    # A Transformers release without one of the private loading functions streaming calls. Deleted before
+    # modeling_utils is first imported (this test alone), it would fail that import, and every internal
+    # looked up in modeling_utils would be named missing.
     monkeypatch.delattr(transformers.core_model_loading, "rename_source_key")
     args = ["run", "--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16], "--tasks", "ppl",
             "--stream", "--corpus", "python-docs", "--out", tmp_path / "run", "--quiet"]  # fmt: skip

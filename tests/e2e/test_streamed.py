@@ -265,14 +265,21 @@ def test_a_streamed_side_reads_its_vision_tower_at_the_first_image_only(
 def test_a_streamed_decoding_reads_routed_experts_once_a_forward_and_leaves_no_hook_behind(tiny_pair, side):
     """Each decoding forward reads, of a layer's routed experts, those its tokens route to, through a hook
     of that read alone: the BF16 side keeps its layer modules between reads, and a hook left from an earlier
-    forward read its experts again at every later one (the reads grew with the answer's length). The
-    answers are those of the side's own loaded `generate`."""
+    forward read its experts again at every later one (the reads grew with the answer's length). Every
+    forward runs the experts as a loaded model on the CPU does, and the answers are those of the side's own
+    loaded `generate`."""
     checkpoint = Checkpoint.open(tiny_pair[side])
     backend = StreamedBackend(checkpoint, BackendOptions(stream=True))
     prompt = {"input_ids": torch.tensor([[5, 17, 99, 3, 42, 7]])}
     read_by: list[int] = []  # what the decoding had read when each forward reached the head
+    experts_run: set[str] = set()  # the MoE experts' implementation each forward ran
+
+    def at_head(*_: object) -> None:
+        read_by.append(backend.generation_bytes)
+        experts_run.add(backend.model.get_experts_implementation()["text_config"])
+
     head = backend.model.get_output_embeddings()
-    handle = head.register_forward_pre_hook(lambda *_: read_by.append(backend.generation_bytes))
+    handle = head.register_forward_pre_hook(at_head)
     try:
         streamed = backend.generate_greedy_batch([prompt], [6], 5, 0)[0]
     finally:
@@ -281,6 +288,9 @@ def test_a_streamed_decoding_reads_routed_experts_once_a_forward_and_leaves_no_h
     assert experts and all(not m._forward_pre_hooks for m in experts)
     assert all(m.num_experts == backend.model.config.get_text_config().num_experts for m in experts)
     assert backend.generation_forwards == len(read_by) == 6
+    # A loaded model on the CPU decodes with the experts' `grouped_mm`; Transformers switched a streamed one
+    # (its first parameter on the meta device) to `batched_mm` for the decoding steps.
+    assert experts_run == {"grouped_mm"}
     # The prompt's six tokens route to more experts than one new token: each later forward reads less.
     reads = [b - a for a, b in zip([0, *read_by], read_by, strict=False)]
     assert all(0 < step < reads[0] <= sum(backend.layer_bytes) for step in reads[1:]), reads
