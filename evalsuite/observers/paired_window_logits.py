@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from evalsuite.backends.c_heap import release_freed_memory
 from evalsuite.errors import InputError
 from evalsuite.logit_rows import target_nll
 from evalsuite.observation import Observation
@@ -130,6 +131,10 @@ class PairedWindowLogits(WindowLogits):
         nll = target_nll(arrays.pop("ckpt_log_norm"), numpy_rows(rows), targets)
         top = arrays["top_ckpt"][:, 0].astype(np.int64)
         save_window_part(folder, w, {**arrays, "nll": nll, "top": top})
+        # The comparison's vocabulary-wide blocks, freed in the heaps of the threads that made them, handed
+        # back as `WindowLogits` hands back a window's (`c_heap.release_freed_memory`).
+        del ref_rows, rows
+        release_freed_memory()
 
 
 def pair_rows(ref_rows: torch.Tensor, ckpt_rows: torch.Tensor) -> dict[str, np.ndarray]:
