@@ -37,11 +37,34 @@ from evalsuite.fixtures import (
 from evalsuite.fixtures.cache import build_lock, write_json
 from tests.format_evidence import (  # noqa: F401 (hooks: the evidence behind docs/formats.md's table)
     pytest_addoption,
-    pytest_collection_modifyitems,
     pytest_configure,
     pytest_runtest_logreport,
     pytest_sessionfinish,
 )
+from tests.format_evidence import pytest_collection_modifyitems as mark_format_evidence
+
+# The test files whose module fixtures take longest, handed to the xdist workers first (`--dist loadfile`
+# hands out files in collection order): a worker's last file is then a short one and both finish together,
+# where one used to run a long file alone at the end. Every other file keeps its order; the tests pass in any.
+LONGEST_FIRST = (
+    "tests/e2e/test_llamacpp.py",
+    "tests/e2e/test_interrupt.py",
+    "tests/e2e/test_lmeval.py",
+    "tests/e2e/test_layer_pass.py",
+    "tests/e2e/test_intref.py",
+    "tests/e2e/test_exl3.py",
+    "tests/e2e/test_forced_answers.py",
+    "tests/e2e/test_moe.py",
+    "tests/e2e/test_smoke_vision.py",
+    "tests/e2e/test_streamed.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mark_format_evidence(config, items)
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
+
 
 FIXTURES = Path(
     os.environ.get("EVALSUITE_TEST_FIXTURES", Path.home() / ".cache" / "evalsuite" / "test-fixtures")
