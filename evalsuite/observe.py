@@ -89,12 +89,18 @@ def observe_all(
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far, in bytes (Linux reports kibibytes)."""
+    """This process's peak resident set size so far, in bytes: Linux's VmHWM, which belongs to this process
+    image (its `ru_maxrss` carries the parent's peak across fork and exec, so a run started by a large
+    process would report that one's); `ru_maxrss` elsewhere (bytes on macOS)."""
     import resource
     import sys
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def _passes(
