@@ -151,7 +151,7 @@ def run_cli(
 def assert_ppl_refused_before_any_load(ckpt: Path, ref: Path, out: Path, fragment: str) -> None:
     """`evalsuite run --tasks ppl` of `ckpt` against `ref` into `out`: exit 2, its last stderr line holding
     `fragment`, and no observation begun (refused before any model loads)."""
-    res = run_cli(
+    res = cli_run_in_process(
         "run", "--ckpt", ckpt, "--ref", ref, "--tasks", "ppl", "--corpus", "python-docs", "--out", out,
         "--quiet",
     )  # fmt: skip
@@ -293,9 +293,11 @@ def run_pair(ckpt: Path | str, ref: Path | str, out: Path, tasks: str, *extra: s
 
 
 def rerun(run: Run, out: Path, *args: str | Path) -> Run:
-    """`evalsuite ARGS` in a copy of `run`'s folder: observations whose keys still match are reused."""
+    """`evalsuite ARGS` in a copy of `run`'s folder: observations whose keys still match are reused. It runs
+    through the CLI's entry point in this process (`cli_run_in_process`): a rerun compares what is on disk,
+    and an interpreter's start-up and imports would be most of its time."""
     shutil.copytree(run.out, out)
-    return Run(run_cli(*args, "--out", out, "--quiet"), out)
+    return Run(cli_run_in_process(*args, "--out", out, "--quiet"), out)
 
 
 TINY_TASKS = "ppl,smoke,vision,tensors,intref"
@@ -371,10 +373,11 @@ def smollm2_run(smollm2_pair, tmp_path_factory) -> Run:
     )
 
 
-def cli_in_process(*args: str | Path) -> tuple[int, list[str], str]:
-    """Exit code, stderr lines and stdout of `evalsuite ARGS` run through the CLI's entry point in this
-    process: the same code a user runs, without an interpreter's start-up (seconds each), for the many tests
-    of refusals and file-only checks."""
+def cli_run_in_process(*args: str | Path) -> CliResult:
+    """`evalsuite ARGS` run through the CLI's entry point in this process, as `run_cli` reports a child's:
+    the same code a user runs, without an interpreter's start-up and imports (seconds each), for the many
+    tests of refusals, reruns and file-only checks. Under pytest-xdist this process runs torch on one
+    thread, as `cli_env` gives a child, so an observation's key is the one a child's run would give."""
     import contextlib
     import io
 
@@ -383,7 +386,14 @@ def cli_in_process(*args: str | Path) -> tuple[int, list[str], str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
         main([str(a) for a in args])
-    return stop.value.code, [line for line in err.getvalue().splitlines() if line.strip()], out.getvalue()
+    return CliResult(stop.value.code, out.getvalue(), err.getvalue())
+
+
+def cli_in_process(*args: str | Path) -> tuple[int, list[str], str]:
+    """Exit code, non-blank stderr lines and stdout of `evalsuite ARGS` run in this process
+    (`cli_run_in_process`)."""
+    res = cli_run_in_process(*args)
+    return res.returncode, [line for line in res.stderr.splitlines() if line.strip()], res.stdout
 
 
 def assert_refused(code: int, lines: list[str], *fragments: str) -> None:

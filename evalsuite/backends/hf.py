@@ -122,6 +122,10 @@ def transformers_config(checkpoint: Checkpoint, options: BackendOptions) -> tupl
         config = AutoConfig.from_pretrained(str(checkpoint.path), **kwargs)
     except Exception as exc:
         raise InputError(f"Transformers cannot read the config: {first_line(exc)}", checkpoint.path) from None
+    if checkpoint.format == "gguf":
+        # A GGUF file's config is parsed from its whole key-value table, the vocabulary included (seconds for
+        # a large one): `from_pretrained` takes this one rather than parsing the file again.
+        kwargs["config"] = config
     # A pack run from its decoded weights has it added on the decoded modules (`backends.decoded`).
     if options.convention_map.get(ADD_ACTIVATION_QUANTIZATION) and checkpoint.format not in DECODED_FORMATS:
         config.quantization_config = with_activation_quantization(

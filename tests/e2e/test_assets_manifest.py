@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import copy_checkpoint, run_cli
+from tests.conftest import cli_run_in_process, copy_checkpoint, run_cli
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
 
@@ -156,7 +156,7 @@ def test_a_manifest_with_one_wrong_digest_fails_naming_the_file(broken):
 def test_a_bad_manifest_is_refused_with_exit_2_and_one_line(tiny_pair, tmp_path, name, content, fragment):
     ckpt = copy_checkpoint(tiny_pair[TINY_W4A8], tmp_path / "ckpt")
     (ckpt / name).write_text(content.format(sha="0" * 64))
-    res = run_cli(
+    res = cli_run_in_process(
         "run", "--ckpt", ckpt, "--ref", tiny_pair[TINY_BF16], "--tasks", "tensors", "--out", tmp_path / "out"
     )
     assert res.returncode == 2 and len(res.error_lines) == 1, res.stderr

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from evalsuite.corpus import python_docs_text
-from tests.conftest import copy_checkpoint, rerun, run_cli
+from tests.conftest import cli_run_in_process, copy_checkpoint, rerun, run_cli
 
 EXACT = ("ppl_ref", "ppl_ckpt", "same_top_p", "delta_p_mean")
 
@@ -58,7 +58,7 @@ def test_recording_from_another_text_is_refused(tiny_pair, tmp_path):
         "record", "--ckpt", tiny_pair["tiny-minicpmv47-bf16"], "--out", rec, "--text-file", text, "--quiet"
     )
     assert res.returncode == 0, res.stderr
-    res = run_cli(
+    res = cli_run_in_process(
         "run",
         "--ckpt",
         tiny_pair["tiny-minicpmv47-w4a8"],
@@ -80,7 +80,7 @@ def test_recording_with_another_tokenizer_is_refused(tiny_pair, tiny_recording, 
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     tok["model"]["merges"] = tok["model"]["merges"][:-50]
     (ckpt / "tokenizer.json").write_text(json.dumps(tok))
-    res = run_cli(
+    res = cli_run_in_process(
         "run",
         "--ckpt",
         ckpt,
@@ -105,7 +105,7 @@ def test_recording_with_another_spec_is_refused(tiny_pair, tiny_recording, tmp_p
     # As if recorded with another protocol.
     manifest["observations"]["window-logits"]["identity"]["protocol"]["window"] = 256
     (rec / "manifest.json").write_text(json.dumps(manifest))
-    res = run_cli(
+    res = cli_run_in_process(
         "run",
         "--ckpt",
         tiny_pair["tiny-minicpmv47-w4a8"],
@@ -121,7 +121,7 @@ def test_recording_with_another_spec_is_refused(tiny_pair, tiny_recording, tmp_p
 
 
 def test_a_recording_cannot_be_the_candidate(tiny_pair, tiny_recording, tmp_path):
-    res = run_cli(
+    res = cli_run_in_process(
         "run",
         "--ckpt",
         tiny_recording,
