@@ -7,6 +7,7 @@ and freed again. How a streamed pass uses them, and why it is bit-identical to a
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from typing import Any
 
@@ -56,6 +57,30 @@ def decoder_layers(model: nn.Module, checkpoint: Checkpoint) -> tuple[nn.ModuleL
     )
 
 
+def share_quantizer_ops(mapping: list[Any]) -> None:
+    """Make the conversion operations that hold the quantizer be shared, not copied, by the copies
+    Transformers' loading makes of their converter. `convert_and_load_state_dict_in_model` deep-copies a
+    converter once per tensor it is given, so that each target collects its own tensors; an operation that
+    decompresses a pack holds the quantizer (its whole compressed-tensors config, pydantic models) and
+    reads it only, yet it was copied with it: a streamed layer's thousands of expert tensors made as many
+    copies of the config at every forward of a decoding (most of a W4A8 step's Python time at the seed's
+    widths). The operations are this model's own (`get_model_conversion_mapping` builds them for it)."""
+    from transformers.core_model_loading import WeightConverter
+
+    for converter in mapping:
+        if not isinstance(converter, WeightConverter):
+            continue
+        for op in converter.operations:
+            if getattr(op, "hf_quantizer", None) is not None and hasattr(op, "__dict__"):
+                op.__deepcopy__ = functools.partial(_itself, op)
+
+
+def _itself(obj: Any, memo: dict[int, Any]) -> Any:
+    """`copy.deepcopy`'s hook for an object shared by every copy of what holds it."""
+    memo[id(obj)] = obj
+    return obj
+
+
 class TransformersLayers:
     """Backend `hf`, streamed: the skeleton `from_pretrained` builds on the meta device (quantizer applied,
     no tensor data read), its units materialised by Transformers' own loading code (module docstring)."""
@@ -85,6 +110,7 @@ class TransformersLayers:
         self.text = text_modules(self.model)
         dtype = DTYPES[options.dtype]
         mapping = get_model_conversion_mapping(self.model, None, self.quantizer)
+        share_quantizer_ops(mapping)
         self.load_config = LoadStateDictConfig(
             device_map={"": options.device},
             dtype=dtype,

@@ -21,7 +21,7 @@ from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed import StreamedBackend
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_BF16, TINY_EXL3, TINY_W4A8
-from tests.conftest import copy_checkpoint, edit_tensors, run_cli
+from tests.conftest import cli_run_in_process, copy_checkpoint, edit_tensors, run_cli
 
 TWO_WINDOWS = """
 [protocol]
@@ -128,7 +128,7 @@ def test_smollm2_pair_streamed_run_equals_loaded_run_on_every_ppl_and_intref_met
 
 
 def refused(*args) -> str:
-    res = run_cli("run", *args, "--quiet")
+    res = cli_run_in_process("run", *args, "--quiet")
     assert res.returncode == 2, res.stderr
     assert len(res.error_lines) == 1, res.stderr
     return res.error_lines[0]
@@ -298,3 +298,27 @@ def test_a_streamed_decoding_reads_routed_experts_once_a_forward_and_leaves_no_h
     loaded = load_backend(checkpoint, BackendOptions())
     assert streamed.tokens == loaded.generate_greedy(prompt, 6).tokens
     loaded.close()
+
+
+def test_a_streamed_w4a8_decoding_copies_no_quantization_config(tiny_pair, monkeypatch):
+    """Transformers' loading copies a converter for every tensor it is given; the operation that decompresses
+    the pack holds the whole compressed-tensors config, which was copied with it, at every forward of a
+    streamed decoding. It is shared now: a decoding copies none of the config's models, and its answer is
+    unchanged (the test above compares the answers with the loaded model's)."""
+    import pydantic
+
+    backend = StreamedBackend(Checkpoint.open(tiny_pair[TINY_W4A8]), BackendOptions(stream=True))
+    copied: list[str] = []
+    deepcopy = pydantic.BaseModel.__deepcopy__
+
+    def counted(model: pydantic.BaseModel, memo: dict | None = None) -> pydantic.BaseModel:
+        copied.append(type(model).__name__)
+        return deepcopy(model, memo)
+
+    monkeypatch.setattr(pydantic.BaseModel, "__deepcopy__", counted)
+    try:
+        answer = backend.generate_greedy_batch([{"input_ids": torch.tensor([[5, 17, 99, 3]])}], [3], 5, 0)[0]
+    finally:
+        backend.close()
+    assert len(answer.tokens) == 3 and backend.generation_forwards == 3
+    assert copied == []
