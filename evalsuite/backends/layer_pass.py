@@ -235,6 +235,7 @@ def run_layer_pass(
                 sequences.append(sequence)
     mine = [[where[s.key] for s in own] for _, _, own in visitors]
     calls = [sequence.capture(backend) for sequence in sequences]
+    backend.set_aside_vision()  # the captures merged the images' features; the layers never run the tower
     keys = _keys_digest(sequences)
     start, states, progress = _restored(visitors, sequences, calls, backend.device)
     for (visitor, _, _), (done, carry), own in zip(visitors, progress, mine, strict=True):

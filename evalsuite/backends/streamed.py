@@ -455,6 +455,8 @@ class StreamedBackend:
         the layer is the module a loaded model holds, so the answers are a loaded run's of the same batch."""
         if any("pixel_values" in p or any("video" in k for k in p) for p in prompts):
             self._load_vision()
+        else:
+            self.set_aside_vision()  # a text decoding's forwards never run it
         real = list(self.layers)
         for index, layer in enumerate(real):
             self.layers[index] = _ReadPerCall(layer, index, self)
@@ -468,7 +470,7 @@ class StreamedBackend:
                     self.layers[index] = stand_in.__dict__["_replaced"]
 
     def image_features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The vision tower and merger's output: read at the first image, resident from then on."""
+        """The vision tower and merger's output: read at the first image, resident until set aside."""
         self._load_vision()
         return image_features(self.model, self.device, inputs, self.checkpoint)
 
@@ -477,6 +479,16 @@ class StreamedBackend:
             with contextlib.redirect_stderr(io.StringIO()):
                 self.loader.load_vision()
             self._vision_loaded = True
+
+    def set_aside_vision(self) -> None:
+        """Free the vision tower while only text runs (a pass's decoder layers, once its sequences are
+        captured; a decoding without images), to be read again at the next image. At the seed's shape it is
+        as large as a decoder layer, and the candidate's decoding of a batch, the run's peak, holds the
+        layer's routed experts decompressed besides. A loader that cannot read it again keeps it."""
+        free = getattr(self.loader, "free_vision", None)
+        if self._vision_loaded and callable(free) and free():
+            self._vision_loaded = False
+            release_freed_memory()
 
     def close(self) -> None:
         del self.model, self.layers, self.loader

@@ -192,11 +192,24 @@ class TransformersLayers:
         self._decompress(outside)
 
     def load_vision(self) -> None:
-        """What the text path never runs (`stream_units.VISION`), for the rest of the run."""
+        """What the text path never runs (`stream_units.VISION`), until `free_vision`."""
         self._load(self.units.get(VISION, []))
         modules = vision_modules(self.model, self.text)
         self._initialise_buffers(modules)
         self._decompress(modules)
+
+    def free_vision(self) -> bool:
+        """The vision tower's tensors back to the meta device, to be read again by `load_vision`; False
+        (nothing freed) where the pack quantizes a vision module: its decompression rewrote the module, which
+        the files' tensors no longer fit."""
+        from compressed_tensors.quantization.utils import is_module_quantized
+
+        modules = vision_modules(self.model, self.text)
+        if self.compressor is not None and any(is_module_quantized(m) for m in modules):
+            return False
+        for module in modules:
+            _release_tensors(module, keep_computed=True)
+        return True
 
     def load_layer(self, index: int) -> None:
         """Decoder layer `index`, as a loaded model holds it."""

@@ -232,7 +232,8 @@ def test_a_streamed_side_reads_its_vision_tower_at_the_first_image_only(
 ):
     """A text pass never runs the vision tower: streamed, it stays on the meta device (at the real shape it
     is as large as a decoder layer), while the text path outside the layers is resident. At the first image
-    it is read, and its features are those of the loaded model, bit for bit."""
+    it is read, and its features are those of the loaded model, bit for bit. A decoding without images sets
+    it aside (where the loader can read it again), and the next image reads it again: the same features."""
     from evalsuite.multimodal import VisualProcessing
     from evalsuite.spec import default_spec_path, load_spec
     from evalsuite.tasks.vision import VisionSpec, prepare_case
@@ -252,6 +253,10 @@ def test_a_streamed_side_reads_its_vision_tower_at_the_first_image_only(
         assert not model.get_input_embeddings().weight.is_meta
         features = streamed.image_features(tensors)
         assert not any(p.is_meta for p in vision())
+        streamed.generate_greedy_batch([{"input_ids": torch.tensor([[5, 17, 99]])}], [1], 5, 0)
+        # The Transformers loader sets it aside; the integer and EXL3 loaders keep it resident.
+        assert all(p.is_meta for p in vision()) == (backend == "hf")
+        assert torch.equal(streamed.image_features(tensors), features)
     finally:
         streamed.close()
     loaded = load_backend(checkpoint, options)
