@@ -2,10 +2,10 @@
 
 The model is Transformers' own, built on the meta device: no weight is in memory until it is needed. The text
 path outside the decoder layers (embeddings, final norm, head) is materialised once, as one unit; a vision
-tower and its projector at the first image only (`stream_units`); each decoder layer is materialised from the
-safetensors files (only its own tensors, read through `Checkpoint.open_tensors`), every window's hidden
-states are pushed through it, and it is freed before the next one is read. On CUDA the layer is materialised
-on the device and the hidden states stay there.
+tower and its projector at the first image (`stream_units`), set aside again while only text runs; each
+decoder layer is materialised from the safetensors files (only its own tensors, read through
+`Checkpoint.open_tensors`), every window's hidden states are pushed through it, and it is freed before the
+next one is read. On CUDA the layer is materialised on the device and the hidden states stay there.
 
 How the windows go through, with nothing but Transformers' own code computing:
 
