@@ -294,8 +294,9 @@ def run_pair(ckpt: Path | str, ref: Path | str, out: Path, tasks: str, *extra: s
 
 def rerun(run: Run, out: Path, *args: str | Path) -> Run:
     """`evalsuite ARGS` in a copy of `run`'s folder: observations whose keys still match are reused. It runs
-    through the CLI's entry point in this process (`cli_run_in_process`): a rerun compares what is on disk,
-    and an interpreter's start-up and imports would be most of its time."""
+    through the CLI's entry point in this process (`cli_run_in_process`): most reruns only compare what is
+    on disk, where an interpreter's start-up and imports would be most of their time; one that names another
+    candidate (an EXL3 pack, a perturbed copy) observes it here, with the same code a child would run."""
     shutil.copytree(run.out, out)
     return Run(cli_run_in_process(*args, "--out", out, "--quiet"), out)
 
