@@ -156,6 +156,9 @@ class _ReadPerCall(_StandIn):
         backend, index = self.__dict__["_backend"], self.index
         if index == 0:
             backend.generation_forwards += 1
+            # The model merged its images' features before its first decoder layer, and a decoding's later
+            # forwards take no images: the tower is not run again in this decoding.
+            backend.set_aside_vision()
         # The loader materialises the module the model holds at this place: the layer itself, for the call.
         backend.layers[index] = self.__dict__["_replaced"]
         try:
@@ -454,9 +457,7 @@ class StreamedBackend:
         convolution states) are Transformers' own, kept between forwards as in a loaded model's generation;
         the layer is the module a loaded model holds, so the answers are a loaded run's of the same batch."""
         if any("pixel_values" in p or any("video" in k for k in p) for p in prompts):
-            self._load_vision()
-        else:
-            self.set_aside_vision()  # a text decoding's forwards never run it
+            self._load_vision()  # set aside again at the first decoder layer (`_ReadPerCall`)
         real = list(self.layers)
         for index, layer in enumerate(real):
             self.layers[index] = _ReadPerCall(layer, index, self)
@@ -482,7 +483,8 @@ class StreamedBackend:
 
     def set_aside_vision(self) -> None:
         """Free the vision tower while only text runs (a pass's decoder layers, once its sequences are
-        captured; a decoding without images), to be read again at the next image. At the seed's shape it is
+        captured; a decoding, once its first forward has merged the images' features), to be read again at
+        the next image. At the seed's shape it is
         as large as a decoder layer, and the candidate's decoding of a batch, the run's peak, holds the
         layer's routed experts decompressed besides. A loader that cannot read it again keeps it."""
         free = getattr(self.loader, "free_vision", None)

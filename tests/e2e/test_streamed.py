@@ -233,7 +233,9 @@ def test_a_streamed_side_reads_its_vision_tower_at_the_first_image_only(
     """A text pass never runs the vision tower: streamed, it stays on the meta device (at the real shape it
     is as large as a decoder layer), while the text path outside the layers is resident. At the first image
     it is read, and its features are those of the loaded model, bit for bit. A decoding without images sets
-    it aside (where the loader can read it again), and the next image reads it again: the same features."""
+    it aside (where the loader can read it again), and the next image reads it again: the same features. A
+    decoding of an image sets it aside once its first forward has merged the features, and answers as the
+    loaded model does."""
     from evalsuite.multimodal import VisualProcessing
     from evalsuite.spec import default_spec_path, load_spec
     from evalsuite.tasks.vision import VisionSpec, prepare_case
@@ -257,11 +259,14 @@ def test_a_streamed_side_reads_its_vision_tower_at_the_first_image_only(
         # The Transformers loader sets it aside; the integer and EXL3 loaders keep it resident.
         assert all(p.is_meta for p in vision()) == (backend == "hf")
         assert torch.equal(streamed.image_features(tensors), features)
+        answer = streamed.generate_greedy_batch([tensors], [3], 5, 0)[0]
+        assert all(p.is_meta for p in vision()) == (backend == "hf")
     finally:
         streamed.close()
     loaded = load_backend(checkpoint, options)
     try:
         assert torch.equal(features, loaded.image_features(tensors))
+        assert loaded.generate_greedy_batch([tensors], [3], 5, 0)[0].tokens == answer.tokens
     finally:
         loaded.close()
 
