@@ -373,8 +373,10 @@ def divergences(ref: Observation, ckpt: Observation, noise: float = 0.0) -> list
 class Continuations:
     """Observer of the candidate: its own greedy answer to each prompt where it parts from the reference's
     (`divergences`), decoded from the prompt, the reference's answer up to the divergence and the candidate's
-    token there, in batches (`evalsuite.observers.greedy_answers`); where it does not part, its answer is the
-    reference's. The observation holds every prompt's answer, as an observation of answers does."""
+    token there, in batches of like budgets (`evalsuite.observers.greedy_answers.batches`): its answers are
+    decoded again every run, the reference's often replayed, and a batch runs for its largest budget. Where
+    it does not part, its answer is the reference's. The observation holds every prompt's answer, as an
+    observation of answers does."""
 
     name = "continuations"
     what = "continuations after a divergence"
@@ -385,7 +387,7 @@ class Continuations:
             self.name = f"{task}-{type(self).name}"
 
     def identity(self) -> dict[str, Any]:
-        return {"top_k": self.top_k, "batch": self.batch}
+        return {"top_k": self.top_k, "batch": self.batch, "batches": "by-budget"}
 
     def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
         observed = inputs.get("observed") or {}
@@ -411,7 +413,8 @@ class Continuations:
                 }
             )
         step = progress(self.what, len(continued))
-        docs, _ = decoded(backend, continued, batches(continued, self.batch), folder, self.top_k, 0, step)
+        groups = batches(continued, self.batch, by_budget=True)
+        docs, _ = decoded(backend, continued, groups, folder, self.top_k, 0, step)
         after = dict(zip(todo, docs, strict=True))
         noise = self._path_noise(backend, continued, docs, folder)
         documents = []
