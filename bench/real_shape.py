@@ -47,7 +47,8 @@ A streamed decoding reads every decoder layer (of a MoE layer, the experts its t
 so on the wide pair a forward costs seconds: `--prompts N` (and `--cases M`) runs `smoke` on its first N
 prompts and `vision` on its first M cases (its single image kept), enough to measure a forward's cost, and the
 extrapolation counts the whole sets' forwards (per smoke batch its longest answer, per vision case its own:
-the random pair's answers all run to their limit and all part from the reference's) at that cost. Where only
+the random pair's answers all run to their limit and all part from the reference's) at that cost, each side in
+its own batches (the reference's by prompt length, the candidate's continuations by budget). Where only
 the observed validation was measured, the replayed one and the recording are derived from it by side (the
 reference's observations are the recording; the rest is what a replay still runs), and said so.
 
@@ -120,7 +121,7 @@ SEED_RUNS = {
 SEED_GOALS = {"validation-replayed": "<= 30"}
 EXL3_VALIDATION = ("tensors", "ppl")
 # `--prompts N`: smoke's and vision's specs cut to their first N prompts and cases, by task (set by `main`);
-# the decoding's seconds are then scaled to the whole sets' forwards (`decoding_scale`).
+# the decoding's seconds are then scaled to the whole sets' forwards (`decoding_scale`, by side).
 SUBSET_SPECS: dict[str, Path] = {}
 
 
@@ -419,9 +420,14 @@ def decoding_at_depth(
         decoding = run["decoding"]
     decoded = sum(d["seconds"] for d in decoding.values())
     # Run on a cut of the prompt sets: the whole sets' decoding forwards, each at the measured cost.
-    whole = doc.get("decoding_scale", 1.0)
+    scales = doc.get("decoding_scale", 1.0)
+
+    def whole(side: str) -> float:
+        # A float: a JSON from before each side had its own batches.
+        return float(scales[side] if isinstance(scales, dict) else scales)
+
     seconds_40 = (run["seconds"] - decoded) * scale + sum(
-        d["seconds"] * layers_40[side_of[side]] * whole for side, d in decoding.items()
+        d["seconds"] * layers_40[side_of[side]] * whole(side) for side, d in decoding.items()
     )
     per_forward = {
         side: {
@@ -436,7 +442,8 @@ def decoding_at_depth(
     # The reference's side alone at 40 layers: what a recording of it costs, and what a replay saves.
     ref_40 = None
     if ref is not None and spec.kind != "record":
-        ref_40 = (ref["side_seconds"] - ref["seconds"]) * scale + ref["seconds"] * layers_40["ref"] * whole
+        own = ref["seconds"] * layers_40["ref"] * whole("ref")
+        ref_40 = (ref["side_seconds"] - ref["seconds"]) * scale + own
     return {
         "ref_side_seconds": ref_40,
         "seconds": seconds_40,
@@ -793,8 +800,9 @@ def main() -> int:
         subset_root = Path(tempfile.mkdtemp(prefix="evalsuite-bench-subset-"))
         cases = options.prompts if options.cases is None else options.cases
         SUBSET_SPECS.update(subset_specs(subset_root, options.prompts, cases))
-        full, cut = decoding_forwards(folders["ref"], {}), decoding_forwards(folders["ref"], SUBSET_SPECS)
-        doc["decoding_scale"] = full / cut
+        full = {side: decoding_forwards(folders["ref"], {}, side == "ckpt") for side in ("ref", "ckpt")}
+        cut = {side: decoding_forwards(folders["ref"], SUBSET_SPECS, side == "ckpt") for side in full}
+        doc["decoding_scale"] = {side: full[side] / cut[side] for side in full}
         doc["decoding_subset"] = {
             "prompts": options.prompts,
             "cases": cases,
@@ -823,11 +831,11 @@ def subset_specs(folder: Path, prompts: int, cases: int) -> dict[str, Path]:
     return out
 
 
-def decoding_forwards(ref: Path, specs: dict[str, Path]) -> int:
+def decoding_forwards(ref: Path, specs: dict[str, Path], by_budget: bool = False) -> int:
     """The forwards a reference's greedy answers take under these specs (else the shipped ones): per smoke
     batch its longest `max_new_tokens` (the random wide pair never stops early), per vision case its own
-    and the single image's (each decoded alone). A candidate whose every answer parts from the reference's
-    decodes as many."""
+    and the single image's (each decoded alone). `by_budget`: in the batches of a candidate's continuations,
+    which, where every answer parts from the reference's at its first token, decode as many tokens."""
     from evalsuite.observers.greedy_answers import batches
     from evalsuite.side import open_side
     from evalsuite.tasks.smoke import prompt_ids
@@ -838,7 +846,7 @@ def decoding_forwards(ref: Path, specs: dict[str, Path]) -> int:
     prompts = [{"ids": prompt_ids(side, p), "max_new_tokens": p.max_new_tokens} for p in smoke.prompts]
     forwards = sum(
         max(prompts[i]["max_new_tokens"] for i in members)
-        for members in batches(prompts, smoke.generation.batch)
+        for members in batches(prompts, smoke.generation.batch, by_budget=by_budget)
     )
     vision = load_spec(VisionSpec, specs.get("vision", default_spec_path("vision")))
     own = vision.generation.max_new_tokens  # the single image, then each case
