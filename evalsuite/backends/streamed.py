@@ -378,6 +378,7 @@ class StreamedBackend:
             self.capture_inputs(inputs) if len(inputs) > 2 else self.capture(inputs["input_ids"].reshape(-1))
             for inputs, _ in items
         ]
+        self.set_aside_vision()  # the captures merged the images' features; the layers never run the tower
         states = [call.hidden for call in calls]
         for index in range(self.n_layers):
             with self.resident(index) as layer:
@@ -482,11 +483,11 @@ class StreamedBackend:
             self._vision_loaded = True
 
     def set_aside_vision(self) -> None:
-        """Free the vision tower while only text runs (a pass's decoder layers, once its sequences are
-        captured; a decoding, once its first forward has merged the images' features), to be read again at
-        the next image. At the seed's shape it is
-        as large as a decoder layer, and the candidate's decoding of a batch, the run's peak, holds the
-        layer's routed experts decompressed besides. A loader that cannot read it again keeps it."""
+        """Free the vision tower while only text runs (the decoder layers of a pass or of `sequences_logits`,
+        once the sequences are captured; a decoding, once its first forward has merged the images'
+        features), to be read again at the next image. At the seed's shape it is as large as a decoder
+        layer, and a W4A8 candidate's layers, where a streamed run peaks, are held decompressed beside it.
+        A loader that cannot read it again keeps it."""
         free = getattr(self.loader, "free_vision", None)
         if self._vision_loaded and callable(free) and free():
             self._vision_loaded = False

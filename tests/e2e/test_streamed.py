@@ -235,7 +235,7 @@ def test_a_streamed_side_reads_its_vision_tower_at_the_first_image_only(
     it is read, and its features are those of the loaded model, bit for bit. A decoding without images sets
     it aside (where the loader can read it again), and the next image reads it again: the same features. A
     decoding of an image sets it aside once its first forward has merged the features, and answers as the
-    loaded model does."""
+    loaded model does; so does a forward of an image's sequence (`sequences_logits`), with its logits."""
     from evalsuite.multimodal import VisualProcessing
     from evalsuite.spec import default_spec_path, load_spec
     from evalsuite.tasks.vision import VisionSpec, prepare_case
@@ -261,12 +261,16 @@ def test_a_streamed_side_reads_its_vision_tower_at_the_first_image_only(
         assert torch.equal(streamed.image_features(tensors), features)
         answer = streamed.generate_greedy_batch([tensors], [3], 5, 0)[0]
         assert all(p.is_meta for p in vision()) == (backend == "hf")
+        positions = torch.arange(tensors["input_ids"].shape[-1] - 3, tensors["input_ids"].shape[-1])
+        logits = streamed.sequence_logits(tensors, positions)
+        assert all(p.is_meta for p in vision()) == (backend == "hf")
     finally:
         streamed.close()
     loaded = load_backend(checkpoint, options)
     try:
         assert torch.equal(features, loaded.image_features(tensors))
         assert loaded.generate_greedy_batch([tensors], [3], 5, 0)[0].tokens == answer.tokens
+        assert torch.equal(loaded.sequence_logits(tensors, positions), logits)
     finally:
         loaded.close()
 
