@@ -793,7 +793,10 @@ def main() -> int:
     # What a decoding's caches grow with (`cache_growth`): the text model's widths and smoke's batch.
     doc["text_config"] = Checkpoint.open(folders["ref"]).config.get("text_config", {})
     doc["decoding_batch"] = load_spec(SmokeSpec, default_spec_path("smoke")).generation.batch
-    if not options.no_measure:  # re-derived figures keep the cut their runs were measured on
+    # The kept runs' cut stays theirs: re-derived figures (--no-measure), or runs that do not decode (bare
+    # forwards, tensors) measured beside them. A decoding run measured again sets its own (or none).
+    decoding = any(r in RUNS and {"smoke", "vision"} & set(RUNS[r].tasks.split(",")) for r in wanted)
+    if not options.no_measure and decoding:
         doc.pop("decoding_scale", None)
         doc.pop("decoding_subset", None)
     if options.prompts:

@@ -106,7 +106,7 @@ def check_real_shape(doc: dict, section: str) -> None:
     assert data["extrapolated"]["validations"]["exl3"]["floor_seconds"] > 0
     w4a8 = data["extrapolated"]["validations"]["w4a8"]
     assert w4a8["runs"] == {"tensors": "tensors", "ppl": "ppl-streamed"}
-    assert w4a8["missing"] == ["smoke", "moe", "intref"] and w4a8["floor_seconds"] > 0
+    assert w4a8["missing"] == ["smoke", "vision", "moe", "intref"] and w4a8["floor_seconds"] > 0
     assert "extrapolated to 40 layers" in "\n".join(doc["printed"])
     assert "| 40 layers (35B), w4a8 validation: time |" in section
     assert f"{doc['machine']['memory_bytes'] / 1e9:.1f} GB of memory" in section
