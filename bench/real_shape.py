@@ -803,8 +803,7 @@ def main() -> int:
         subset_root = Path(tempfile.mkdtemp(prefix="evalsuite-bench-subset-"))
         cases = options.prompts if options.cases is None else options.cases
         SUBSET_SPECS.update(subset_specs(subset_root, options.prompts, cases))
-        full = {side: decoding_forwards(folders["ref"], {}, side == "ckpt") for side in ("ref", "ckpt")}
-        cut = {side: decoding_forwards(folders["ref"], SUBSET_SPECS, side == "ckpt") for side in full}
+        full, cut = decoding_forwards(folders["ref"], {}), decoding_forwards(folders["ref"], SUBSET_SPECS)
         doc["decoding_scale"] = {side: full[side] / cut[side] for side in full}
         doc["decoding_subset"] = {
             "prompts": options.prompts,
@@ -834,11 +833,12 @@ def subset_specs(folder: Path, prompts: int, cases: int) -> dict[str, Path]:
     return out
 
 
-def decoding_forwards(ref: Path, specs: dict[str, Path], by_budget: bool = False) -> int:
-    """The forwards a reference's greedy answers take under these specs (else the shipped ones): per smoke
-    batch its longest `max_new_tokens` (the random wide pair never stops early), per vision case its own
-    and the single image's (each decoded alone). `by_budget`: in the batches of a candidate's continuations,
-    which, where every answer parts from the reference's at its first token, decode as many tokens."""
+def decoding_forwards(ref: Path, specs: dict[str, Path]) -> dict[str, int]:
+    """The forwards each side's greedy decoding takes under these specs (else the shipped ones), by side:
+    per smoke batch its longest `max_new_tokens` (the random wide pair never stops early), per vision case
+    its own and the single image's (each decoded alone). The reference's batches go by prompt length; the
+    candidate's continuations by budget, and where every answer parts from the reference's at its first
+    token they decode as many tokens."""
     from evalsuite.observers.greedy_answers import batches
     from evalsuite.side import open_side
     from evalsuite.tasks.smoke import prompt_ids
@@ -847,13 +847,17 @@ def decoding_forwards(ref: Path, specs: dict[str, Path], by_budget: bool = False
     smoke = load_spec(SmokeSpec, specs.get("smoke", default_spec_path("smoke")))
     side = open_side("ref", str(ref), BackendOptions())
     prompts = [{"ids": prompt_ids(side, p), "max_new_tokens": p.max_new_tokens} for p in smoke.prompts]
-    forwards = sum(
-        max(prompts[i]["max_new_tokens"] for i in members)
-        for members in batches(prompts, smoke.generation.batch, by_budget=by_budget)
-    )
     vision = load_spec(VisionSpec, specs.get("vision", default_spec_path("vision")))
     own = vision.generation.max_new_tokens  # the single image, then each case
-    return forwards + own + sum(case.max_new_tokens or own for case in vision.cases)
+    cases = own + sum(case.max_new_tokens or own for case in vision.cases)
+    return {
+        side: cases
+        + sum(
+            max(prompts[i]["max_new_tokens"] for i in members)
+            for members in batches(prompts, smoke.generation.batch, by_budget=side == "ckpt")
+        )
+        for side in ("ref", "ckpt")
+    }
 
 
 def measure_one(name: str, folders: dict[str, Path], commit: str, tmp: Path) -> dict[str, Any] | None:
