@@ -394,6 +394,11 @@ def extrapolate(doc: dict[str, Any], machine_bytes: int) -> dict[str, Any]:
                         for side, f in observed["decoding_forward"].items()
                         if (side == "ref") == (name == "record-ref")
                     },
+                    "decoding_seconds": {
+                        side: s
+                        for side, s in observed.get("decoding_seconds", {}).items()
+                        if (side == "ref") == (name == "record-ref")
+                    },
                     "derived": why,
                 }
     return out
@@ -426,9 +431,8 @@ def decoding_at_depth(
         # A float: a JSON from before each side had its own batches.
         return float(scales[side] if isinstance(scales, dict) else scales)
 
-    seconds_40 = (run["seconds"] - decoded) * scale + sum(
-        d["seconds"] * layers_40[side_of[side]] * whole(side) for side, d in decoding.items()
-    )
+    decoding_40 = {s: d["seconds"] * layers_40[side_of[s]] * whole(s) for s, d in decoding.items()}
+    seconds_40 = (run["seconds"] - decoded) * scale + sum(decoding_40.values())
     per_forward = {
         side: {
             "seconds": d["seconds_per_forward"] * layers_40[side_of[side]],
@@ -451,6 +455,9 @@ def decoding_at_depth(
         "peak_rss": peak,
         "fits_machine": peak <= machine_bytes,
         "decoding_forward": per_forward,
+        # The whole sets' greedy decoding by side; the rest of `seconds` is what does not decode (loads, the
+        # shared pass with the teacher-forced answers, intref, the continuations' path noise).
+        "decoding_seconds": decoding_40,
     }
 
 
@@ -582,6 +589,10 @@ def report(doc: dict[str, Any]) -> None:
         print(f"  {what}: {run['seconds'] / 60:.0f} min, peak {gb(run['peak_rss'])} ({fits}){how}")
         for side, f in run.get("decoding_forward", {}).items():
             print(f"    {side} decoding: {f['seconds']:.1f} s and {gb(f['bytes'])} read per forward")
+        if "decoding_seconds" in run:
+            parts = [f"{side} decoding {s / 60:.0f} min" for side, s in run["decoding_seconds"].items()]
+            rest = run["seconds"] - sum(run["decoding_seconds"].values())
+            print(f"    of which {', '.join(parts)}; the rest (what does not decode) {rest / 60:.0f} min")
     for what, v in extrapolated["validations"].items():
         if not v["runs"]:
             print(f"  {what} validation: not extrapolated (needs its runs and the bare-{what} floor)")
@@ -678,6 +689,11 @@ def add_figures(doc: dict[str, Any], figures: Figures) -> None:
         for side, f in run.get("decoding_forward", {}).items():
             figures.add(f"{at_40}, {what}: {side} time per decoding forward", f["seconds"], "s")
             figures.add(f"{at_40}, {what}: {side} bytes read per decoding forward", f["bytes"] / 1e9, "GB")
+        if "decoding_seconds" in run:
+            for side, seconds in run["decoding_seconds"].items():
+                figures.add(f"{at_40}, {what}: {side} decoding, whole prompt sets", seconds / 60, "min")
+            rest = run["seconds"] - sum(run["decoding_seconds"].values())
+            figures.add(f"{at_40}, {what}: what does not decode", rest / 60, "min")
     for name, run in doc["runs"].items():
         for side, d in (run.get("decoding") or {}).items():
             figures.add(f"{name}, {side}: decoding forwards", d["forwards"])
