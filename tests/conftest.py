@@ -4,7 +4,11 @@ expensive runs many tests assert on, each made once per session.
 The suite's budget is 8 minutes on 2 cores, so a model run is never repeated to check one more thing:
 `tiny_run` and `smollm2_run` put each pair through every task once; `rerun` repeats a run in a copy of its
 folder, where every observation is reused under its key, so a test of thresholds, baselines or a recorded
-reference costs a comparison, not a model."""
+reference costs a comparison, not a model. A run goes through the CLI's entry point in the test's own
+process (`cli_run_in_process`: the code a user runs, without an interpreter's start-up and imports, most of a
+tiny pair's run) unless a child process is what the test is about: `tiny_run` and `smollm2_run` (each pair
+through every task as a user's shell runs it), signals, exit codes, the environment (thread counts, proxies,
+descriptor limits), files changed from another process and runs side by side run `run_cli`."""
 
 from __future__ import annotations
 
@@ -214,12 +218,12 @@ def tensor_edited_copy(src: Path, dst: Path, tensor: str, change: Callable[[Any]
 
 
 def run_tasks(ref: Path, ckpt: Path, tasks: str, out: Path, *extra: str | Path) -> tuple[int, dict[str, Any]]:
-    """`evalsuite run` of `tasks` on the offline corpus in a process of its own: the exit code (a run may fail
+    """`evalsuite run` of `tasks` on the offline corpus (`cli_run_in_process`): the exit code (a run may fail
     a threshold; it must not fail otherwise) and results.json's tasks."""
     import json
 
     args = ["--tasks", tasks, "--corpus", "python-docs", *extra, "--out", out, "--quiet"]
-    res = run_cli("run", "--ref", ref, "--ckpt", ckpt, *args)
+    res = cli_run_in_process("run", "--ref", ref, "--ckpt", ckpt, *args)
     assert res.returncode in (0, 1), res.stderr
     return res.returncode, json.loads((out / "results.json").read_text())["tasks"]
 
@@ -286,10 +290,13 @@ class Run:
         return [line for line in self.cli.stderr.splitlines() if line.startswith("loading")]
 
 
-def run_pair(ckpt: Path | str, ref: Path | str, out: Path, tasks: str, *extra: str | Path) -> Run:
-    """`evalsuite run` of a candidate against a reference on the offline corpus, quietly."""
+def run_pair(
+    ckpt: Path | str, ref: Path | str, out: Path, tasks: str, *extra: str | Path, child: bool = False
+) -> Run:
+    """`evalsuite run` of a candidate against a reference on the offline corpus, quietly: through the CLI's
+    entry point in this process (`cli_run_in_process`), or in a `child` process of its own (`run_cli`)."""
     args = ("run", "--ckpt", ckpt, "--ref", ref, "--tasks", tasks, "--corpus", "python-docs", "--out", out)
-    return Run(run_cli(*args, "--quiet", *extra), out)
+    return Run((run_cli if child else cli_run_in_process)(*args, "--quiet", *extra), out)
 
 
 def rerun(run: Run, out: Path, *args: str | Path) -> Run:
@@ -330,7 +337,7 @@ def tiny_run(tiny_pair, tmp_path_factory) -> Run:
     return shared_run(
         tmp_path_factory,
         "tiny-run",
-        lambda out: run_pair(tiny_pair[TINY_W4A8], tiny_pair[TINY_BF16], out, TINY_TASKS).cli,
+        lambda out: run_pair(tiny_pair[TINY_W4A8], tiny_pair[TINY_BF16], out, TINY_TASKS, child=True).cli,
     )
 
 
@@ -340,7 +347,7 @@ def tiny_recording(tiny_pair, tmp_path_factory) -> Path:
 
     def record(out: Path) -> CliResult:
         args = ("record", "--ckpt", tiny_pair[TINY_BF16], "--tasks", "ppl,smoke,vision,intref")
-        return run_cli(*args, "--corpus", "python-docs", "--out", out, "--quiet")
+        return cli_run_in_process(*args, "--corpus", "python-docs", "--out", out, "--quiet")
 
     recorded = shared_run(tmp_path_factory, "tiny-recording", record)
     assert recorded.cli.returncode == 0, recorded.cli.stderr
@@ -370,7 +377,11 @@ def smollm2_run(smollm2_pair, tmp_path_factory) -> Run:
     return shared_run(
         tmp_path_factory,
         "smollm2-run",
-        lambda out: run_pair(smollm2_pair[SMOLLM2_W4A8], smollm2_pair[SMOLLM2_BF16], out, SMOLLM2_TASKS).cli,
+        lambda out: (
+            run_pair(
+                smollm2_pair[SMOLLM2_W4A8], smollm2_pair[SMOLLM2_BF16], out, SMOLLM2_TASKS, child=True
+            ).cli
+        ),
     )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_run_in_process, copy_checkpoint, run_cli
+from tests.conftest import cli_run_in_process, copy_checkpoint
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
 
@@ -36,8 +36,8 @@ def faithful(tiny_pair, tmp_path_factory):
     """The W4A8 copy with the SHA256SUMS `evalsuite manifest` writes, compared with its source."""
     root = tmp_path_factory.mktemp("faithful")
     ckpt = copy_checkpoint(tiny_pair[TINY_W4A8], root / "ckpt")
-    written = run_cli("manifest", ckpt)
-    res = run_cli(
+    written = cli_run_in_process("manifest", ckpt)
+    res = cli_run_in_process(
         "run", "--ckpt", ckpt, "--ref", tiny_pair[TINY_BF16], "--tasks", "tensors", "--out", root / "out"
     )
     return written, res, ckpt, root / "out"
@@ -52,7 +52,7 @@ def broken(tiny_pair, tmp_path_factory):
     preprocessor["slice_mode"] = False
     (ckpt / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     (ckpt / "chat_template.jinja").unlink()
-    assert run_cli("manifest", ckpt).returncode == 0
+    assert cli_run_in_process("manifest", ckpt).returncode == 0
     sums = (ckpt / "SHA256SUMS").read_text().splitlines()
     # One wrong digest (the first character of tokenizer.json's flipped), then a listed file deleted and a
     # weight file the manifest does not list.
@@ -64,7 +64,7 @@ def broken(tiny_pair, tmp_path_factory):
     (ckpt / "generation_config.json").unlink()
     (ckpt / "original").mkdir()
     (ckpt / "original" / "consolidated.pt").write_bytes(b"weights the manifest forgot")
-    res = run_cli(
+    res = cli_run_in_process(
         "run", "--ckpt", ckpt, "--ref", tiny_pair[TINY_BF16], "--tasks", "tensors", "--out", root / "out"
     )
     return res, root / "out"
@@ -94,7 +94,7 @@ def test_a_faithful_copy_passes_with_every_asset_equal_and_its_manifest_verified
 
 
 def test_without_a_manifest_its_checks_are_not_measured_rather_than_passed(tiny_pair, tmp_path):
-    res = run_cli(
+    res = cli_run_in_process(
         "run",
         "--ckpt",
         tiny_pair[TINY_W4A8],

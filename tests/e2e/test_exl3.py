@@ -16,7 +16,7 @@ from evalsuite.checkpoint import Checkpoint
 from evalsuite.cli import main
 from evalsuite.fixtures import MANIFEST_NAME, TINY_EXL3_POLICY, Exl3Policy, read_manifest, write_exl3_copy
 from evalsuite.formats.exl3_decode import decode_weight, padded
-from tests.conftest import Models, copy_checkpoint, demo_thresholds, edit_tensors, rerun, run_cli
+from tests.conftest import Models, cli_run_in_process, copy_checkpoint, demo_thresholds, edit_tensors, rerun
 
 pytestmark = pytest.mark.format_evidence(format="exl3", writer="evalsuite's encoder of exllamav3's layout")
 
@@ -177,7 +177,9 @@ def test_trellis_words_flipped_in_one_tensor_fail_tensors_naming_it(tiny_exl3_pa
     edit_tensors(copy, flip)
     out = tmp_path / "run"
     ref = tiny_exl3_pair[TINY_BF16]
-    res = run_cli("run", "--ckpt", copy, "--ref", ref, "--tasks", "tensors", "--out", out, "--quiet")
+    res = cli_run_in_process(
+        "run", "--ckpt", copy, "--ref", ref, "--tasks", "tensors", "--out", out, "--quiet"
+    )
     assert res.returncode == 1, res.stderr
     entry = results(out)["tasks"]["tensors"]
     # The damaged tensor may also stand out from the gate projections of its K (1.6× their median here, at
@@ -363,7 +365,7 @@ def smollm2_run(smollm2_exl3_pair, tmp_path_factory):
     short = root / "ppl-2-windows.toml"
     short.write_text(re.sub(r"count = 8", "count = 2", spec.read_text()))
     out = root / "run"
-    res = run_cli(
+    res = cli_run_in_process(
         "run",
         "--ckpt",
         smollm2_exl3_pair[SMOLLM2_EXL3],
@@ -448,7 +450,7 @@ def test_a_single_broken_tile_of_a_smollm2_projection_fails_tensors_naming_it(
 
     edit_tensors(copy, flip)
     out = tmp_path / "run"
-    res = run_cli(
+    res = cli_run_in_process(
         "run", "--ckpt", copy, "--ref", smollm2_exl3_pair[SMOLLM2_BF16], "--tasks", "tensors", "--out", out,
         "--quiet",
     )  # fmt: skip

@@ -17,11 +17,11 @@ from evalsuite.corpus import python_docs_text
 from evalsuite.errors import InputError
 from tests.conftest import (
     cli_in_process,
+    cli_run_in_process,
     config_edited_copy,
     copy_checkpoint,
     edit_tensors,
     rerun,
-    run_cli,
     weights_only,
     wrong_scale_copy,
 )
@@ -83,7 +83,7 @@ def test_backend_intref_runs_ppl_as_the_intref_task_does(tiny_pair, tiny_run, tm
 def test_moe_runs_on_the_integer_experts_of_backend_intref(tiny_pair, tmp_path):
     """`moe` with `--backend intref`: the integer experts hold buffers, not parameters (an internal error
     once, where the task asked their parameters for a device)."""
-    res = run_cli(
+    res = cli_run_in_process(
         "run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], "--ref", tiny_pair["tiny-minicpmv47-bf16"],
         "--tasks", "moe", "--backend", "intref", "--corpus", "python-docs", "--out", tmp_path, "--quiet",
         "--no-plots",
@@ -103,7 +103,9 @@ def test_a_recorded_reference_replays_the_live_intref_run(tiny_run, tiny_replay)
 
 def test_a_candidate_without_integer_weights_is_skipped_with_the_reason(tiny_pair, tmp_path):
     bf16 = tiny_pair["tiny-minicpmv47-bf16"]
-    res = run_cli("run", "--ckpt", bf16, "--ref", bf16, "--tasks", "intref", "--out", tmp_path, "--quiet")
+    res = cli_run_in_process(
+        "run", "--ckpt", bf16, "--ref", bf16, "--tasks", "intref", "--out", tmp_path, "--quiet"
+    )
     assert res.returncode == 2  # nothing was compared
     entry = intref_metrics(tmp_path)
     assert entry["status"] == "skipped"
@@ -115,7 +117,7 @@ def test_forcing_backend_intref_on_a_bf16_candidate_is_an_input_error(tiny_pair,
     bf16 = tiny_pair["tiny-minicpmv47-bf16"]
     text = tmp_path / "short.txt"  # the reference is observed before the candidate fails: keep it short
     text.write_text(python_docs_text()[:10_000])
-    res = run_cli(
+    res = cli_run_in_process(
         "run",
         "--ckpt",
         bf16,
@@ -212,7 +214,7 @@ def test_intref_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tiny_ru
         "--quiet",
     )
     good = rerun(tiny_run, tmp_path / "good", "run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], *args[:-1])
-    bad = run_cli("run", "--ckpt", broken, "--out", tmp_path / "bad", *args)
+    bad = cli_run_in_process("run", "--ckpt", broken, "--out", tmp_path / "bad", *args)
     assert good.cli.returncode == 0 and good.loads == [], good.cli.stderr
     assert bad.returncode == 1, bad.stderr
     checks = json.loads((tmp_path / "bad" / "results.json").read_text())["tasks"]["intref"]["checks"]

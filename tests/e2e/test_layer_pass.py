@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import cli_run_in_process
 from tests.e2e.test_interrupt import interrupt_after
 from tests.e2e.test_streamed import TWO_WINDOWS
 
@@ -55,13 +55,13 @@ def runs(tiny_pair, tmp_path_factory) -> dict[str, dict]:
         ("moe", "moe", ()),
         ("layers", "layers", ()),
     ):
-        res = run_cli(*pair_args(tiny_pair, root, tasks, root / name, *extra))
+        res = cli_run_in_process(*pair_args(tiny_pair, root, tasks, root / name, *extra))
         assert res.returncode == 0, res.stderr
         docs[name] = results(root / name)
     args = pair_args(tiny_pair, root, "ppl,moe,layers", root / "resumed", "--stream")
     stopped = interrupt_after("ref (hf): layers", 1, args)
     assert stopped.returncode == 130, stopped.stderr
-    resumed = run_cli(*args)
+    resumed = cli_run_in_process(*args)
     assert resumed.returncode == 0, resumed.stderr
     docs["resumed"] = results(root / "resumed")
     return docs
@@ -114,7 +114,7 @@ def fed_runs(tiny_pair, tmp_path_factory) -> dict[int, dict]:
             spec = root / f"{task}-{windows}.toml"
             spec.write_text(THREE_WINDOWS + f"[fed]\nwindows = {windows}\n" + BEYOND_PROTOCOL[task])
             args += ["--spec", f"{task}={spec}"]
-        res = run_cli(*args, "--out", root / str(windows))
+        res = cli_run_in_process(*args, "--out", root / str(windows))
         assert res.returncode == 0, res.stderr
         docs[windows] = results(root / str(windows))
     return docs

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import copy_checkpoint, edit_tensors, run_cli
+from tests.conftest import cli_run_in_process, copy_checkpoint, edit_tensors
 from tests.conftest import run_tasks as run
 
 BF16 = "tiny-minicpmv47-bf16"
@@ -59,7 +59,7 @@ def scaled_copy(src: Path, dst: Path, factor: float) -> Path:
 def equal_copy_against_recording(tiny_pair, tmp_path_factory):
     root = tmp_path_factory.mktemp("equal")
     rec = root / "rec"
-    res = run_cli(
+    res = cli_run_in_process(
         "record", "--ckpt", tiny_pair[BF16], "--tasks", "layers", "--corpus", "python-docs", "--out", rec,
         *spec_args(root, "layers"), "--quiet",
     )  # fmt: skip

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from evalsuite.tasks.lmeval import STATS, shipped_task_folder
-from tests.conftest import assert_refused, cli_in_process, run_cli
+from tests.conftest import assert_refused, cli_in_process, cli_run_in_process
 
 # Six documents of each shipped task: the tiny model generates slowly on CPU; these runs test the plumbing.
 SPEC = """tasks = ["evalsuite-mini", "evalsuite-mini-gen"]
@@ -42,7 +42,7 @@ def runs(tiny_pair, spec, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lmeval")
     bf16, w4a8 = tiny_pair["tiny-minicpmv47-bf16"], tiny_pair["tiny-minicpmv47-w4a8"]
     args = lmeval_args(spec)
-    res = run_cli("record", "--ckpt", bf16, "--out", root / "rec", *args)
+    res = cli_run_in_process("record", "--ckpt", bf16, "--out", root / "rec", *args)
     assert res.returncode == 0, res.stderr
     for name, ckpt, ref in (
         ("live", w4a8, bf16),
@@ -51,7 +51,7 @@ def runs(tiny_pair, spec, tmp_path_factory) -> dict[str, Path]:
     ):
         if name == "replay":  # in a copy of the live run's folder: no model is loaded at all
             shutil.copytree(root / "live", root / name)
-        res = run_cli("run", "--ckpt", ckpt, "--ref", ref, "--out", root / name, *args)
+        res = cli_run_in_process("run", "--ckpt", ckpt, "--ref", ref, "--out", root / name, *args)
         assert res.returncode == 0, res.stderr
         if ref == root / "rec":
             assert "loading ref" not in res.stderr  # the reference model is never loaded
@@ -114,7 +114,7 @@ def test_report_and_model_card_show_the_paired_tables(runs):
     report = (runs["live"] / "report.md").read_text()
     assert "### lm-eval `evalsuite-mini`: 6 documents, 0-shot, version 1.0" in report
     assert "### lm-eval `evalsuite-mini-gen`: 6 documents, 4-shot, version 1.0" in report
-    res = run_cli("report", runs["live"], "--format", "model-card")
+    res = cli_run_in_process("report", runs["live"], "--format", "model-card")
     assert res.returncode == 0, res.stderr
     card = (runs["live"] / "model-card.md").read_text()
     assert "Downstream accuracy (lm-eval)" in card and "| `evalsuite-mini.acc` | 6 |" in card

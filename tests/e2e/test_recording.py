@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from evalsuite.corpus import python_docs_text
-from tests.conftest import cli_run_in_process, copy_checkpoint, rerun, run_cli
+from tests.conftest import cli_run_in_process, copy_checkpoint, rerun
 
 EXACT = ("ppl_ref", "ppl_ckpt", "same_top_p", "delta_p_mean")
 
@@ -31,7 +31,7 @@ def test_replay_gives_the_live_figures(tiny_run, tiny_replay):
 
 def test_recording_is_deterministic(tiny_pair, tiny_recording, tmp_path):
     again = tmp_path / "again"
-    res = run_cli(
+    res = cli_run_in_process(
         "record",
         "--ckpt",
         tiny_pair["tiny-minicpmv47-bf16"],
@@ -54,7 +54,7 @@ def test_recording_from_another_text_is_refused(tiny_pair, tmp_path):
     text = tmp_path / "other.txt"
     text.write_text(python_docs_text()[::-1])
     rec = tmp_path / "rec"
-    res = run_cli(
+    res = cli_run_in_process(
         "record", "--ckpt", tiny_pair["tiny-minicpmv47-bf16"], "--out", rec, "--text-file", text, "--quiet"
     )
     assert res.returncode == 0, res.stderr
@@ -138,7 +138,7 @@ def test_the_recorded_checkpoint_against_its_own_recording_reads_kld_zero(
     tiny_pair, tiny_recording, tmp_path
 ):
     # The candidate's observation is made live: the recording's compact form never stands in for it.
-    res = run_cli(
+    res = cli_run_in_process(
         "run",
         "--ckpt",
         tiny_pair["tiny-minicpmv47-bf16"],
@@ -190,7 +190,7 @@ def test_report_re_renders_a_run_from_results_json_alone(tiny_run, tmp_path):
     before = (run_dir / "report.md").read_text()
     (run_dir / "report.md").unlink()
     for fmt, name in (("md", "report.md"), ("model-card", "model-card.md"), ("json", "results.json")):
-        res = run_cli("report", run_dir, "--format", fmt)
+        res = cli_run_in_process("report", run_dir, "--format", fmt)
         assert res.returncode == 0, res.stderr
         assert (run_dir / name).is_file()
     assert (run_dir / "report.md").read_text() == before

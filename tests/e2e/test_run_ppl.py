@@ -11,7 +11,7 @@ import torch
 
 from evalsuite.corpus import python_docs_text
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
-from tests.conftest import TINY_TASKS, rerun, run_cli
+from tests.conftest import TINY_TASKS, cli_run_in_process, rerun
 
 CONTRACT = (
     "n_windows",
@@ -59,7 +59,9 @@ def test_every_metric_with_a_stderr_has_its_window_clustered_one(tiny_run):
 
 def test_checkpoint_against_itself_is_exactly_identical(tiny_pair, tmp_path):
     ref = tiny_pair["tiny-minicpmv47-bf16"]
-    res = run_cli("run", "--ckpt", ref, "--ref", ref, "--corpus", "python-docs", "--out", tmp_path, "--quiet")
+    res = cli_run_in_process(
+        "run", "--ckpt", ref, "--ref", ref, "--corpus", "python-docs", "--out", tmp_path, "--quiet"
+    )
     assert res.returncode == 0, res.stderr
     m = json.loads((tmp_path / "results.json").read_text())["tasks"]["ppl"]["metrics"]
     assert m["ppl_ratio"] == 1.0
@@ -93,7 +95,9 @@ def test_short_text_scores_the_windows_that_fit_and_says_so(tiny_pair, tmp_path)
     text = tmp_path / "short.txt"
     text.write_text(python_docs_text()[:40_000])
     ref = tiny_pair["tiny-minicpmv47-bf16"]
-    res = run_cli("run", "--ckpt", ref, "--ref", ref, "--text-file", text, "--out", tmp_path / "r", "--quiet")
+    res = cli_run_in_process(
+        "run", "--ckpt", ref, "--ref", ref, "--text-file", text, "--out", tmp_path / "r", "--quiet"
+    )
     assert res.returncode == 0, res.stderr
     m = json.loads((tmp_path / "r" / "results.json").read_text())["tasks"]["ppl"]["metrics"]
     assert 1 <= m["n_windows"] < 8
@@ -113,7 +117,7 @@ def test_wrong_scales_fail_both_checks_that_the_good_copy_passes(tiny_pair, tiny
     ref = tiny_pair["tiny-minicpmv47-bf16"]
     args = ("--ref", ref, "--tasks", "ppl", "--corpus", "python-docs", "--thresholds", thresholds)
     good = rerun(tiny_run, tmp_path / "good", "run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], *args)
-    bad = run_cli("run", "--ckpt", broken, "--out", tmp_path / "bad", *args, "--quiet")
+    bad = cli_run_in_process("run", "--ckpt", broken, "--out", tmp_path / "bad", *args, "--quiet")
     assert good.cli.returncode == 0 and good.loads == [], good.cli.stderr
     assert bad.returncode == 1, bad.stderr
     checks = json.loads((tmp_path / "bad" / "results.json").read_text())["tasks"]["ppl"]["checks"]
@@ -125,7 +129,7 @@ def test_wrong_scales_fail_both_checks_that_the_good_copy_passes(tiny_pair, tiny
 
 
 def test_the_same_inputs_give_bit_identical_metrics(tiny_pair, tiny_run, tmp_path):
-    res = run_cli(
+    res = cli_run_in_process(
         "run",
         "--ckpt",
         tiny_pair["tiny-minicpmv47-w4a8"],
@@ -146,7 +150,7 @@ def test_the_same_inputs_give_bit_identical_metrics(tiny_pair, tiny_run, tmp_pat
 
 
 def test_inspect_reads_the_files_only(tiny_pair):
-    res = run_cli("inspect", tiny_pair["tiny-minicpmv47-w4a8"])
+    res = cli_run_in_process("inspect", tiny_pair["tiny-minicpmv47-w4a8"])
     assert res.returncode == 0, res.stderr
     assert "format\tcompressed-tensors" in res.stdout and "fingerprint\t" in res.stdout
 

@@ -8,7 +8,7 @@ import pytest
 
 from evalsuite.spec import default_spec_path, load_spec
 from evalsuite.tasks.smoke import DIVERGENCE_MARK, SmokeSpec
-from tests.conftest import cli_in_process, rerun, run_cli, wrong_scale_copy
+from tests.conftest import cli_in_process, cli_run_in_process, rerun, wrong_scale_copy
 
 
 def task_result(run_dir, name):
@@ -209,7 +209,7 @@ def test_smoke_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tiny_run
         '[[prompts]]\nid = "echo"\ncategory = "factual"\nprompt = "What is the capital of France?"\n'
         f"max_new_tokens = 24\nexpect = {json.dumps(re.escape(answer[:8]))}\n"
     )
-    res = run_cli(
+    res = cli_run_in_process(
         "run",
         "--ckpt",
         broken,

@@ -21,7 +21,7 @@ from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed import StreamedBackend
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_BF16, TINY_EXL3, TINY_W4A8
-from tests.conftest import cli_run_in_process, copy_checkpoint, edit_tensors, run_cli
+from tests.conftest import cli_run_in_process, copy_checkpoint, edit_tensors
 
 TWO_WINDOWS = """
 [protocol]
@@ -52,7 +52,7 @@ def loaded_and_streamed(pair: dict[str, Path], ckpt: str, ref: str, root: Path, 
         ("streamed", "ppl,intref", stream_args),
     ):
         out = root / name
-        res = run_cli(
+        res = cli_run_in_process(
             "run",
             "--ckpt",
             pair[ckpt],

@@ -18,7 +18,7 @@ from evalsuite.observers.noise_floor import NoiseFloorOptions
 from evalsuite.run_report import write_reports
 from evalsuite.runner import RunRequest, run
 from evalsuite.task import RunContext
-from tests.conftest import Models, copy_checkpoint, edit_tensors, rerun, run_cli
+from tests.conftest import Models, cli_run_in_process, copy_checkpoint, edit_tensors, rerun, run_cli
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
 # Bounds the good tiny copy meets (it measures ppl_ratio 1.0008, same_top_p 0.91).
@@ -79,7 +79,7 @@ def test_the_intref_spec_s_divisor_is_the_one_applied(tiny_pair, ppl_intref_out,
 
     spec = tmp_path / "intref-127.toml"
     spec.write_text(spec_source(get_task("intref")).read_text().replace("divisor = 127.5", "divisor = 127.0"))
-    res = run_cli(
+    res = cli_run_in_process(
         "run",
         "--ckpt",
         tiny_pair[TINY_W4A8],
@@ -118,7 +118,7 @@ def test_an_in_place_weight_change_is_observed_again(tiny_pair, tiny_run, tmp_pa
     assert good.returncode == 0, good.stderr
     assert not [line for line in good.stderr.splitlines() if line.startswith("loading")], good.stderr
     edit_tensors(ckpt, lambda t: t.update({k: v * 4 for k, v in t.items() if k.endswith("weight_scale")}))
-    bad = run_cli(*args, "--out", tmp_path / "run", "--quiet")
+    bad = cli_run_in_process(*args, "--out", tmp_path / "run", "--quiet")
     assert bad.returncode == 1, bad.stderr
     loads = [line for line in bad.stderr.splitlines() if line.startswith("loading")]
     assert len(loads) == 1 and loads[0].startswith("loading ckpt"), bad.stderr
