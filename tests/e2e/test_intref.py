@@ -1,4 +1,5 @@
-"""`evalsuite run --tasks intref` and `--backend intref` as subprocesses on the fixture pairs."""
+"""`evalsuite run --tasks intref` and `--backend intref` on the fixture pairs (the shared tiny run is a child
+process; the others run through the CLI's entry point in the test's process)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`evalsuite run --tasks ppl` as a subprocess on the tiny MiniCPM-V 4.7 pair."""
+"""`evalsuite run --tasks ppl` on the tiny MiniCPM-V 4.7 pair, through the CLI's entry point (the shared tiny
+run, whose metrics several tests compare with, is a child process)."""
 
 from __future__ import annotations
 
