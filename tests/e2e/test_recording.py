@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from evalsuite.corpus import python_docs_text
-from tests.conftest import cli_run_in_process, copy_checkpoint, rerun
+from tests.conftest import cli_run_in_process, copy_checkpoint, rerun, run_cli
 
 EXACT = ("ppl_ref", "ppl_ckpt", "same_top_p", "delta_p_mean")
 
@@ -30,8 +30,10 @@ def test_replay_gives_the_live_figures(tiny_run, tiny_replay):
 
 
 def test_recording_is_deterministic(tiny_pair, tiny_recording, tmp_path):
+    # In a child process: the session's recording may have been made in this one, and the bytes must not
+    # depend on a process's state (hash seeds, caches).
     again = tmp_path / "again"
-    res = cli_run_in_process(
+    res = run_cli(
         "record",
         "--ckpt",
         tiny_pair["tiny-minicpmv47-bf16"],
