@@ -386,18 +386,13 @@ def extrapolate(doc: dict[str, Any], machine_bytes: int) -> dict[str, Any]:
         ref_40 = observed["ref_side_seconds"]
         for name, seconds in (("validation-replayed", observed["seconds"] - ref_40), ("record-ref", ref_40)):
             if name not in doc["runs"]:
+                kept = "ref" if name == "record-ref" else "ckpt"  # the side this run decodes
                 out["runs"][name] = {
                     **observed,
                     "seconds": seconds,
-                    "decoding_forward": {
-                        side: f
-                        for side, f in observed["decoding_forward"].items()
-                        if (side == "ref") == (name == "record-ref")
-                    },
-                    "decoding_seconds": {
-                        side: s
-                        for side, s in observed.get("decoding_seconds", {}).items()
-                        if (side == "ref") == (name == "record-ref")
+                    **{
+                        key: {side: v for side, v in observed.get(key, {}).items() if side == kept}
+                        for key in ("decoding_forward", "decoding_seconds")
                     },
                     "derived": why,
                 }
@@ -459,6 +454,11 @@ def decoding_at_depth(
         # shared pass with the teacher-forced answers, intref, the continuations' path noise).
         "decoding_seconds": decoding_40,
     }
+
+
+def undecoded_seconds(run: dict[str, Any]) -> float:
+    """An extrapolated run's seconds that its greedy decoding (`decoding_seconds`) does not account for."""
+    return run["seconds"] - sum(run["decoding_seconds"].values())
 
 
 def cache_growth(doc: dict[str, Any]) -> float:
@@ -591,8 +591,8 @@ def report(doc: dict[str, Any]) -> None:
             print(f"    {side} decoding: {f['seconds']:.1f} s and {gb(f['bytes'])} read per forward")
         if "decoding_seconds" in run:
             parts = [f"{side} decoding {s / 60:.0f} min" for side, s in run["decoding_seconds"].items()]
-            rest = run["seconds"] - sum(run["decoding_seconds"].values())
-            print(f"    of which {', '.join(parts)}; the rest (what does not decode) {rest / 60:.0f} min")
+            rest = undecoded_seconds(run) / 60
+            print(f"    of which {', '.join(parts)}; the rest (what does not decode) {rest:.0f} min")
     for what, v in extrapolated["validations"].items():
         if not v["runs"]:
             print(f"  {what} validation: not extrapolated (needs its runs and the bare-{what} floor)")
@@ -692,8 +692,7 @@ def add_figures(doc: dict[str, Any], figures: Figures) -> None:
         if "decoding_seconds" in run:
             for side, seconds in run["decoding_seconds"].items():
                 figures.add(f"{at_40}, {what}: {side} decoding, whole prompt sets", seconds / 60, "min")
-            rest = run["seconds"] - sum(run["decoding_seconds"].values())
-            figures.add(f"{at_40}, {what}: what does not decode", rest / 60, "min")
+            figures.add(f"{at_40}, {what}: what does not decode", undecoded_seconds(run) / 60, "min")
     for name, run in doc["runs"].items():
         for side, d in (run.get("decoding") or {}).items():
             figures.add(f"{name}, {side}: decoding forwards", d["forwards"])
