@@ -17,7 +17,9 @@ median time:
   `layers` streamed; `intref` loaded and streamed; and `ppl,moe,layers` streamed in one run;
 - the seed's whole validation of the W4A8 pack (`tensors`, `ppl`, `smoke`, `vision`, `moe`, `intref`) in one
   streamed run, the reference observed (`validation-streamed`) or replayed (`validation-replayed`) from its
-  recording (`record-ref`), with per side the greedy decoding's forwards, seconds and bytes read per forward;
+  recording (`record-ref`), with per side the greedy decoding's forwards, seconds and bytes read per forward,
+  and per model loaded its set-up and layer reads (`load_figures`; of the candidate's integer execution, what
+  riding the candidate's `hf` pass would save at most: `integer_execution`);
 - the EXL3 pack against the same BF16 reference: `tensors`; `ppl` loaded and streamed;
 - the floor: a bare streamed forward of each side (`bare_streamed_forward`: the `ppl` windows through every
   layer, one resident at a time, and the head on the scored positions; no task, nothing written), with the
@@ -443,7 +445,9 @@ def decoding_at_depth(
     if ref is not None and spec.kind != "record":
         own = ref["seconds"] * layers_40["ref"] * whole("ref")
         ref_40 = (ref["side_seconds"] - ref["seconds"]) * scale + own
+    integer = integer_execution(run, layers_40[spec.candidate])
     return {
+        **({"integer_execution": integer} if integer is not None else {}),
         "ref_side_seconds": ref_40,
         "seconds": seconds_40,
         "seconds_per_layer": (seconds_40 - run["seconds"]) / (REAL_LAYERS - doc["layers"]),
@@ -593,6 +597,14 @@ def report(doc: dict[str, Any]) -> None:
             parts = [f"{side} decoding {s / 60:.0f} min" for side, s in run["decoding_seconds"].items()]
             rest = undecoded_seconds(run) / 60
             print(f"    of which {', '.join(parts)}; the rest (what does not decode) {rest:.0f} min")
+        if "integer_execution" in run:
+            i = run["integer_execution"]
+            saves = i["shared_pass_saves_at_most"] / 60
+            print(
+                f"    of the rest, the integer execution (intref) {i['seconds'] / 60:.1f} min: its set-up "
+                f"{i['set_up_seconds']:.0f} s and layer reads {i['layer_read_seconds']:.0f} s are what "
+                f"riding the candidate's pass would save, at most {saves:.1f} min"
+            )
     for what, v in extrapolated["validations"].items():
         if not v["runs"]:
             print(f"  {what} validation: not extrapolated (needs its runs and the bare-{what} floor)")
@@ -693,6 +705,15 @@ def add_figures(doc: dict[str, Any], figures: Figures) -> None:
             for side, seconds in run["decoding_seconds"].items():
                 figures.add(f"{at_40}, {what}: {side} decoding, whole prompt sets", seconds / 60, "min")
             figures.add(f"{at_40}, {what}: what does not decode", undecoded_seconds(run) / 60, "min")
+        if "integer_execution" in run:
+            i = run["integer_execution"]
+            figures.add(f"{at_40}, {what}: integer execution (intref)", i["seconds"] / 60, "min")
+            figures.add(
+                f"{at_40}, {what}: integer execution's set-up and layer reads (what riding the candidate's "
+                "pass would save at most)",
+                i["shared_pass_saves_at_most"] / 60,
+                "min",
+            )
     for name, run in doc["runs"].items():
         for side, d in (run.get("decoding") or {}).items():
             figures.add(f"{name}, {side}: decoding forwards", d["forwards"])
@@ -921,6 +942,7 @@ def measure_one(name: str, folders: dict[str, Path], commit: str, tmp: Path) -> 
         "statuses": {task: entry["status"] for task, entry in results["tasks"].items()},
         "layer_loads": layer_loads(results),
         "decoding": decoding(results),
+        "loads": load_figures(results),
         **fed_share(results),
     }
 
@@ -947,6 +969,41 @@ def decoding(results: dict[str, Any]) -> dict[str, Any]:
             "n_layers": entry["n_layers"],
         }
     return out
+
+
+def load_figures(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per model the run loaded: its side and execution, its set-up seconds, its observations' seconds and,
+    streamed, how many of those read its decoder layers from the files (`results.json`'s `model_loads`)."""
+    return [
+        {
+            "side": entry["side"],
+            "backend": entry["backend"],
+            "load_seconds": entry.get("load_seconds"),
+            "seconds": sum(entry.get("seconds", {}).values()),
+            "layer_read_seconds": entry.get("layer_read_seconds"),
+        }
+        for entry in results.get("model_loads", [])
+    ]
+
+
+def integer_execution(run: dict[str, Any], layers_40: float) -> dict[str, float] | None:
+    """A run's integer execution of the candidate (its `intref` load) at 40 layers: its set-up and its reads
+    of the decoder layers (grown as the candidate's layer bytes do) are what it would not pay were it to ride
+    the candidate's `hf` pass, which reads the same files; its whole time beside them. None when the run
+    has no such load with its reads measured."""
+    measured = [x for x in run.get("loads", []) if x.get("layer_read_seconds") is not None]
+    load = next((x for x in measured if x["backend"] == "intref"), None)
+    if load is None:
+        return None
+    reads = load["layer_read_seconds"] * layers_40
+    rest = load["seconds"] - load["layer_read_seconds"]
+    return {
+        "set_up_seconds": load["load_seconds"],
+        "layer_read_seconds": reads,
+        # Its forwards, head and scoring: every layer's forward grows with depth as its bytes do.
+        "seconds": load["load_seconds"] + reads + rest * layers_40,
+        "shared_pass_saves_at_most": load["load_seconds"] + reads,
+    }
 
 
 def fed_share(results: dict[str, Any]) -> dict[str, float]:

@@ -56,14 +56,17 @@ def observe_all(
                 if partner is not None:
                     on_load(partner, partner_options)
                 on_load(side, options)
+            load_started = time.perf_counter()
             if partner is not None:
                 backend = load_pair(partner.checkpoint, partner_options, side.checkpoint, options)
             else:
                 backend = load_backend(side.checkpoint, options)
+            load_seconds = round(time.perf_counter() - load_started, 3)
             try:
                 loads_before = getattr(backend, "layer_loads", None)
                 forwards_before = getattr(backend, "generation_forwards", 0)
                 bytes_before = getattr(backend, "generation_bytes", 0)
+                read_before = getattr(backend, "layer_read_seconds", 0.0)
                 seconds: dict[str, float] = {}
                 for batch in _passes(todo, observed, backend):
                     started = time.perf_counter()
@@ -77,6 +80,12 @@ def observe_all(
                     # Wall seconds of each observation (a layer pass names all that rode it): what a bench
                     # divides by a decoding's forwards, or a pass's layers. Not part of any key or verdict.
                     entry["seconds"] = seconds
+                    # Its set-up before any observation (a streamed side: the skeleton and what lies outside
+                    # the decoder layers), and a streamed side's reading of its layers within `seconds`:
+                    # what a pass shared with another execution would not pay again.
+                    entry["load_seconds"] = load_seconds
+                    if loads_before is not None:
+                        entry["layer_read_seconds"] = round(backend.layer_read_seconds - read_before, 3)
                     # The process's peak resident memory so far: a load that raised it is the one whose
                     # observations hold the run's peak (what a bench reads to say where memory goes).
                     entry["peak_rss_bytes"] = peak_rss_bytes()

@@ -49,6 +49,7 @@ import contextlib
 import functools
 import gc
 import io
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -224,6 +225,9 @@ class StreamedBackend:
         self.generation_forwards = 0
         self.generation_bytes = 0
         self.bytes_read = 0
+        # Wall seconds spent reading decoder layers from the files (and materialising them: conversion,
+        # decompression), routed experts read during a decoding's forwards included.
+        self.layer_read_seconds = 0.0
         units = getattr(self.loader, "units", {})
         self.layer_bytes = [
             sum(checkpoint.tensors[n].nbytes for n in units.get(i, ()) if n in checkpoint.tensors)
@@ -315,12 +319,15 @@ class StreamedBackend:
         `routed`: of its routed experts only those its tokens route to, where the loader can (a decoding
         step's few tokens route to few experts: `TransformersLayers.load_layer_routed`)."""
         read = [0]
+        started = time.perf_counter()
+        routed_before = getattr(self.loader, "routed_read_seconds", 0.0)
         with contextlib.redirect_stderr(io.StringIO()):
             if routed and hasattr(self.loader, "load_layer_routed"):
                 self.loader.load_layer_routed(index, read)
             else:
                 self.loader.load_layer(index)
                 read[0] = self.layer_bytes[index]
+        self.layer_read_seconds += time.perf_counter() - started
         self.layer_loads += 1
         try:
             yield self.layers[index]
@@ -330,6 +337,7 @@ class StreamedBackend:
             if routed:
                 self.generation_bytes += read[0]
             self.loader.free_layer(index)
+            self.layer_read_seconds += getattr(self.loader, "routed_read_seconds", 0.0) - routed_before
             release_freed_memory()
 
     def forward_layer(

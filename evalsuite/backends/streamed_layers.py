@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
+import time
 from typing import Any
 
 import torch
@@ -123,6 +124,8 @@ class TransformersLayers:
         self._pristine: nn.Module | None = None
         # The routed-experts hook of the layer read for a decoding step, and its handle, until it is freed.
         self._routed: tuple[_RoutedExperts, Any] | None = None
+        # Wall seconds of routed experts read during decoding forwards (`_RoutedExperts`), all layers.
+        self.routed_read_seconds = 0.0
 
     def _plan_units(self, mapping: list[Any]) -> dict[Unit, list[str]]:
         """The files' tensor names by unit, placed by the names Transformers' own renaming gives them; a layer
@@ -248,6 +251,7 @@ class TransformersLayers:
             # goes with this read, and its experts take their full shape and count again.
             routed, handle = self._routed
             handle.remove()
+            self.routed_read_seconds += routed.seconds
             routed.restore()
             self._routed = None
         # The layer's tensors go now, whatever holds the module (compressed-tensors binds each quantized
@@ -405,6 +409,7 @@ class _RoutedExperts:
         self, loader: TransformersLayers, module: nn.Module, by_expert: dict[int, list[str]], read: list[int]
     ) -> None:
         self.loader, self.module, self.by_expert, self.read = loader, module, by_expert, read
+        self.seconds = 0.0  # wall seconds of this layer's reads of experts, made during its forwards
         self.num_experts = int(module.num_experts)
         self.shapes = {k: v.shape for k, v in module.named_parameters(recurse=False)}
         self.dtypes = {k: v.dtype for k, v in module.named_parameters(recurse=False)}
@@ -433,7 +438,9 @@ class _RoutedExperts:
             rows = torch.empty((len(todo), *self.shapes[key][1:]), device="meta", dtype=self.dtypes[key])
             setattr(module, key, nn.Parameter(rows, requires_grad=False))
         names = [n for e in todo for n in self.by_expert[e]]
+        started = time.perf_counter()
         self.loader._load(names)
+        self.seconds += time.perf_counter() - started
         self.read[0] += sum(self.loader.checkpoint.tensors[n].nbytes for n in names)
         if not self.rows:
             self.rows = todo

@@ -195,3 +195,6 @@ def test_a_streamed_run_of_ppl_smoke_and_vision_skips_nothing_and_equals_the_loa
         assert entry["generation_forwards"] > 0, entry
         assert entry["pass_layer_loads"] == passes * entry["n_layers"], entry
         assert entry["decoder_layer_loads"] == entry["n_layers"] * (passes + entry["generation_forwards"])
+        # The side's set-up, and its layer reads: a part of its observations' seconds, never all of them.
+        assert entry["load_seconds"] > 0, entry
+        assert 0 < entry["layer_read_seconds"] < sum(entry["seconds"].values()), entry
