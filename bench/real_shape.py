@@ -995,7 +995,8 @@ def decoding(results: dict[str, Any]) -> dict[str, Any]:
 
 def load_figures(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Per model the run loaded: its side and execution, its set-up seconds, its observations' seconds and,
-    streamed, how many of those read its decoder layers from the files (`results.json`'s `model_loads`)."""
+    streamed, how many of those seconds read its decoder layers from the files (`results.json`'s
+    `model_loads`)."""
     return [
         {
             "side": entry["side"],
@@ -1006,6 +1007,18 @@ def load_figures(results: dict[str, Any]) -> list[dict[str, Any]]:
         }
         for entry in results.get("model_loads", [])
     ]
+
+
+def measured_load(run: dict[str, Any], side: str, backend: str) -> dict[str, Any] | None:
+    """The run's load of `side` by `backend` (`load_figures`) whose layer reads were measured, else None."""
+    return next(
+        (
+            x
+            for x in run.get("loads", [])
+            if (x["side"], x["backend"]) == (side, backend) and x.get("layer_read_seconds") is not None
+        ),
+        None,
+    )
 
 
 def integer_execution(
@@ -1020,8 +1033,7 @@ def integer_execution(
     the candidate's files outgrow what the cache keeps beside the run, and they would come from the disk.
     Bounded from above, then, by the `hf` pass's own reads of the same layers from a cold cache (`cold`: the
     `ppl,moe,layers` run, whose passes start cold; its reads include the decompression `intref` skips)."""
-    measured = [x for x in run.get("loads", []) if x.get("layer_read_seconds") is not None]
-    load = next((x for x in measured if x["backend"] == "intref"), None)
+    load = measured_load(run, "ckpt", "intref")
     if load is None:
         return None
     reads = load["layer_read_seconds"] * layers_40
@@ -1033,14 +1045,7 @@ def integer_execution(
         "seconds": load["load_seconds"] + reads + rest * layers_40,
         "shared_pass_saves_at_most": load["load_seconds"] + reads,
     }
-    cold_load = next(
-        (
-            x
-            for x in (cold or {}).get("loads", [])
-            if (x["side"], x["backend"]) == ("ckpt", "hf") and x.get("layer_read_seconds") is not None
-        ),
-        None,
-    )
+    cold_load = measured_load(cold or {}, "ckpt", "hf")
     if cold_load is not None:
         from_disk = cold_load["layer_read_seconds"] * layers_40
         out["layer_read_seconds_from_disk_at_most"] = from_disk

@@ -251,7 +251,6 @@ class TransformersLayers:
             # goes with this read, and its experts take their full shape and count again.
             routed, handle = self._routed
             handle.remove()
-            self.routed_read_seconds += routed.seconds
             routed.restore()
             self._routed = None
         # The layer's tensors go now, whatever holds the module (compressed-tensors binds each quantized
@@ -409,7 +408,6 @@ class _RoutedExperts:
         self, loader: TransformersLayers, module: nn.Module, by_expert: dict[int, list[str]], read: list[int]
     ) -> None:
         self.loader, self.module, self.by_expert, self.read = loader, module, by_expert, read
-        self.seconds = 0.0  # wall seconds of this layer's reads of experts, made during its forwards
         self.num_experts = int(module.num_experts)
         self.shapes = {k: v.shape for k, v in module.named_parameters(recurse=False)}
         self.dtypes = {k: v.dtype for k, v in module.named_parameters(recurse=False)}
@@ -440,7 +438,7 @@ class _RoutedExperts:
         names = [n for e in todo for n in self.by_expert[e]]
         started = time.perf_counter()
         self.loader._load(names)
-        self.seconds += time.perf_counter() - started
+        self.loader.routed_read_seconds += time.perf_counter() - started
         self.read[0] += sum(self.loader.checkpoint.tensors[n].nbytes for n in names)
         if not self.rows:
             self.rows = todo
