@@ -1,5 +1,6 @@
 """`ppl` on chats: the `[chats]` spec section, the chats tokenised once through the chat template (and refused
-where the sides' templates or tokens differ), and the figures split by tag and by assistant turn.
+where the sides' templates or tokens differ), and the figures split by tag and by assistant turn, each split
+judged where it holds enough chats (`[chats] min_split_chats`) and otherwise reported as too small to judge.
 
 How a chat is rendered and its assistant tokens found is `evalsuite.chats`; how each side is observed on
 them, `evalsuite.observers.chat_logits`.
@@ -13,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from evalsuite import claims
+from evalsuite.calibration import token_ids
 from evalsuite.chats import UNTAGGED, chat_template, chat_tokens, chats_sha256, read_chats
 from evalsuite.errors import InputError
-from evalsuite.observers.chat_logits import CHATS, ChatLogits, ChatLogitsAtReference, chat_inputs
+from evalsuite.observers.chat_logits import ChatLogits, ChatLogitsAtReference, chat_inputs
 from evalsuite.observers.compact_window_logits import REFERENCE_LABEL
 from evalsuite.observers.window_logits import RecordOptions
 from evalsuite.spec import Check, StrictModel, TaskSpec, default_spec_path
@@ -31,6 +33,8 @@ SHIPPED = "shipped"
 SHIPPED_SPEC = "ppl-chat"
 # Assistant turns from this rank on are reported together.
 LAST_TURN_SPLIT = 3
+# The inputs' key of each chat's own words, tokenised (`chat_sequences`).
+OWN_WORDS = "chat_own_words"
 
 
 class ChatOptions(StrictModel):
@@ -41,10 +45,16 @@ class ChatOptions(StrictModel):
     file: str = SHIPPED
     # Scored positions per application of the head: never a chat's positions × vocabulary at once.
     head_chunk_rows: int = 256
+    # The fewest chats a tag's or a turn's split is judged on: one chat's spread would decide a smaller
+    # split's estimate (and below `claims.MIN_CLUSTERS` it has no interval). A smaller split is reported,
+    # marked too small to judge, and its checks are left out of the verdict.
+    min_split_chats: int = 5
 
     def model_post_init(self, _: Any) -> None:
         if self.head_chunk_rows < 1:
             raise ValueError("head_chunk_rows must be a number of positions, at least 1")
+        if self.min_split_chats < 1:
+            raise ValueError("min_split_chats must be a number of chats, at least 1")
 
 
 def shipped_chats() -> Path:
@@ -65,7 +75,8 @@ def prepare_chats(path: Path, ref: Side, ckpt: Side) -> Inputs:
     """The chats of `path` through the chat template, tokenised once with the reference's tokenizer (the
     candidate's when the reference is a recording, whose tokens' hash is then checked before anything runs).
     Refused before any model loads, in one line: sides whose chat templates differ (they would score
-    different text), a candidate whose tokenizer gives other ids, a chat longer than a side's context."""
+    different text), a candidate whose tokenizer gives other ids, a chat longer than a side's context. Each
+    chat's own words are tokenised too (`chat_sequences`)."""
     chats = read_chats(path)
     source = ckpt if ref.is_recorded else ref
     template = _template(source)
@@ -79,14 +90,14 @@ def prepare_chats(path: Path, ref: Side, ckpt: Side) -> Inputs:
                 "would score different text; give both the same template",
                 ckpt.checkpoint.path,
             )
-    tokens = [chat_tokens(source.tokenizer, chat, i + 1) for i, chat in enumerate(chats)]
+    tokens = [chat_tokens(source.tokenizer, chat, path) for chat in chats]
     if not ref.is_recorded and ref.checkpoint.tokenizer_sha256 != ckpt.checkpoint.tokenizer_sha256:
         for i, chat in enumerate(chats):
-            theirs = chat_tokens(ckpt.tokenizer, chat, i + 1)
+            theirs = chat_tokens(ckpt.tokenizer, chat, path)
             if not np.array_equal(theirs.ids, tokens[i].ids):
                 raise InputError(
-                    f"its tokenizer disagrees with the reference's on chat {i + 1} of {path.name}; the sides "
-                    "cannot be compared",
+                    f"its tokenizer disagrees with the reference's on {path.name}'s chat at {chat.where}; "
+                    "the sides cannot be compared",
                     ckpt.checkpoint.path,
                 )
     longest = max(len(t.ids) for t in tokens)
@@ -102,6 +113,9 @@ def prepare_chats(path: Path, ref: Side, ckpt: Side) -> Inputs:
     name = SHIPPED if path == shipped_chats() else path.name
     inputs = chat_inputs(tokens, [c.tag for c in chats], f"chats:{name}", ", ".join(spans))
     inputs["chats_sha256"] = chats_sha256(chats)
+    # The template's text (a default system prompt, role markers) is in every chat and in every templated
+    # calibration text: the overlap with a calibration set is of the chats' own words.
+    inputs[OWN_WORDS] = [token_ids(source.tokenizer, chat.text) for chat in chats]
     return inputs
 
 
@@ -122,8 +136,9 @@ def chat_needs(record: RecordOptions, chunk_rows: int, options: ChatOptions) -> 
 
 
 def chat_sequences(inputs: Inputs) -> list[np.ndarray]:
-    """Each chat's token ids, as the model is fed them."""
-    return [chat.ids for chat in inputs[CHATS]]
+    """Each chat's own words (its contents joined by newlines, as a calibration chat's), tokenised alone
+    without its template: what its overlap with a calibration set is measured on."""
+    return inputs[OWN_WORDS]
 
 
 def split_metrics(
@@ -134,10 +149,12 @@ def split_metrics(
     same_top: np.ndarray,
     nll_ref: np.ndarray,
     nll_ckpt: np.ndarray,
+    min_chats: int,
 ) -> dict[str, dict[str, Any]]:
     """The figures of each tag's chats (`tag_TAG_…`) and of each assistant turn's rank (`turn_1_…`,
     `turn_2_…`, turns from `LAST_TURN_SPLIT` on together as `turn_3plus_…`), every error clustered by chat;
-    by split name. A chat set with one tag, or of one-turn chats, is not split that way."""
+    by split name. A chat set with one tag, or of one-turn chats, is not split that way. A split of fewer
+    than `min_chats` chats says so (`NAME_note`: too small to judge), and `split_checks` leaves it out."""
     token_tags = np.asarray(tags)[chat]
     splits: dict[str, np.ndarray] = {}
     if len(set(tags)) > 1 or tags[0] != UNTAGGED:
@@ -150,16 +167,21 @@ def split_metrics(
     out = {}
     for name, mask in splits.items():
         values = subset_metrics(name, mask, kld, same_top, nll_ref, nll_ckpt, chat)
-        out[name] = with_claims(name, values, len(np.unique(chat[mask])))
+        chats = len(np.unique(chat[mask]))
+        out[name] = with_claims(name, values, chats)
+        if chats < min_chats:
+            out[name][f"{name}_note"] = f"too small to judge: {chats} chat{'s' * (chats != 1)} < {min_chats}"
     return out
 
 
 def split_rows(splits: dict[str, dict[str, Any]], checks: dict[str, list[Check]]) -> list[dict[str, Any]]:
-    """report.md's rows of the splits: one per tag and per turn, with the verdict of its own checks."""
+    """report.md's rows of the splits: one per tag and per turn, with the verdict of its own checks (or why
+    it has none: too small to judge)."""
     rows = []
     for name, values in splits.items():
         kind, _, label = name.partition("_")
         own = checks.get(name, [])
+        verdict = ("pass" if all(c.passed for c in own) else "FAIL") if own else ""
         rows.append(
             {
                 "table": f"by {'tag' if kind == 'tag' else 'assistant turn'} (errors clustered by chat)",
@@ -172,7 +194,7 @@ def split_rows(splits: dict[str, dict[str, Any]], checks: dict[str, list[Check]]
                 "same_top_p lower95 … upper95": _interval(values, f"{name}_same_top_p"),
                 "delta_p_mean": values[f"{name}_delta_p_mean"],
                 "ppl_ratio": values[f"{name}_ppl_ratio"],
-                "verdict": ("pass" if all(c.passed for c in own) else "FAIL") if own else "",
+                "verdict": values.get(f"{name}_note", verdict),
             }
         )
     return rows
@@ -186,5 +208,9 @@ def _interval(values: dict[str, Any], name: str) -> str:
 
 
 def split_checks(spec: TaskSpec, splits: dict[str, dict[str, Any]]) -> dict[str, list[Check]]:
-    """The spec's thresholds on each split's own figures (`subset_checks`), by split name."""
-    return {name: subset_checks(spec, name, values) for name, values in splits.items()}
+    """The spec's thresholds on each split's own figures (`subset_checks`), by split name; none on a split
+    too small to judge."""
+    return {
+        name: [] if f"{name}_note" in values else subset_checks(spec, name, values)
+        for name, values in splits.items()
+    }

@@ -329,8 +329,9 @@ class Perplexity:
         checks, _ = self.spec.threshold_checks(values)
         details: list[dict[str, Any]] = []
         if chats:
+            min_chats = (self.spec.chats or ChatOptions()).min_split_chats
             splits = split_metrics(
-                ref.meta["chat_tags"], windows, ref.arrays["turn"], kld, same, nll_ref, nll_ckpt
+                ref.meta["chat_tags"], windows, ref.arrays["turn"], kld, same, nll_ref, nll_ckpt, min_chats
             )
             by_split = split_checks(self.spec, splits)
             for name in splits:

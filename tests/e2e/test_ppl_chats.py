@@ -2,9 +2,11 @@
 
 On the tiny MiniCPM-V 4.7 pair (the CLI in this process, `cli_in_process`): a two-turn chat whose template
 marks its assistant turns is scored on exactly its assistant tokens, counted by hand; a candidate whose
-template differs is refused before any model loads; a calibration file holding two of the protocol's windows
-flags both, with the verdict given without them, and a disjoint one flags nothing (a copy of `tiny_run`, its
-observations reused). On SmolLM2 (slow tier): the shipped chats, by tag, with chat-clustered intervals.
+template differs is refused before any model loads, and so, naming its line, is a chat that opens with the
+assistant's or that the template refuses; splits of one chat are reported, not judged; a calibration file
+holding two of the protocol's windows flags both, with the verdict given without them, and a disjoint one
+flags nothing (a copy of `tiny_run`, its observations reused). On SmolLM2 (slow tier): the shipped chats, by
+tag, with chat-clustered intervals.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ from tests.conftest import (
     copy_checkpoint,
     rerun,
 )
-from tests.unit.test_chat_tokens import ASSISTANT_TOKENS, ASSISTANT_TURNS, MARKED_TEMPLATE, TWO_TURNS
+from tests.unit.test_chat_tokens import (
+    ASSISTANT_TOKENS,
+    ASSISTANT_TURNS,
+    MARKED_TEMPLATE,
+    RAISING_TEMPLATE,
+    TWO_TURNS,
+)
 
 
 def _marked_copy(src: Path, dst: Path, template: str = MARKED_TEMPLATE) -> Path:
@@ -66,8 +74,13 @@ def test_a_marked_template_scores_exactly_the_assistant_tokens(tiny_pair, tmp_pa
     tokenizer = AutoTokenizer.from_pretrained(ref)
     assert tokenizer.convert_ids_to_tokens(target.tolist()) == ASSISTANT_TOKENS
     assert turn.tolist() == ASSISTANT_TURNS
-    # Split by turn: 2 tokens of the first assistant turn, 7 of the second.
+    # Split by turn: 2 tokens of the first assistant turn, 7 of the second; each split one chat, fewer than
+    # the spec's minimum: reported, marked too small, and left out of the verdict.
     assert (m["turn_1_n_tokens"], m["turn_2_n_tokens"]) == (2, 7)
+    assert m["turn_1_note"] == m["turn_2_note"] == "too small to judge: 1 chat < 5"
+    assert {c["name"] for c in ppl["checks"]} == {"ppl_ratio", "kld_mean", "same_top_p"}
+    rows = [r for r in ppl["details"] if r.get("table", "").startswith("by assistant turn")]
+    assert [(r["turn"], r["verdict"]) for r in rows] == [("1", m["turn_1_note"]), ("2", m["turn_2_note"])]
 
 
 def test_a_candidate_whose_chat_template_differs_is_refused_before_any_load(tiny_pair, tmp_path):
@@ -78,6 +91,42 @@ def test_a_candidate_whose_chat_template_differs_is_refused_before_any_load(tiny
     args = ("run", "--ckpt", ckpt, "--ref", ref, "--tasks", "ppl", "--chats", _chat_file(tmp_path))
     code, lines, _ = cli_in_process(*args, "--out", out, "--quiet")
     assert_refused(code, lines, str(ckpt), "its chat template differs from the reference's")
+    assert not (out / "observations").exists()
+
+
+@pytest.mark.parametrize(
+    ("template", "chat", "said"),
+    [
+        (
+            None,
+            [("assistant", "Hello! How can I help?"), ("user", "What is 2+2?"), ("assistant", "4")],
+            "line 3: the chat opens with an assistant turn",
+        ),
+        (
+            RAISING_TEMPLATE,
+            [("system", "Be brief."), *TWO_TURNS.messages],
+            "line 3: the chat template refuses the chat (System role not supported)",
+        ),
+    ],
+)
+def test_a_chat_its_template_cannot_render_ends_in_exit_2_naming_its_line(
+    tiny_pair, tmp_path, template, chat, said
+):
+    """A chat that opens with the assistant, and one the template refuses (`raise_exception`), each on the
+    third line of its file after a good chat and a blank line: refused in one line, before any load."""
+    ref, ckpt = tiny_pair[TINY_BF16], tiny_pair[TINY_W4A8]
+    if template is not None:
+        ref, ckpt = (
+            _marked_copy(ref, tmp_path / "ref", template),
+            _marked_copy(ckpt, tmp_path / "ckpt", template),
+        )
+    path = tmp_path / "chats.jsonl"
+    lines = [[{"role": r, "content": c} for r, c in messages] for messages in (TWO_TURNS.messages, chat)]
+    path.write_text(f"{json.dumps({'messages': lines[0]})}\n\n{json.dumps({'messages': lines[1]})}\n")
+    out = tmp_path / "run"
+    args = ("run", "--ckpt", ckpt, "--ref", ref, "--tasks", "ppl", "--chats", path)
+    code, lines_out, _ = cli_in_process(*args, "--out", out, "--quiet")
+    assert_refused(code, lines_out, str(path), said)
     assert not (out / "observations").exists()
 
 

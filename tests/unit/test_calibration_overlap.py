@@ -6,6 +6,8 @@ figures and verdicts without its flagged prompts, on answers built by hand."""
 from __future__ import annotations
 
 import json
+import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -233,3 +235,107 @@ def test_smoke_without_its_flagged_prompts_gives_the_clean_figures_and_both_verd
     smoke.overlap = flagging("prompt", ("france", "japan", "add"), "france", "japan", "add")
     m = smoke.compare(observed, tmp_path).metrics
     assert m["clean_note"] == "every prompt overlaps the calibration set" and "clean_n_prompts" not in m
+
+
+def _table(tmp_path, name: str, rows: list[dict]) -> Path:
+    """`rows` as a table file: parquet, or Arrow IPC as a stream (`datasets`' own files) or as a file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path, table = tmp_path / name, pa.Table.from_pylist(rows)
+    if name.endswith(".parquet"):
+        pq.write_table(table, path)
+    else:
+        new = pa.ipc.new_stream if "stream" in name else pa.ipc.new_file
+        with pa.OSFile(str(path), "wb") as sink, new(sink, table.schema) as writer:
+            writer.write_table(table)
+    return path
+
+
+ROWS = [
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+    {"messages": [{"role": "user", "content": "only a prompt"}]},
+]
+
+
+@pytest.mark.parametrize("name", ["calib.parquet", "calib-stream.arrow", "calib-file.arrow"])
+def test_calibration_tables_of_documents_or_chats_give_their_texts(tmp_path, name):
+    assert calibration_texts(_table(tmp_path, name, [{"text": "one"}, {"text": "two"}])) == ["one", "two"]
+    assert calibration_texts(_table(tmp_path, "chats-" + name, ROWS)) == ["q\na", "only a prompt"]
+    broken = tmp_path / ("broken-" + name)
+    broken.write_bytes(b"not a table")
+    with pytest.raises(InputError, match=f"broken-{name}: not a"):
+        calibration_texts(broken)
+
+
+def test_a_json_array_calibration_file_gives_its_texts_and_names_an_item_that_is_neither(tmp_path):
+    array = tmp_path / "calib.json"
+    array.write_text(json.dumps([{"text": "one"}, *ROWS], indent=2), encoding="utf-8")
+    assert calibration_texts(array) == ["one", "q\na", "only a prompt"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"text": "one"}, {"prompt": "two"}]), encoding="utf-8")
+    with pytest.raises(InputError, match=r"bad.json: item 1: neither"):
+        calibration_texts(bad)
+
+
+def test_calibration_chats_of_a_prompt_alone_or_with_a_tool_turn_are_read(tmp_path):
+    """What calibration sets hold and no chat file to score would: no answer, a tool's output, an assistant
+    turn that only calls a tool (its content null)."""
+    path = tmp_path / "calib.jsonl"
+    tool = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"name": "weather"}]},
+        {"role": "tool", "content": "18 C, sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+    ]
+    path.write_text(
+        json.dumps({"messages": ROWS[1]["messages"]}) + "\n" + json.dumps({"messages": tool}) + "\n",
+        encoding="utf-8",
+    )
+    assert calibration_texts(path) == ["only a prompt", "Weather in Paris?\n18 C, sunny\nIt is sunny."]
+
+
+def test_short_units_are_looked_for_in_memory_bounded_by_the_units_not_the_set():
+    """Twelve units of 1 to 12 tokens against a set of 2 million: found whole where they lie inside one text,
+    not where they straddle two, without a table of the set's k-grams per length (16 MB each)."""
+    rng = np.random.default_rng(0)
+    texts = [rng.integers(0, 50_000, 100_000) for _ in range(20)]
+    found = _set(*texts)
+    units = [texts[k][1000 * k : 1000 * k + k] for k in range(1, 13)]
+    straddling = np.concatenate([texts[0][-3:], texts[1][:3]])
+    tracemalloc.start()
+    try:
+        shares = found.shares([*units, straddling])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert shares.tolist() == [1.0] * 12 + [0.0]
+    assert peak < 8 * 2**20, f"{peak / 2**20:.0f} MiB"
+
+
+def test_ppl_on_chats_is_checked_on_the_chats_own_words_not_their_template(smollm2_sides, tmp_path):
+    """A calibration text that is another chat through SmolLM2's template (its default system prompt, role
+    markers) flags none of the shipped chats; one holding two shipped chats' words flags exactly those."""
+    from evalsuite.chats import read_chats
+    from evalsuite.tasks.chats import shipped_chats
+    from evalsuite.tasks.ppl import Perplexity, PplSpec
+
+    tokenizer = smollm2_sides[0].tokenizer
+    other = [
+        {"role": "user", "content": "Tell me about rivers in Europe and where they flow."},
+        {"role": "assistant", "content": "The Rhine flows north into the North Sea; the Danube flows east."},
+    ]
+    templated = tmp_path / "templated.jsonl"
+    templated.write_text(json.dumps({"text": tokenizer.apply_chat_template(other, tokenize=False)}) + "\n")
+    spec = load_spec(PplSpec, default_spec_path("ppl-chat"))
+
+    def flagged(calibration: Path) -> list[int]:
+        ppl = Perplexity(spec, RunContext(calibration_file=calibration))
+        ppl.prepare(*smollm2_sides)
+        assert ppl.overlap is not None and len(ppl.overlap.flagged) == 110
+        return np.flatnonzero(ppl.overlap.flagged).tolist()
+
+    assert flagged(templated) == []
+    shipped = read_chats(shipped_chats())
+    holding = _chats(tmp_path / "holding.jsonl", other[:1], *(shipped[i].as_messages() for i in (3, 70)))
+    assert flagged(holding) == [3, 70]
