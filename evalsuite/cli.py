@@ -2,20 +2,22 @@
 `cache`.
 
 Exit codes: 0 every check passed, 1 a check failed (a regression), 2 the run could not be done (bad input, a
-missing dependency), 3 an internal error (any other exception: a bug, a changed library), 4 out of resources
-(device or host memory exhausted, wherever: a bigger machine or `--stream` helps), 130 interrupted; the
-reason is one line on stderr, and for 3 and 4 the traceback is in a file.
+missing dependency), 3 an internal error (any other exception: a bug, a changed library), 4 out of a system
+resource (device or host memory exhausted, wherever: a bigger machine or `--stream` helps; too many open
+files: a higher `ulimit -n` helps), 130 interrupted; the reason is one line on stderr, and for 3 and 4 the
+traceback is in a file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -43,7 +45,15 @@ from evalsuite.cli_output import (  # noqa: F401
     summarise_noise,
     third_party_quiet,
 )
-from evalsuite.errors import EvalsuiteError, InputError, ResourceError, is_out_of_memory, out_of_memory_line
+from evalsuite.errors import (
+    EvalsuiteError,
+    InputError,
+    ResourceError,
+    is_out_of_descriptors,
+    is_out_of_memory,
+    out_of_descriptors_line,
+    out_of_memory_line,
+)
 from evalsuite.run_folder import write_atomic
 
 if TYPE_CHECKING:
@@ -509,8 +519,9 @@ def main(argv: list[str] | None = None) -> None:
         # Piped help is typer's rich panels at 80 columns, which cut option names: give it room.
         os.environ.setdefault("TERMINAL_WIDTH", "120")
     output_folder.set(None)  # an in-process caller may run several commands
-    tune_allocator()  # the process is evalsuite's own: its loads keep their temporaries in the heaps
     try:
+        # Inside the mapping: the modules it imports may fail to open (too many open files), exit 4 as well.
+        tune_allocator()  # the process is evalsuite's own: its loads keep their temporaries in the heaps
         code = app(args=args, prog_name="evalsuite", standalone_mode=False)
         if code == 130:  # typer turns Ctrl-C into exit code 130, silently
             raise KeyboardInterrupt
@@ -518,7 +529,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"evalsuite: error: {exc}", file=sys.stderr)
         sys.exit(4)
     except EvalsuiteError as exc:
-        print(f"evalsuite: error: {file_leases.change_heard() or exc}", file=sys.stderr)
+        changed = file_leases.change_heard()
+        if changed is None and is_out_of_descriptors(exc):  # said of a file it could not open: not the file's
+            exit_out_of_descriptors(exc)
+        print(f"evalsuite: error: {changed or exc}", file=sys.stderr)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         print(
@@ -537,10 +551,18 @@ def main(argv: list[str] | None = None) -> None:
         if is_out_of_memory(exc):  # wherever it happens: the machine's limit, not a bug (exit 4)
             print(f"evalsuite: error: {out_of_memory_line(exc)}; {write_traceback(exc)}", file=sys.stderr)
             sys.exit(4)
+        if is_out_of_descriptors(exc):  # the process's limit of open files, not a bug either
+            exit_out_of_descriptors(exc)
         # Not evalsuite's own: a bug, a library that changed. Never exit 1, which CI reads as a failed check.
         print(internal_error(exc), file=sys.stderr)
         sys.exit(3)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def exit_out_of_descriptors(exc: BaseException) -> NoReturn:
+    """End a run that ran out of open files: one line naming the limit and how to raise it, exit 4."""
+    print(f"evalsuite: error: {out_of_descriptors_line()}; {write_traceback(exc)}", file=sys.stderr)
+    sys.exit(4)
 
 
 def internal_error(exc: BaseException) -> str:
@@ -555,9 +577,11 @@ def write_traceback(exc: BaseException) -> str:
     text = "".join(traceback.format_exception(exc))
     folder = output_folder.get()
     target = None
-    for candidate in ([folder / TRACEBACK_NAME] if folder is not None else []) + [
-        Path(tempfile.gettempdir()) / f"evalsuite-traceback-{os.getpid()}.txt"
-    ]:
+    candidates = [folder / TRACEBACK_NAME] if folder is not None else []
+    # Finding the temporary folder opens files: a process out of them has none, and still says why it ended.
+    with contextlib.suppress(OSError):
+        candidates.append(Path(tempfile.gettempdir()) / f"evalsuite-traceback-{os.getpid()}.txt")
+    for candidate in candidates:
         try:
             write_atomic(candidate, text)
         except OSError:

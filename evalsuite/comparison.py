@@ -41,7 +41,6 @@ PPL_COLUMNS = (
     "kld_floor_ratio",
     "noise_floor",
 )
-STDERR = {"ppl_ratio": None, "kld_mean": "kld_mean_stderr_window", "same_top_p": "same_top_p_stderr_window"}
 
 
 def _bits(doc: dict[str, Any], ref: Checkpoint | None) -> tuple[float | None, int | None, str]:

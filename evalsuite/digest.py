@@ -2,8 +2,9 @@
 
 An observation is only as trustworthy as the claim that it was made on these very bytes, so its key holds a
 digest of every byte of the side's weights. Hashing 70 GB takes minutes, so a digest is cached per file under
-what identifies an unchanged file: its device and inode, size, modification and status-change times (the
-ctime cannot be set back by `touch`, so an in-place edit that restores the mtime is still seen). A file that
+what identifies an unchanged file, its `FileIdentity` compared whole: device and inode, size, modification
+and status-change times (the ctime cannot be set back by `touch`, so an in-place edit that restores the mtime
+is still seen; a chmod costs one hash more, never a stale digest). A file that
 changes while it is hashed is hashed again, never cached half-read.
 
 The cache is one small JSON file per hashed file (named by a hash of the file's resolved path) in
@@ -20,10 +21,11 @@ import os
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from evalsuite.errors import InputError
+from evalsuite.file_identity import FileIdentity
 from evalsuite.run_folder import write_atomic
 
 # Threads hashing files at once: hashlib releases the GIL on large updates, so two files hash on two cores.
@@ -35,22 +37,6 @@ def default_cache_folder() -> Path:
     """Where digests are cached: `$EVALSUITE_CACHE/digests`, or `~/.cache/evalsuite/digests`."""
     root = os.environ.get("EVALSUITE_CACHE")
     return (Path(root) if root else Path.home() / ".cache" / "evalsuite") / "digests"
-
-
-@dataclass(frozen=True)
-class FileIdentity:
-    """What tells an unchanged file on disk: device, inode, size, modification and status-change times."""
-
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, path: Path) -> FileIdentity:
-        st = path.stat()
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _hash_file(path: Path) -> str:
@@ -88,7 +74,7 @@ class DigestCache:
             return None
         try:
             doc = json.loads(entry.read_text(encoding="utf-8"))
-            identity = FileIdentity.of(path)
+            identity = FileIdentity.of(path.stat())
         except (OSError, ValueError):
             return None
         if (
@@ -107,9 +93,9 @@ class DigestCache:
         if (hit := self.cached(path)) is not None:
             return hit
         for _ in range(3):
-            before = FileIdentity.of(path)
+            before = FileIdentity.of(path.stat())
             digest = _hash_file(path)
-            after = FileIdentity.of(path)
+            after = FileIdentity.of(path.stat())
             with self._lock:
                 self.hashed_bytes += after.size
             if before == after:

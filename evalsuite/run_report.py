@@ -135,13 +135,35 @@ def _undetermined_unchecked(tested: list[dict[str, Any]]) -> list[dict[str, Any]
     return [d for d in tested if d["p_holm"] >= claims.ALPHA and d.get("worse") and not d["checks"]]
 
 
-def _tested_differences(results: dict[str, Any]) -> list[dict[str, Any]]:
-    tested = [
+def _untested_unchecked(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The differences no check covers whose candidate side is the worse one but whose p could not be
+    computed (too few windows for a test, `claims.MIN_CLUSTERS`): undetermined as well, each with why
+    (`no_p`), rather than left out of a list that holds only what was tested."""
+    return [
+        {**d, "no_p": _no_p_reason(results["tasks"][d["task"]])}
+        for d in _differences(results)
+        if not isinstance(d.get("p"), int | float) and d.get("worse") and not d["checks"]
+    ]
+
+
+def _no_p_reason(entry: dict[str, Any]) -> str:
+    windows = (entry.get("metrics") or {}).get("n_windows")
+    if isinstance(windows, int) and windows < claims.MIN_CLUSTERS:
+        return f"p cannot be computed: {windows} windows, a paired test needs at least {claims.MIN_CLUSTERS}"
+    return f"p cannot be computed: fewer than {claims.MIN_CLUSTERS} windows or documents, or no finite error"
+
+
+def _differences(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every difference results.json records, with its task and the checks that cover it."""
+    return [
         {**d, "task": task, "checks": _covering(entry, d)}
         for task, entry in results["tasks"].items()
         for d in entry.get("differences") or []
-        if isinstance(d.get("p"), int | float)
     ]
+
+
+def _tested_differences(results: dict[str, Any]) -> list[dict[str, Any]]:
+    tested = [d for d in _differences(results) if isinstance(d.get("p"), int | float)]
     if any(not isinstance(d.get("p_holm"), int | float) for d in tested):  # written without it: adjust here
         adjusted = claims.holm([float(d["p"]) for d in tested])
         tested = [{**d, "p_holm": p} for d, p in zip(tested, adjusted, strict=True)]
@@ -169,23 +191,23 @@ def difference_sentence(d: dict[str, Any]) -> str:
 def verdict_paragraph(results: dict[str, Any]) -> list[str]:
     """What the data show beside the verdict: every difference from the reference significant after Holm
     over all the paired tests the report and the card tabulate, whether or not a check covers it; said
-    also when there is none. Empty for a results.json that records no paired test."""
+    also when there is none; then the unchecked drops the data do not decide, tested or too few to test.
+    Empty for a results.json that records no paired difference."""
     tested = _tested_differences(results)
-    if not tested:
-        return []
-    shown = _significant(tested)
+    unsettled = _undetermined_unchecked(tested) + _untested_unchecked(results)
+    lines: list[str] = []
     family = "significant after Holm's correction over every paired test of the candidate against the "
     family += "reference that this report tabulates (results.json's `differences`)"
-    if not shown:
+    if tested and not (shown := _significant(tested)):
         lines = [f"No difference from the reference is {family}.", ""]
-    else:
+    elif tested:
         lines = [f"Beside the verdict, the data show these differences from the reference ({family}):", ""]
         lines += [*[f"- {difference_sentence(d)}." for d in shown], ""]
-    unsettled = _undetermined_unchecked(tested)
     if unsettled:
         lines += [
             "Undetermined beside the verdict (the candidate on the worse side, no check covering it, not "
-            "significant after Holm's correction: the data show neither a difference nor its absence):",
+            "significant after Holm's correction or too few windows to test: the data show neither a "
+            "difference nor its absence):",
             "",
             *[f"- {undetermined_sentence(d)}." for d in unsettled],
             "",
@@ -195,6 +217,8 @@ def verdict_paragraph(results: dict[str, Any]) -> list[str]:
 
 def undetermined_sentence(d: dict[str, Any]) -> str:
     """One unchecked drop the data do not decide, as the verdict's paragraph says it."""
+    if "no_p" in d:
+        return f"{d['name']} ({d['task']}): {d['said']} ({d['test']}: {d['no_p']})"
     return (
         f"{d['name']} ({d['task']}): {d['said']} ({d['test']}: p = {format_number(d['p'], 2)}, Holm p = "
         f"{format_number(d['p_holm'], 2)})"
@@ -300,6 +324,29 @@ def failed_prompts(results: dict[str, Any]) -> list[str]:
     ]
 
 
+def answer_configuration(smoke: dict[str, Any]) -> str:
+    """How `smoke`'s answers were decoded and how often the batch moved them on each side, as one sentence
+    (report.md's caveats, the model card): the configuration is part of an answer."""
+    m = smoke.get("metrics", {})
+    text = f"`smoke` compares answers {m.get('answers_compared')}"
+    ref, ckpt = m.get("ref_batch_sensitive"), m.get("ckpt_batch_sensitive")
+    if ref is None or ckpt is None:
+        return text + "; whether an answer depends on the batch was not measured: a side decoded one way only"
+    text += (
+        f"; answers that change when decoded in the spec's batch instead: reference {ref}, candidate {ckpt} "
+        f"of {m.get('n_prompts')}"
+    )
+    p = m.get("batch_sensitivity_p")
+    if isinstance(p, float):
+        if p < claims.ALPHA:
+            more = "more" if ckpt > ref else "less"
+            text += f": the candidate's answers depend on the batch {more} often than the reference's (exact "
+        else:
+            text += ": not distinguishable from the reference's own (exact "
+        text += f"McNemar p = {format_number(p, 2)})"
+    return text
+
+
 def replay_caveats(results: dict[str, Any]) -> list[str]:
     """The caveat of a reference recorded under another execution environment (results.json's `replay`)."""
     replay = results.get("replay")
@@ -312,6 +359,8 @@ def caveats(results: dict[str, Any]) -> list[str]:
     tasks = results["tasks"]
     notes = difference_caveats(results) + threshold_caveats(results) + failed_prompts(results)
     notes += replay_caveats(results) + baseline_caveats(results)
+    if tasks.get("smoke", {}).get("metrics", {}).get("answers_compared"):
+        notes.append(answer_configuration(tasks["smoke"]))
     for task, entry in tasks.items():
         if entry["status"] in ("skipped", "error"):
             what = "was skipped" if entry["status"] == "skipped" else "failed to run"

@@ -35,21 +35,14 @@ from evalsuite.errors import EvalsuiteError, InputError
 from evalsuite.machine import describe_machine, execution_differences, measured_drift, replay_caveat
 from evalsuite.observe import OnLoad, observe_all
 from evalsuite.plan import (
-    PlannedObservation,
     RunPlan,
     RunRequest,
     build_tasks,
-    check_baseline,
     check_out_folder,
-    intref_conventions,
     load_results,
-    observation_key,
     plan_observations,
     plan_run,
     prepare_all,
-    recorded_observation,
-    side_options,
-    spec_provenance,
     stream_if_needed,
 )
 from evalsuite.recording import RecordedObservation, write_recording
@@ -72,35 +65,8 @@ from evalsuite.task import (
 )
 from evalsuite.version import __version__
 
-# Planning and observing live in evalsuite.plan and evalsuite.observe; their names stay importable from here.
-__all__ = [
-    "PACKAGES",
-    "SCHEMA",
-    "OnLoad",
-    "PlannedObservation",
-    "RecordRequest",
-    "RunPlan",
-    "RunRequest",
-    "RunResult",
-    "build_tasks",
-    "check_baseline",
-    "check_out_folder",
-    "environment",
-    "intref_conventions",
-    "load_results",
-    "observation_key",
-    "observe_all",
-    "plan_observations",
-    "plan_run",
-    "prepare_all",
-    "record",
-    "recorded_observation",
-    "run",
-    "side_options",
-    "spec_provenance",
-    "stream_if_needed",
-    "with_regression_checks",
-]
+# Planning lives in evalsuite.plan; the request and the tasks a run is made of are imported with the run.
+__all__ = ["RecordRequest", "RunRequest", "RunResult", "build_tasks", "plan_run", "record", "run"]
 
 
 PACKAGES = (

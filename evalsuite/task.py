@@ -421,6 +421,3 @@ def task(name: str) -> Callable[[type], type]:
         return cls
 
     return named
-
-
-Observed = Mapping[str, Observation]

@@ -13,6 +13,7 @@ descriptor limits), files changed from another process and runs side by side run
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -57,7 +59,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_layer_pass.py",
     "tests/e2e/test_intref.py",
     "tests/e2e/test_exl3.py",
-    "tests/e2e/test_forced_answers.py",
+    "tests/e2e/test_decoded_answers.py",
     "tests/e2e/test_moe.py",
     "tests/e2e/test_smoke_vision.py",
     "tests/e2e/test_streamed.py",
@@ -124,6 +126,18 @@ class CliResult:
     @property
     def error_lines(self) -> list[str]:
         return [line for line in self.stderr.splitlines() if line.startswith("evalsuite: error:")]
+
+
+def import_or_skip(module: str, reason: str) -> ModuleType:
+    """`module`, imported; else the test, or the module of tests calling it at its top, skipped with `reason`
+    and what the import raised. Whatever it raised, not only ImportError as `pytest.importorskip` catches:
+    mlx-lm sets its own limit of open files at import, a ValueError under a lower hard limit (`ulimit -Hn
+    1024`), and a package that cannot be imported here is as missing as one not installed."""
+    try:
+        return importlib.import_module(module)
+    except Exception as exc:
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        pytest.skip(f"{reason} ({module}: {type(exc).__name__}: {said})", allow_module_level=True)
 
 
 def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -309,6 +323,43 @@ def rerun(run: Run, out: Path, *args: str | Path) -> Run:
 
 
 TINY_TASKS = "ppl,smoke,vision,tensors,intref"
+# The smoke prompts the tiny pair's shared runs answer: the random model's answers mean nothing, so the
+# mechanism is checked on a subset (each side decodes every prompt alone and in batches); the whole shipped
+# set is answered by SmolLM2 in the slow tier.
+TINY_SMOKE_PROMPTS = 24
+
+
+def smoke_subset_spec(folder: Path, count: int = 12) -> Path:
+    """The shipped smoke spec with `count` of its prompts (the first of each category, then in order): the
+    same tables, fewer prompts, for runs that check a mechanism rather than the prompt set."""
+    import tomllib
+
+    from evalsuite.spec import default_spec_path
+
+    text = default_spec_path("smoke").read_text(encoding="utf-8")
+    head, *blocks = text.split("\n[[prompts]]")
+    chosen, seen = [], set()
+    parsed = [tomllib.loads("[[prompts]]" + b)["prompts"][0] for b in blocks]
+    for i, p in enumerate(parsed):
+        if p["category"] not in seen:
+            seen.add(p["category"])
+            chosen.append(i)
+    chosen += [i for i in range(len(blocks)) if i not in chosen][: max(0, count - len(chosen))]
+    path = folder / f"smoke-first-{count}.toml"
+    path.write_text(head + "".join("\n[[prompts]]" + blocks[i] for i in sorted(chosen)), encoding="utf-8")
+    return path
+
+
+def tiny_spec_args() -> tuple[str, str]:
+    """`--spec smoke=…` of the tiny pair's shared runs (`TINY_SMOKE_PROMPTS`): a rerun of one that asks
+    `smoke` passes it too, so that the shared run's observations are its own."""
+    import tempfile
+
+    folder = Path(tempfile.gettempdir()) / f"evalsuite-tests-{os.getpid()}"
+    folder.mkdir(exist_ok=True)
+    return ("--spec", f"smoke={smoke_subset_spec(folder, TINY_SMOKE_PROMPTS)}")
+
+
 SMOLLM2_TASKS = "ppl,smoke,tensors,intref"
 
 
@@ -337,7 +388,11 @@ def tiny_run(tiny_pair, tmp_path_factory) -> Run:
     return shared_run(
         tmp_path_factory,
         "tiny-run",
-        lambda out: run_pair(tiny_pair[TINY_W4A8], tiny_pair[TINY_BF16], out, TINY_TASKS, child=True).cli,
+        lambda out: (
+            run_pair(
+                tiny_pair[TINY_W4A8], tiny_pair[TINY_BF16], out, TINY_TASKS, *tiny_spec_args(), child=True
+            ).cli
+        ),
     )
 
 
@@ -347,7 +402,9 @@ def tiny_recording(tiny_pair, tmp_path_factory) -> Path:
 
     def record(out: Path) -> CliResult:
         args = ("record", "--ckpt", tiny_pair[TINY_BF16], "--tasks", "ppl,smoke,vision,intref")
-        return cli_run_in_process(*args, "--corpus", "python-docs", "--out", out, "--quiet")
+        return cli_run_in_process(
+            *args, *tiny_spec_args(), "--corpus", "python-docs", "--out", out, "--quiet"
+        )
 
     recorded = shared_run(tmp_path_factory, "tiny-recording", record)
     assert recorded.cli.returncode == 0, recorded.cli.stderr
@@ -367,7 +424,7 @@ def tiny_replay(tiny_pair, tiny_run, tiny_recording, tmp_path_factory) -> Run:
         "--tasks",
         "ppl,smoke,vision,intref",
     )
-    replay = (*args, "--corpus", "python-docs")
+    replay = (*args, *tiny_spec_args(), "--corpus", "python-docs")
     return shared_run(tmp_path_factory, "tiny-replay", lambda out: rerun(tiny_run, out, *replay).cli)
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from evalsuite.backends.hf import DTYPES, HFBackend, meta_model, package_version, transformers_config
-from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION, DECODED_FORMATS, BackendOptions
+from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION, BackendOptions
 from evalsuite.backends.skeleton import (
     fill_slot,
     named_tensors,
@@ -34,7 +34,7 @@ from evalsuite.errors import InputError
 
 # The stored dtypes a float slot takes as values (FP8 and integers are codes: they need decoding).
 LOADABLE_FLOATS = frozenset({"BF16", "F16", "F32", "F64"})
-__all__ = ["DECODED_FORMATS", "DecodedBackend", "WeightDecoding", "check_decoded_load_plan"]
+__all__ = ["DecodedBackend", "check_decoded_load_plan"]
 
 
 class WeightDecoding(Protocol):

@@ -65,21 +65,13 @@ from evalsuite.backends.hf import (
     image_features,
 )
 from evalsuite.backends.options import BackendOptions
-from evalsuite.backends.streamed_layers import (
-    DecodedExl3Layers,
-    IntegerLayers,
-    TransformersLayers,
-    decoder_layers,
-    layer_loader,
-)
+from evalsuite.backends.streamed_layers import TransformersLayers, decoder_layers, layer_loader
 from evalsuite.backends.token_chunks import mlp_in_chunks
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
 
 # Names of streamed_layers that callers have always imported (or patched) here.
 __all__ = [
-    "DecodedExl3Layers",
-    "IntegerLayers",
     "StreamedBackend",
     "StreamedPair",
     "TransformersLayers",

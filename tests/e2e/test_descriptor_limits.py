@@ -10,6 +10,7 @@ a loaded side reads every tensor at load, a streamed side every layer in the win
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import resource
@@ -21,8 +22,9 @@ import pytest
 
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.names import REAL_NARROW_BF16, REAL_NARROW_W4A8
-from tests.conftest import FIXTURES, SMOLLM2, cli_env
+from tests.conftest import FIXTURES, SMOLLM2, TINY, cli_env
 
+ROOT = Path(__file__).parents[2]
 SMOLLM2_BF16, SMOLLM2_W4A8 = SMOLLM2
 ONE_WINDOW = """
 [protocol]
@@ -32,6 +34,17 @@ scored = { first = 256, last = 510 }
 """
 MODES = {"loaded": (), "streamed": ("--stream",)}
 SMOLLM2_OPEN_FILES, NARROW_OPEN_FILES = 32, 1024
+# The CLI in a child whose limit of open files is lowered, once it has started, to its lowest free descriptor:
+# the next file it opens, wherever that is (a module imported lazily, a checkpoint's config), cannot be.
+NO_FILE_LEFT = """
+import os, resource, sys
+from evalsuite import cli
+free = os.open(os.devnull, os.O_RDONLY)
+os.close(free)
+resource.setrlimit(resource.RLIMIT_NOFILE, (free, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(free, resource.getrlimit(resource.RLIMIT_NOFILE)[1], flush=True)
+cli.main(sys.argv[1:])
+"""
 
 
 @pytest.fixture(scope="session")
@@ -90,3 +103,63 @@ def test_the_narrow_real_depth_pair_runs_ppl_under_1024_open_files(mode, narrow_
         NARROW_OPEN_FILES, narrow_pair[REAL_NARROW_W4A8], narrow_pair[REAL_NARROW_BF16], out, *MODES[mode]
     )
     assert_ppl_ran(proc, out, mode)
+
+
+def test_running_out_of_open_files_is_exit_4_naming_the_limit_not_the_checkpoint(tiny_pair, tmp_path):
+    ckpt, ref = (tiny_pair[name] for name in reversed(TINY))
+    args = ["run", "--ckpt", ckpt, "--ref", ref, "--tasks", "ppl", "--corpus", "python-docs",
+            "--out", tmp_path / "run", "--quiet"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_FILE_LEFT, *map(str, args)],
+        capture_output=True, text=True, env=cli_env(), timeout=600, check=False,
+    )  # fmt: skip
+    soft, hard = proc.stdout.split()[:2]
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 4 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("evalsuite: error: out of a system resource: too many open files"), lines
+    assert f"limit {soft}" in lines[0] and f"hard limit {hard}" in lines[0] and "`ulimit -n" in lines[0]
+    assert str(ckpt) not in lines[0] and str(ref) not in lines[0]
+
+
+def under_a_hard_limit_of_1024(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """`command` in a child whose limit of open files is 1024, soft and hard (`ulimit -n 1024`, the usual
+    Linux default): below the hard limit of 4096 mlx-lm sets for itself at import."""
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=cli_env(),
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)),
+        timeout=600,
+        check=False,
+    )
+
+
+def test_the_mlx_tiers_are_skipped_with_the_reason_under_a_hard_limit_below_mlx_lms():
+    # mlx-lm sets its own limit of open files to (2048, 4096) at import: under a lower hard limit, which a
+    # process may not raise, that is a ValueError, not an ImportError. Its tests are skipped, saying why, as
+    # for a missing package; collection does not error.
+    tiers = ["tests/e2e/test_mlx.py", "tests/e2e/test_mlx_smollm2.py"]
+    collect = ["--collect-only", "-q", "-rs", "-p", "no:randomly", "-n", "0"]
+    proc = under_a_hard_limit_of_1024([sys.executable, "-m", "pytest", *collect, *tiers])
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.NO_TESTS_COLLECTED and "ERROR" not in said, said[-3000:]
+    assert f"SKIPPED [{len(tiers)}]" in said and "MLX packs are written by mlx-lm's converter" in said
+    assert "ValueError" in said or "ModuleNotFoundError" in said  # what the import raised, said
+
+
+def test_an_mlx_pack_under_a_hard_limit_below_mlx_lms_is_a_missing_dependency(tmp_path):
+    # The converter runs in a child of its own, where mlx-lm's import raises ValueError under this limit: a
+    # package that cannot be imported here, said as one (exit 2 from the CLI), not a conversion that failed.
+    if importlib.util.find_spec("mlx_lm") is None:
+        pytest.skip("mlx-lm is not installed: pip install 'mlx-lm[cpu]'")
+    build = (
+        "import sys; from pathlib import Path; from evalsuite.fixtures.mlx_packs import build_mlx_pack, "
+        "mlx_recipe; build_mlx_pack(Path(sys.argv[1]), mlx_recipe(), Path(sys.argv[2]))"
+    )
+    (tmp_path / "pack").mkdir()  # the source is never read: the import fails first
+    proc = under_a_hard_limit_of_1024([sys.executable, "-c", build, *map(str, [tmp_path / "pack", tmp_path])])
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("evalsuite.errors.DependencyError: MLX packs are written by mlx-lm's"), last
+    assert "cannot be imported here (ValueError: not allowed to raise maximum limit)" in last

@@ -85,12 +85,11 @@ def test_compare_of_smollm2_against_two_ggufs_a_compressed_tensors_pack_the_exl3
     """One `compare` run: `ppl` through Transformers' dequantization of each GGUF (backend `hf`) and the MLX
     pack's decoded weights, `tensors` for the bits per weight of every candidate (one convention: every
     stored bit over the source's weights); one table, one KLD-vs-bpw plot."""
-    pytest.importorskip(
-        "mlx_lm", reason="the MLX pack is written by mlx-lm's converter: pip install 'mlx-lm[cpu]'"
-    )
     from evalsuite.fixtures import SMOLLM2_EXL3, SMOLLM2_W4A8
     from evalsuite.fixtures.names import SMOLLM2_MLX
-    from tests.conftest import run_cli
+    from tests.conftest import import_or_skip, run_cli
+
+    import_or_skip("mlx_lm", "the MLX pack is written by mlx-lm's converter: pip install 'mlx-lm[cpu]'")
 
     source, packs = smollm2_ggufs
     mlx_pack = build_fixtures(FIXTURES, [SMOLLM2_MLX])[SMOLLM2_MLX]

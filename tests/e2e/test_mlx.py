@@ -19,6 +19,7 @@ from tests.conftest import (
     assert_ppl_refused_before_any_load,
     copy_checkpoint,
     edit_tensors,
+    import_or_skip,
     ppl_metrics,
     tensor_edited_copy,
 )
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.format_evidence(format="mlx", writer="mlx-lm's converte
 # A corrupted scale and a corrupted code word: each a claim of docs/formats.md's table.
 WHERE = [pytest.param(w, marks=pytest.mark.format_evidence(claim=w)) for w in ("scale", "code")]
 
-pytest.importorskip("mlx_lm", reason="MLX packs are written by mlx-lm's converter: pip install 'mlx-lm[cpu]'")
+import_or_skip("mlx_lm", "MLX packs are written by mlx-lm's converter: pip install 'mlx-lm[cpu]'")
 Q_PROJ = "model.layers.1.self_attn.q_proj"
 DOWN_PROJ = "model.layers.1.mlp.down_proj"
 

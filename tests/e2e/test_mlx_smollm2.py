@@ -10,11 +10,11 @@ import pytest
 
 from evalsuite.fixtures import SMOLLM2_BF16, build_fixtures
 from evalsuite.fixtures.names import SMOLLM2_MLX
-from tests.conftest import FIXTURES, ppl_metrics
+from tests.conftest import FIXTURES, import_or_skip, ppl_metrics
 from tests.e2e.test_tensors import run_tensors
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("mlx_lm", reason="MLX packs are written by mlx-lm's converter: pip install 'mlx-lm[cpu]'")
+import_or_skip("mlx_lm", "MLX packs are written by mlx-lm's converter: pip install 'mlx-lm[cpu]'")
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from evalsuite import digest, file_identity
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.digest import DigestCache
 
@@ -43,6 +44,11 @@ def test_an_in_place_edit_that_restores_the_mtime_is_still_seen(shard, tmp_path)
     fresh = DigestCache(tmp_path / "cache")
     assert fresh.sha256(shard) != before
     assert fresh.hashed_bytes == len(data)
+
+
+def test_a_digest_is_cached_under_the_one_file_identity_runs_check():
+    # One home for what tells a file's states apart: a second definition would drift from the first.
+    assert digest.FileIdentity is file_identity.FileIdentity
 
 
 def test_without_a_cache_folder_every_call_reads_the_file(shard):

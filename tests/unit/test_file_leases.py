@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,37 @@ def _rewrite(path: Path, mtime_ns: int) -> None:
     # evalsuite.file_identity says so): this rewrite stamps a later time, as one made later would.
     path.write_bytes(b"y" * path.stat().st_size)
     os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+def _after_a_clock_tick(path: Path, change) -> None:
+    # A change within the file system's clock tick of the identity keeps its times (module docstring of
+    # evalsuite.file_identity): wait for the status-change time to move, so the change is seen if judged.
+    before = os.stat(path).st_ctime_ns
+    while True:
+        change()
+        if os.stat(path).st_ctime_ns != before:
+            return
+        time.sleep(0.005)
+
+
+def test_a_metadata_change_is_not_taken_for_a_rewrite(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 100)
+    status = os.stat(path)
+    changes = {
+        "a hard link": lambda: os.link(path, tmp_path / f"link-{time.monotonic_ns()}"),
+        "chmod": lambda: os.chmod(path, 0o600),
+        "chown to the same owner": lambda: os.chown(path, status.st_uid, status.st_gid),
+    }
+    for change in changes.values():
+        identity = FileIdentity.of(os.stat(path))
+        _after_a_clock_tick(path, change)
+        check_unchanged(path, identity)  # only the status-change time moved: the bytes are the same
+    # The same file rewritten, its size and status-change time alone kept, is still a change.
+    identity = FileIdentity.of(os.stat(path))
+    _rewrite(path, identity.mtime_ns + 10**9)
+    with pytest.raises(FileChangedError, match="rewritten in place"):
+        check_unchanged(path, identity)
 
 
 def test_a_files_identity_tells_each_change_apart(tmp_path):

@@ -215,3 +215,24 @@ def test_an_unchecked_drop_the_data_do_not_decide_is_said_undetermined_beside_th
     # A drop a check covers is the check's to judge; a significant one is a difference, not undetermined.
     assert "`evalsuite-mini.acc`" not in head.split("Undetermined")[1]
     assert "Undetermined" not in verdict_paragraph(render_model_card(example()))
+
+
+def test_a_worse_figure_whose_p_cannot_be_computed_is_said_undetermined_beside_a_pass():
+    # Two windows: the window-clustered t has too few clusters for a p (`claims.MIN_CLUSTERS`), so the
+    # candidate's lower probability of the true token, which no check covers, is neither shown nor cleared.
+    metrics = {"n_windows": 2, "ln_ppl_ratio_stderr_window": 0.01, "delta_p_mean_stderr_window": 0.002}
+    ppl = ppl_task(**metrics)
+    ppl["status"], ppl["checks"][0]["passed"] = "pass", True
+    (task,) = build_tasks(["ppl"], RunContext())
+    found = task.paired_differences(ppl["metrics"])
+    assert [d.worse for d in found] == [True, True] and all(d.to_json()["p"] is None for d in found)
+    ppl["differences"] = [d.to_json() for d in found]
+    doc = results_document(ppl=ppl)
+    doc["verdict"] = "pass"
+    for head in (verdict_paragraph(render_model_card(doc)), render_markdown(doc).split("| task |")[0]):
+        assert "Undetermined beside the verdict" in head
+        undetermined = head.split("Undetermined beside the verdict")[1]
+        said = "the true token's probability (ppl): mean Δp -0.07974 (paired by token, window-clustered t"
+        assert said in undetermined
+        assert "p cannot be computed: 2 windows, a paired test needs at least 3" in undetermined
+        assert "PPL (ppl)" not in undetermined  # checked by `ppl_ratio`: the check's to judge

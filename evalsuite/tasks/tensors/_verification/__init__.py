@@ -19,38 +19,19 @@ skeleton targets are matched on), `_rows` holds the typed rows of tensors.json, 
 """
 
 from evalsuite.tasks.tensors._verification._compressed_tensors import LibraryCheck, library_runs
-from evalsuite.tasks.tensors._verification._engine import (
-    FormatVerifier,
-    Verification,
-    format_verifier,
-    verify_tensors,
-)
+from evalsuite.tasks.tensors._verification._engine import Verification, verify_tensors
 from evalsuite.tasks.tensors._verification._gguf import check_gguf_source
 from evalsuite.tasks.tensors._verification._modules import ModuleRules, layer_and_projection
-from evalsuite.tasks.tensors._verification._pairing import Pair, pair_tensors
-from evalsuite.tasks.tensors._verification._rows import (
-    ErrorAccumulator,
-    Problem,
-    TensorClass,
-    TensorRow,
-    UnexpectedRow,
-)
-from evalsuite.tasks.tensors._verification._same import compare_same
+from evalsuite.tasks.tensors._verification._pairing import pair_tensors
+from evalsuite.tasks.tensors._verification._rows import ErrorAccumulator, TensorRow
 
 __all__ = [
     "ErrorAccumulator",
-    "FormatVerifier",
     "LibraryCheck",
     "ModuleRules",
-    "Pair",
-    "Problem",
-    "TensorClass",
     "TensorRow",
-    "UnexpectedRow",
     "Verification",
     "check_gguf_source",
-    "compare_same",
-    "format_verifier",
     "layer_and_projection",
     "library_runs",
     "pair_tensors",
