@@ -49,8 +49,8 @@ A streamed decoding reads every decoder layer (of a MoE layer, the experts its t
 so on the wide pair a forward costs seconds: `--prompts N` (and `--cases M`) runs `smoke` on its first N
 prompts and `vision` on its first M cases (its single image kept), enough to measure a forward's cost, and the
 extrapolation counts the whole sets' forwards (per smoke batch its longest answer, per vision case its own:
-the random pair's answers all run to their limit and all part from the reference's) at that cost, each side in
-its own batches (the reference's by prompt length, the candidate's continuations by budget). Where only
+the random pair's answers all run to their limit) at that cost: a streamed side decodes every prompt in the
+spec's batches, ordered by budget, the same batches on both sides. Where only
 the observed validation was measured, the replayed one and the recording are derived from it by side (the
 reference's observations are the recording; the rest is what a replay still runs), and said so.
 
@@ -455,7 +455,7 @@ def decoding_at_depth(
         "fits_machine": peak <= machine_bytes,
         "decoding_forward": per_forward,
         # The whole sets' greedy decoding by side; the rest of `seconds` is what does not decode (loads, the
-        # shared pass with the teacher-forced answers, intref, the continuations' path noise).
+        # shared pass with the teacher-forced answers, intref).
         "decoding_seconds": decoding_40,
     }
 
@@ -892,11 +892,10 @@ def subset_specs(folder: Path, prompts: int, cases: int) -> dict[str, Path]:
 
 
 def decoding_forwards(ref: Path, specs: dict[str, Path]) -> dict[str, int]:
-    """The forwards each side's greedy decoding takes under these specs (else the shipped ones), by side:
-    per smoke batch its longest `max_new_tokens` (the random wide pair never stops early), per vision case
-    its own and the single image's (each decoded alone). The reference's batches go by prompt length; the
-    candidate's continuations by budget, and where every answer parts from the reference's at its first
-    token they decode as many tokens."""
+    """The forwards each side's greedy decoding takes under these specs (else the shipped ones), by side, as a
+    streamed side decodes: per smoke batch (the spec's batches, by budget, the same on both sides) its
+    longest `max_new_tokens` (the random wide pair never stops early), per vision case its own and the single
+    image's (each decoded alone)."""
     from evalsuite.observers.greedy_answers import batches
     from evalsuite.side import open_side
     from evalsuite.tasks.smoke import prompt_ids
@@ -912,7 +911,7 @@ def decoding_forwards(ref: Path, specs: dict[str, Path]) -> dict[str, int]:
         side: cases
         + sum(
             max(prompts[i]["max_new_tokens"] for i in members)
-            for members in batches(prompts, smoke.generation.batch, by_budget=side == "ckpt")
+            for members in batches(prompts, smoke.generation.batch, by_budget=True)
         )
         for side in ("ref", "ckpt")
     }
@@ -971,7 +970,7 @@ def measure_one(name: str, folders: dict[str, Path], commit: str, tmp: Path) -> 
 
 def decoding(results: dict[str, Any]) -> dict[str, Any]:
     """Per side, what decoding cost in the run: its forwards (one per new token for a batch of prompts, each
-    reading every decoder layer), their wall seconds (the observations that decode: answers, continuations),
+    reading every decoder layer), their wall seconds (the observations that decode: answers),
     the bytes read per forward (routed experts only), and a whole decoder layer's bytes for scale."""
     out = {}
     for entry in results.get("model_loads", []):
@@ -979,7 +978,7 @@ def decoding(results: dict[str, Any]) -> dict[str, Any]:
         if not forwards:
             continue
         seconds = sum(
-            v for name, v in entry.get("seconds", {}).items() if name.endswith(("answers", "continuations"))
+            v for name, v in entry.get("seconds", {}).items() if name.endswith("answers")
         )
         out[entry["side"]] = {
             "forwards": forwards,

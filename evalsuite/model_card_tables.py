@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from evalsuite.run_report import format_number, with_stderr
+from evalsuite.run_report import answer_configuration, format_number, with_stderr
 
 
 def measured(entry: dict[str, Any] | None) -> dict[str, Any]:
@@ -41,6 +41,8 @@ def chat_splits(results: dict[str, Any]) -> list[str]:
     ]
     for name in splits:
         label = f"tag `{name.removeprefix('tag_')}`" if name.startswith("tag_") else name.replace("_", " ")
+        if m.get(f"{name}_note"):  # a split too small to judge: reported, its checks left out of the verdict
+            label += f" ({m[f'{name}_note']})"
         lines.append(
             table_row(
                 [
@@ -133,10 +135,11 @@ def greedy_answers(results: dict[str, Any]) -> list[str]:
         "",
         f"- answered identically: {format_number(m.get('identical'))}; the reference's answer right and the "
         f"candidate's wrong: {format_number(m.get('ref_pass_ckpt_fail'))}; parting on a token outside the "
-        f"reference's top-5: {format_number(m.get('diverged_outside_top5'))}",
-        "- the candidate was forced along the reference's answers (one forward per prompt) and decoded on "
-        "its own only after it parts; a prompt whose reference answer ended at its token limit before N is "
-        "not counted at N",
+        f"reference's top-5: {format_number(m.get('diverged_outside_top5'))}; on a near tie (the reference's "
+        f"own preference below the spec's `near_tie` at that step): {format_number(m.get('near_ties'))}",
+        f"- {answer_configuration(results['tasks']['smoke'])}",
+        "- every answer is as its side decoded it; at N, only the prompts whose token budget reaches N are "
+        "counted",
     ]
     if "kld_mean" in m:
         lines.append(

@@ -118,8 +118,7 @@ def _passes(
     """The side's observations in batches made together. On a streamed side, every observation that can
     ride a layer pass (its observer offers a `visitor` and says which sequences it runs) rides one: first the
     observations the pass consumes (a reference's answers, generated before they are forced), then the pass,
-    then what consumes the pass (a candidate's continuations after its divergence); each other observation is
-    a batch of its own, in plan order."""
+    then what consumes the pass; each other observation is a batch of its own, in plan order."""
     from evalsuite.backends.streamed import StreamedBackend
 
     if not isinstance(backend, StreamedBackend):

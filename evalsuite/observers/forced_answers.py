@@ -1,25 +1,19 @@
-"""A reference's greedy answers forced through a side (teacher forcing): at every answer token, what the side
-would choose, fed the reference's answer so far.
+"""A reference's greedy answers forced through a side (teacher forcing): at every token of the reference's
+answer, the side's next-token distribution, fed the reference's answer so far.
 
-Greedy decoding is deterministic: a candidate's greedy answer equals the reference's for as long as, fed the
-reference's answer so far, its most probable token is the reference's next token. So one forward of each
-prompt with the reference's answer (`ForcedSequence`) tells where the candidate would part from it, how much
-it prefers its own token there, the log-prob it gives every reference token and the KLD along the answer, for
-every prompt at once: the shape of a `ppl` window, so that a streamed side runs these sequences in the same
-pass over its layers as `ppl`'s windows (`pass_sequences`, `visitor`). Only a prompt that parts needs the
-candidate's own decoding, from there on (`Continuations`).
+What forcing is good for: the per-token KL divergence and log-probs of both sides along the same answer, for
+every prompt in one forward each (`ForcedSequence`), the shape of a `ppl` window, so that a streamed side runs
+these sequences in the same pass over its layers as `ppl`'s windows (`pass_sequences`, `visitor`). What it is
+not: a side's answer. A forward of the whole sequence and a decoding (a token at a time over a cache, in a
+batch with padding) do not run the same arithmetic, and a quantized model's INT8 activations round
+discontinuously, so the token a forced row ranks first is not always the token the side decodes. Every
+answer, pass or divergence a report prints comes from answers the sides decoded
+(`evalsuite.observers.greedy_answers`); these rows are labelled as forced wherever they are shown.
 
 Both sides are forced, the reference too (`ForcedReference`): its rows, reduced as they come to the compact
 form a recording keeps (top-k, the tail's mass, seeded samples of the tail, `compact_rows`), are what the
 candidate's are compared with (`ForcedAtReference`: its log-probs at the ids the reference kept), so that a
 forward is compared with a forward of the same arithmetic, and a replayed recording gives the same bits.
-
-Decoding and a forced forward do not run the same arithmetic (one token at a time over a cache, against the
-whole sequence at once): where two tokens' logits lie within a few units of the logits' last place, the two
-paths may rank them differently. A step where the reference's own forced choice is not the token it decoded is
-such a tie of the reference's; the candidate agreeing with the reference's forced choice there is no
-divergence of its own (`divergences`). A candidate step whose gap is within the logits' resolution
-(`resolution`) is marked as such: its decoding may choose either token.
 """
 
 from __future__ import annotations
@@ -42,15 +36,10 @@ from evalsuite.observers.compact_window_logits import joined_window_parts, save_
 from evalsuite.observers.greedy_answers import (
     ANSWERS_LABEL,
     PROMPTS,
-    answer_document,
-    answers_observation,
-    batches,
-    decoded,
     model_inputs,
 )
 from evalsuite.observers.kld_detail import TOP_K_AGREEMENT, top_hits_recorded
 from evalsuite.observers.window_logits import RecordOptions, compact_rows, log_softmax64
-from evalsuite.run_folder import write_atomic
 from evalsuite.task import Inputs, Progress
 from evalsuite.token_ranks import ranked_top
 
@@ -62,8 +51,6 @@ if TYPE_CHECKING:
 # The labels under which a candidate's observations find the reference's forced rows and its own.
 FORCED_REFERENCE_LABEL = "forced-ref"
 FORCED_LABEL = "forced"
-# Bits of the significand of each logits dtype (the implicit one included): its resolution at a value.
-_SIGNIFICAND_BITS = {"bfloat16": 8, "float16": 11, "float32": 24, "float64": 53}
 
 
 @dataclass(frozen=True)
@@ -109,14 +96,6 @@ def forced_sequences(inputs: Inputs) -> list[ForcedSequence]:
             ForcedSequence(f"forced:{digest.hexdigest()}", ids, len(prompt["ids"]), prompt.get("extra"))
         )
     return out
-
-
-def resolution(value: np.ndarray, dtype: str) -> np.ndarray:
-    """The spacing of `dtype`'s numbers at `value` (one unit in the last place): how close two logits may be
-    before the arithmetic of a forward, not the model, decides their order."""
-    bits = _SIGNIFICAND_BITS.get(dtype, 24)
-    magnitude = np.maximum(np.abs(np.asarray(value, dtype=np.float64)), np.finfo(np.float64).tiny)
-    return np.exp2(np.floor(np.log2(magnitude)) - (bits - 1))
 
 
 class _Forced:
@@ -293,210 +272,9 @@ def _reference_rows(inputs: Inputs) -> Observation:
     return observed[FORCED_REFERENCE_LABEL]
 
 
-@dataclass(frozen=True)
-class PromptDivergence:
-    """Where a candidate's greedy answer parts from the reference's, as forcing tells it.
-
-    `step`: the first answer token the candidate would not choose (None: it chooses every one); `chosen`: the
-    token it would choose there; `gap`: how much it prefers that token to the reference's (nats);
-    `below_resolution`: the gap lies within the logits' resolution, so its own decoding may choose either;
-    `reference_ties`: steps before `step` (or anywhere, without one) where the reference's own forced choice
-    is not the token it decoded, and the candidate agreed with the forced choice; `fragile`: steps before
-    `step` where the candidate chooses the reference's token by no more than its logits' resolution over
-    the next token, where its own decoding may part instead."""
-
-    step: int | None
-    chosen: int | None
-    gap: float | None
-    below_resolution: bool
-    reference_ties: tuple[int, ...]
-    fragile: tuple[int, ...] = ()
-
-
-def path_noise(answers: Observation, ref: Observation) -> float:
-    """How far the two paths' log-probs lie apart on the reference itself: the largest difference, over every
-    answer token, between the log-prob its decoding gave the token it chose and the one its forced forward
-    gives it (nats). Two tokens whose log-probs lie within twice that of each other may be ranked either way
-    by the other path."""
-    decoded = answers.arrays["top_logp"][:, 0].astype(np.float64)
-    forced = ref.arrays["target_logp"].astype(np.float64)
-    if decoded.shape != forced.shape:
-        raise InputError("the reference's forced rows are not those of its answers")
-    return float(np.max(np.abs(decoded - forced))) if len(forced) else 0.0
-
-
-def divergences(ref: Observation, ckpt: Observation, noise: float = 0.0) -> list[PromptDivergence]:
-    """Each prompt's `PromptDivergence` from both sides' forced rows (`ForcedReference`,
-    `ForcedAtReference`); a preference within the logits' resolution, or within twice the two paths'
-    difference on the reference (`noise`, `path_noise`), is a near tie its decoding may break either way."""
-    a, c = ref.arrays, ckpt.arrays
-    offsets = a["offsets"]
-    if not np.array_equal(offsets, c["offsets"]):
-        raise InputError("the sides were forced along different answers")
-    dtype = str(ckpt.meta.get("logits_dtype", "bfloat16"))
-    best_ckpt = c["ranked_logp"][:, 0]
-    agrees = c["target_logp"] >= best_ckpt
-    ref_agrees = a["target_logp"] >= a["top_logp"][:, 0]
-    same_choice = c["ranked"][:, 0] == a["ranked"][:, 0]
-    margin = (
-        best_ckpt - c["ranked_logp"][:, 1]
-        if c["ranked_logp"].shape[1] > 1
-        else np.full_like(best_ckpt, np.inf)
-    )
-    tolerance = np.maximum(resolution(c["top_logit"], dtype), 2 * noise)
-    fragile_rows = agrees & (margin <= tolerance)
-    out = []
-    for i in range(len(offsets) - 1):
-        ties: list[int] = []
-        fragile: list[int] = []
-        found = None
-        for row in range(int(offsets[i]), int(offsets[i + 1])):
-            if agrees[row]:
-                if fragile_rows[row]:
-                    fragile.append(row - int(offsets[i]))
-                continue
-            if not ref_agrees[row] and same_choice[row]:
-                ties.append(row - int(offsets[i]))
-                continue
-            found = row
-            break
-        if found is None:
-            out.append(PromptDivergence(None, None, None, False, tuple(ties), tuple(fragile)))
-            continue
-        gap = float(best_ckpt[found] - c["target_logp"][found])
-        near = gap <= float(tolerance[found])
-        chosen = int(c["ranked"][found, 0])
-        out.append(PromptDivergence(found - int(offsets[i]), chosen, gap, near, tuple(ties), tuple(fragile)))
-    return out
-
-
-class Continuations:
-    """Observer of the candidate: its own greedy answer to each prompt where it parts from the reference's
-    (`divergences`), decoded from the prompt, the reference's answer up to the divergence and the candidate's
-    token there, in batches of like budgets (`evalsuite.observers.greedy_answers.batches`): its answers are
-    decoded again every run, the reference's often replayed, and a batch runs for its largest budget. Where
-    it does not part, its answer is the reference's. The observation holds every prompt's answer, as an
-    observation of answers does."""
-
-    name = "continuations"
-    what = "continuations after a divergence"
-
-    def __init__(self, top_k: int, batch: int, task: str = "") -> None:
-        self.top_k, self.batch = top_k, batch
-        if task:
-            self.name = f"{task}-{type(self).name}"
-
-    def identity(self) -> dict[str, Any]:
-        return {"top_k": self.top_k, "batch": self.batch, "batches": "by-budget"}
-
-    def observe(self, backend: Backend, inputs: Inputs, folder: Path, progress: Progress) -> Observation:
-        observed = inputs.get("observed") or {}
-        answers = observed[ANSWERS_LABEL]
-        noise = path_noise(answers, observed[FORCED_REFERENCE_LABEL])
-        parts = divergences(observed[FORCED_REFERENCE_LABEL], observed[FORCED_LABEL], noise)
-        tokens, offsets = answers.arrays["tokens"], answers.arrays["offsets"]
-        prompts = inputs[PROMPTS]
-        stops = set(_stop_tokens(backend))
-        todo: list[int] = []
-        continued: list[dict[str, Any]] = []
-        for i, (prompt, part) in enumerate(zip(prompts, parts, strict=True)):
-            if part.step is None or part.chosen in stops or part.step + 1 >= int(prompt["max_new_tokens"]):
-                continue
-            head = [*tokens[offsets[i] : offsets[i] + part.step].tolist(), part.chosen]
-            todo.append(i)
-            continued.append(
-                {
-                    "ids": list(prompt["ids"]) + head,
-                    "extra": prompt.get("extra"),
-                    "prompt_length": len(prompt["ids"]),
-                    "max_new_tokens": int(prompt["max_new_tokens"]) - len(head),
-                }
-            )
-        step = progress(self.what, len(continued))
-        groups = batches(continued, self.batch, by_budget=True)
-        docs, _ = decoded(backend, continued, groups, folder, self.top_k, 0, step)
-        after = dict(zip(todo, docs, strict=True))
-        noise = self._path_noise(backend, continued, docs, folder)
-        documents = []
-        for i, part in enumerate(parts):
-            ref_tokens = tokens[offsets[i] : offsets[i + 1]].tolist()
-            ref_top = answers.arrays["top_ids"][offsets[i] : offsets[i + 1]]
-            ref_logp = answers.arrays["top_logp"][offsets[i] : offsets[i + 1]]
-            if part.step is None:
-                documents.append(answer_document(backend.tokenizer, ref_tokens, ref_top, ref_logp))
-                continue
-            head = [*ref_tokens[: part.step], int(part.chosen)]
-            tail = after.get(i)
-            own = head + (tail["tokens"] if tail else [])
-            # The steps the candidate was forced along keep the reference's ranks (its own are the forced
-            # rows); the continuation's steps are its own.
-            top = (
-                np.concatenate([ref_top[: len(head)], np.asarray(tail["top_ids"]).reshape(-1, self.top_k)])
-                if tail
-                else ref_top[: len(head)]
-            )
-            logp = (
-                np.concatenate([ref_logp[: len(head)], np.asarray(tail["top_logp"]).reshape(-1, self.top_k)])
-                if tail
-                else ref_logp[: len(head)]
-            )
-            documents.append(answer_document(backend.tokenizer, own, top, logp))
-        meta = {"execution": backend.describe(), "continued": todo, "path_noise": noise}
-        return answers_observation(self.name, documents, None, self.top_k, meta)
-
-    @staticmethod
-    def _path_noise(
-        backend: Any, continued: list[dict[str, Any]], docs: list[dict[str, Any]], folder: Path
-    ) -> float:
-        """The candidate's own `path_noise`: how far its decoding's log-prob of each token it decoded after a
-        divergence lies from its forced forward's (one forward of each continued prompt with its answer)."""
-        saved = folder / "path-noise.json"
-        if saved.is_file():
-            return float(json.loads(saved.read_text(encoding="utf-8"))["path_noise"])
-        items, decoded_logp = [], []
-        for prompt, doc in zip(continued, docs, strict=True):
-            if not doc["tokens"]:
-                continue
-            ids = list(prompt["ids"]) + list(doc["tokens"])
-            start = len(prompt["ids"])
-            inputs = model_inputs(ids, prompt.get("extra"), prompt.get("prompt_length"))
-            items.append((inputs, torch.arange(start - 1, len(ids) - 1)))
-            decoded_logp.append((np.asarray(doc["top_logp"], dtype=np.float64)[:, 0], doc["tokens"]))
-        noise = 0.0
-        rows = backend.sequences_logits(items) if items else []
-        for logits, (logp, tokens) in zip(rows, decoded_logp, strict=True):
-            lp = log_softmax64(logits.float().cpu())
-            forced = lp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].numpy()
-            noise = max(noise, float(np.max(np.abs(forced - logp))))
-        write_atomic(saved, json.dumps({"path_noise": noise}))
-        return noise
-
-
-def _stop_tokens(backend: Any) -> list[int]:
-    model = getattr(backend, "model", None)
-    config = getattr(model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
-
-
-def kld_resolution_note(dtype: str) -> str:
-    """How the report words a divergence within the logits' resolution."""
-    bits = _SIGNIFICAND_BITS.get(dtype, 24)
-    return f"a near tie within {dtype}'s resolution (2^-{bits - 1} of the logit): decoding may choose either"
-
-
 __all__ = [
     "FORCED_LABEL",
     "FORCED_REFERENCE_LABEL",
-    "Continuations",
     "ForcedAtReference",
     "ForcedReference",
-    "ForcedSequence",
-    "PromptDivergence",
-    "divergences",
-    "forced_sequences",
-    "kld_resolution_note",
-    "resolution",
 ]

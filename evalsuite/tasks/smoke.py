@@ -1,16 +1,18 @@
 """Greedy smoke prompts with expected answers, compared side by side, with the first divergence explained.
 
-The reference answers every prompt greedily (`GreedyAnswers`, in batches: loaded, or streamed one decoder
-layer at a time per new token, or replayed from a recording). The candidate is not asked to generate: its
-greedy answer equals the reference's for as long as, fed the reference's answer so far, its most probable
-token is the reference's next token, so the reference's answers are forced through it, in the same streamed
-pass as `ppl`'s windows (`evalsuite.observers.forced_answers`); only a prompt where it parts is decoded on,
-from the divergence (`Continuations`), so that its answer is still judged against `expect` and `reject`.
+Both sides answer every prompt greedily and every outcome is read off those decoded answers
+(`evalsuite.observers.greedy_answers`, paired by `evalsuite.tasks.answer_pairs`): each side's answer, pass or
+fail, where the two part and how each side ranked the two tokens there. A loaded side decodes each prompt
+alone (the answer a single request gets, the one shown) and in the spec's batch; a prompt whose answer moves
+with the batch is marked `batch_sensitive` on that side, with both answers, and counted per side, the
+reference's count the floor the candidate's is read against. A streamed side decodes in the spec's batch
+only, and says so. Both sides are also forced along the reference's answer (`evalsuite.observers.
+forced_answers`, one forward per prompt, in a streamed side's shared pass with `ppl`'s windows), for the
+per-token KL divergence and same-top rate along it: figures labelled as forced, never an answer.
 
-Trajectory survival (`survival_N`): the share of prompts whose two greedy answers agree for their first N
-tokens, with a 95% Wilson interval over prompts (each prompt one independent outcome). A prompt whose
-answers are both shorter than N and agree throughout survives; one whose reference answer was cut at its
-`max_new_tokens` before N is left out of N's count (`survival_N_n` says how many prompts it rests on).
+Trajectory survival (`survival_N`): over exactly the prompts whose budget (`max_new_tokens`) reaches N, the
+share whose two answers agree for their first N tokens (two answers that end identically before N agree),
+with a 95% Wilson interval over prompts (each prompt one independent outcome).
 
 The calibration set kept apart (`--calibration`, `evalsuite.tasks.calibration_overlap`): each prompt's own
 words (its turns' contents, without the chat template) are checked against it; where some prompt is flagged,
@@ -35,12 +37,8 @@ from evalsuite.observation import Observation
 from evalsuite.observers.forced_answers import (
     FORCED_LABEL,
     FORCED_REFERENCE_LABEL,
-    Continuations,
     ForcedAtReference,
     ForcedReference,
-    PromptDivergence,
-    divergences,
-    path_noise,
 )
 from evalsuite.observers.greedy_answers import ANSWERS_LABEL, PROMPTS, GreedyAnswers
 from evalsuite.observers.kld_detail import kld_at_reference
@@ -48,6 +46,13 @@ from evalsuite.observers.window_logits import RecordOptions
 from evalsuite.side import Side
 from evalsuite.spec import Check, StrictModel, TaskSpec
 from evalsuite.task import Inputs, Need, RunContext, TaskResult, skip_if_cannot_generate, task
+from evalsuite.tasks.answer_pairs import (
+    PairedAnswers,
+    batch_sensitive,
+    divergence_row,
+    marked,
+    paired_answers,
+)
 from evalsuite.tasks.calibration_overlap import (
     CalibrationOptions,
     Overlap,
@@ -58,7 +63,6 @@ from evalsuite.tasks.calibration_overlap import (
 )
 from evalsuite.tasks.ppl_subsets import subset_checks
 
-DIVERGENCE_MARK = "⟦"  # where the two answers part, inside each answer in report.md
 Category = Literal["factual", "code", "arithmetic", "chinese", "instruction", "mathematics", "chat"]
 
 
@@ -175,12 +179,13 @@ def ids_sha256(prompts: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
 
 
-def smoke_needs(
-    task: str, answers: Any, record: RecordOptions, top_k: int, batch: int, full_steps: int = 0
-) -> list[Need]:
-    """What a task that asks prompts of both sides observes (`smoke`, `vision`): the reference's greedy
-    answers, both sides forced along them, and the candidate's own answer after a divergence; the observers
-    named for `task`."""
+CKPT_ANSWERS_LABEL = "ckpt-answers"
+
+
+def smoke_needs(task: str, answers: GreedyAnswers, record: RecordOptions, full_steps: int = 0) -> list[Need]:
+    """What a task that asks prompts of both sides observes (`smoke`, `vision`): each side's greedy answers,
+    decoded (`answers`, the same observer on both sides), and both sides forced along the reference's answers
+    for the KLD along them; the forced observers named for `task`."""
     return [
         Need(ANSWERS_LABEL, "ref", answers),
         Need(
@@ -189,22 +194,45 @@ def smoke_needs(
             ForcedReference(record, full_steps, task),
             consumes=(ANSWERS_LABEL,),
         ),
+        Need(CKPT_ANSWERS_LABEL, "ckpt", answers),
         Need(
             FORCED_LABEL,
             "ckpt",
             ForcedAtReference(record, full_steps, task),
             consumes=(ANSWERS_LABEL, FORCED_REFERENCE_LABEL),
         ),
-        Need(
-            CONTINUED_LABEL,
-            "ckpt",
-            Continuations(top_k, batch, task),
-            consumes=(ANSWERS_LABEL, FORCED_REFERENCE_LABEL, FORCED_LABEL),
-        ),
     ]
 
 
-CONTINUED_LABEL = "continued"
+def batch_figures(pair: PairedAnswers) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each side's count of prompts whose answer depends on the batch, the exact McNemar p of the candidate's
+    against the reference's (paired over prompts), and how each side's answers were decoded; a count a side
+    could not measure (it decoded in one configuration) is None, with its reason."""
+    values: dict[str, Any] = {
+        "answers_compared": pair.describe(),
+        "ref_answers_decoded": pair.ref_configuration.describe(),
+        "ckpt_answers_decoded": pair.ckpt_configuration.describe(),
+    }
+    reasons: dict[str, str] = {}
+    ref = batch_sensitive(pair.ref, pair.ref_other)
+    ckpt = batch_sensitive(pair.ckpt, pair.ckpt_other)
+    for side, found, configuration in (
+        ("ref", ref, pair.ref_configuration),
+        ("ckpt", ckpt, pair.ckpt_configuration),
+    ):
+        values[f"{side}_batch_sensitive"] = None if found is None else sum(found)
+        if found is None:
+            reasons[f"{side}_batch_sensitive"] = (
+                f"this side was {configuration.describe()} only, so whether its answers depend on the batch "
+                "was not measured"
+            )
+    if ref is not None and ckpt is not None:
+        flips = metrics.flip_counts(np.logical_not(ref), np.logical_not(ckpt))
+        values["batch_sensitivity_p"] = metrics.mcnemar_exact_p(flips.c2w, flips.w2c)
+    else:
+        values["batch_sensitivity_p"] = None
+        reasons["batch_sensitivity_p"] = "a side's batch sensitivity was not measured"
+    return values, reasons
 
 
 @task("smoke")
@@ -220,10 +248,13 @@ class Smoke:
         "identical",
         "diverged_outside_top5",
         "ref_pass_ckpt_fail",
-        "near_ties_within_resolution",
-        "path_noise",
+        "near_ties",
+        "ref_batch_sensitive",
+        "ckpt_batch_sensitive",
+        "batch_sensitivity_p",
         "kld_mean",
-        *(f"survival_{n}{suffix}" for n in (8, 16, 32) for suffix in ("", "_lower95", "_upper95", "_n")),
+        "same_top_p",
+        "survival_*",
         "clean_*",
         "calibration_*",
     )
@@ -232,25 +263,22 @@ class Smoke:
         "n_prompts": "greedy prompts answered by both sides",
         "ref_pass": "prompts whose reference answer matches the expected answer",
         "ckpt_pass": "prompts whose candidate answer matches the expected answer",
-        "identical": "prompts answered token for token the same",
-        "diverged_outside_top5": "answers parting on a token outside the reference's top-5 (real divergence)",
+        "identical": "prompts the two sides answered token for token the same",
+        "diverged_outside_top5": "answers parting on a token outside the reference's top-5 at that step "
+        "(a real divergence)",
         "ref_pass_ckpt_fail": "prompts the reference gets right and the candidate gets wrong",
-        "near_ties_within_resolution": (
-            "divergences where the candidate prefers its token by no more than its logits' resolution or "
-            "twice `path_noise`: its own decoding may choose either"
-        ),
-        "path_noise": (
-            "largest difference between the reference's decoding and its forced forward in the log-prob of a "
-            "token it chose (nats): how far the two paths' arithmetic moves a log-prob"
-        ),
-        "kld_mean": (
-            "mean KL(ref ‖ ckpt) over every token of the reference's answers, both sides forced along them "
-            "(top-k exact, sampled tail), with its standard error over prompts"
-        ),
-        **{
-            f"survival_{n}": f"share of prompts whose two greedy answers agree for their first {n} tokens"
-            for n in (8, 16, 32)
-        },
+        "near_ties": "divergences on a token inside the reference's top-5 that the reference's own decoding "
+        "ranked below its token by less than `near_tie` nats at that step",
+        "ref_batch_sensitive": "prompts whose reference answer decoded alone differs from its answer in the "
+        "spec's batch",
+        "ckpt_batch_sensitive": "prompts whose candidate answer decoded alone differs from its answer in the "
+        "spec's batch",
+        "batch_sensitivity_p": "exact McNemar p of the candidate's batch-sensitive prompts against the "
+        "reference's, paired over prompts",
+        "kld_mean": "mean KL(ref ‖ ckpt) over every token of the reference's answers, both sides forced "
+        "along them (top-k exact, sampled tail), with its standard error over prompts: forced, not decoded",
+        "same_top_p": "share of the reference's answer tokens where both sides, forced along it, rank the "
+        "same token first: forced, not decoded",
         "calibration_overlap_share": "share of the prompts' tokens (their own words, without the chat "
         "template) in a 13-gram the calibration set holds, or in a shorter prompt found whole in it",
         "calibration_flagged_prompts": "prompts whose overlap with the calibration set exceeds the spec's "
@@ -298,21 +326,22 @@ class Smoke:
             ]
         }
         answers = GreedyAnswers("smoke-answers", "smoke prompts", identity, g.top_k, 0, g.batch)
-        return smoke_needs("smoke", answers, self.spec.record, g.top_k, g.batch)
+        return smoke_needs("smoke", answers, self.spec.record)
 
     def compare(self, observed: Mapping[str, Observation], artifacts: Path) -> TaskResult:
-        ref, forced_ref = observed[ANSWERS_LABEL], observed[FORCED_REFERENCE_LABEL]
-        forced, ckpt = observed[FORCED_LABEL], observed[CONTINUED_LABEL]
-        # The two paths' difference, measured on each side: the reference's answers, the candidate's
-        # continuations.
-        noise = max(path_noise(ref, forced_ref), float(ckpt.meta.get("path_noise", 0.0)))
-        parts = divergences(forced_ref, forced, noise)
+        forced_ref, forced = observed[FORCED_REFERENCE_LABEL], observed[FORCED_LABEL]
+        pair = paired_answers(observed[ANSWERS_LABEL], observed[CKPT_ANSWERS_LABEL])
+        if len(pair) != len(self.spec.prompts):
+            raise InputError(f"the sides answered {len(pair)} prompts, not {len(self.spec.prompts)}")
+        ref_sensitive = batch_sensitive(pair.ref, pair.ref_other)
+        ckpt_sensitive = batch_sensitive(pair.ckpt, pair.ckpt_other)
         rows = [
-            self.compare_prompt(i, prompt, ref, forced_ref, forced, ckpt, parts[i])
+            self.compare_prompt(i, prompt, pair, ref_sensitive, ckpt_sensitive)
             for i, prompt in enumerate(self.spec.prompts)
         ]
         # Every answer token's prompt, KL(ref ‖ ckpt) (the reference's compact rows against the candidate's
-        # log-probs at their ids) and whether both sides rank the same token first.
+        # log-probs at their ids) and whether both sides rank the same token first: both forced along the
+        # reference's answers.
         offsets = forced_ref.arrays["offsets"]
         along = {
             "prompt": np.repeat(np.arange(len(offsets) - 1), np.diff(offsets)),
@@ -320,31 +349,35 @@ class Smoke:
             "same_top": forced.arrays["same_top"].astype(np.float64),
         }
         keep = np.ones(len(rows), dtype=bool)
-        values: dict[str, Any] = self.prompt_values(rows, keep, ref, parts, along)
-        values["path_noise"] = noise
+        values: dict[str, Any] = self.prompt_values(rows, keep, along)
+        batch_values, null_reasons = batch_figures(pair)
+        values.update(batch_values)
         values["kld_estimator"] = (
-            f"top-{forced_ref.meta['top_k']} exact + {forced_ref.meta['tail_samples']} sampled tail ids"
+            f"top-{forced_ref.meta['top_k']} exact + {forced_ref.meta['tail_samples']} sampled tail ids, "
+            "both sides forced along the reference's answers"
         )
         checks, _ = self.spec.threshold_checks(values)
         details = list(rows)
         if self.overlap is not None:
             values.update(overlap_metrics(self.overlap))
             details += overlap_rows(self.overlap)
-            clean, clean_checks = self.without_flagged(checks, rows, ref, parts, along)
+            clean, clean_checks = self.without_flagged(checks, rows, along)
             values.update(clean)
             checks += clean_checks
-        return TaskResult.from_checks(values, checks, details=details)
+        descriptions = {
+            f"survival_{n}": f"share of the prompts whose budget reaches {n} tokens whose two answers agree "
+            f"for their first {n}"
+            for n in self.spec.survival.lengths
+        }
+        return TaskResult.from_checks(
+            values, checks, details=details, null_reasons=null_reasons, descriptions=descriptions
+        )
 
     def prompt_values(
-        self,
-        rows: list[dict[str, Any]],
-        keep: np.ndarray,
-        ref: Observation,
-        parts: list[PromptDivergence],
-        along: dict[str, np.ndarray],
+        self, rows: list[dict[str, Any]], keep: np.ndarray, along: dict[str, np.ndarray]
     ) -> dict[str, Any]:
         """The figures of the prompts `keep` marks: how many pass on each side, how their answers part, the
-        KLD along the reference's answers (`along`: per answer token) and trajectory survival."""
+        KLD along the reference's answers (`along`: per answer token, forced) and trajectory survival."""
         kept = [row for row, k in zip(rows, keep, strict=True) if k]
         values: dict[str, Any] = {
             "n_prompts": len(kept),
@@ -353,19 +386,14 @@ class Smoke:
             "identical": sum(row["identical"] for row in kept),
             "diverged_outside_top5": sum(row["ckpt_token_in_ref_top5"] is False for row in kept),
             "ref_pass_ckpt_fail": sum(row["ref_pass"] and not row["ckpt_pass"] for row in kept),
-            "near_ties_within_resolution": sum(bool(row.get("within_resolution")) for row in kept),
+            "near_ties": sum(bool(row.get("near_tie")) for row in kept),
         }
         values.update(_kld_along_answers(along, keep))
-        values.update(self._survival(ref, parts, keep))
+        values.update(self._survival(rows, keep))
         return values
 
     def without_flagged(
-        self,
-        checks: list[Check],
-        rows: list[dict[str, Any]],
-        ref: Observation,
-        parts: list[PromptDivergence],
-        along: dict[str, np.ndarray],
+        self, checks: list[Check], rows: list[dict[str, Any]], along: dict[str, np.ndarray]
     ) -> tuple[dict[str, Any], list[Check]]:
         """The figures and the checks without the prompts the calibration set overlaps (`clean_…`), where
         some are flagged; and the verdict with and without them."""
@@ -375,50 +403,45 @@ class Smoke:
             return {}, []
         if not keep.any():
             return {"clean_note": "every prompt overlaps the calibration set"}, []
-        found = self.prompt_values(rows, keep, ref, parts, along)
+        found = self.prompt_values(rows, keep, along)
         clean = {f"clean_{name}": value for name, value in found.items()}
         clean_checks = subset_checks(self.spec, "clean", clean)
         return {**clean, **flagged_verdicts(checks, clean_checks)}, clean_checks
 
-    def _survival(self, ref: Observation, parts: list[PromptDivergence], keep: np.ndarray) -> dict[str, Any]:
-        offsets = ref.arrays["offsets"]
+    def _survival(self, rows: list[dict[str, Any]], keep: np.ndarray) -> dict[str, Any]:
+        """`survival_N` for every configured N, over exactly the kept prompts whose budget reaches N: a prompt
+        survives unless its answers part before token N (answers that end identically before N agree)."""
         out: dict[str, Any] = {}
         for n in self.spec.survival.lengths:
-            survived = seen = 0
-            for i, prompt in enumerate(self.spec.prompts):
-                if not keep[i]:
-                    continue
-                length = int(offsets[i + 1] - offsets[i])
-                ended = length < prompt.max_new_tokens  # a stop token ended the answer
-                if parts[i].step is not None and parts[i].step < n:
-                    seen += 1
-                elif length >= n or ended:
-                    seen += 1
-                    survived += 1
-            share, low, high = metrics.proportion_interval(survived, seen)
+            seen = [
+                row
+                for row, prompt, k in zip(rows, self.spec.prompts, keep, strict=True)
+                if k and prompt.max_new_tokens >= n
+            ]
+            survived = sum(row["first_diff_token"] is None or row["first_diff_token"] >= n for row in seen)
+            share, low, high = metrics.proportion_interval(survived, len(seen))
             out.update({f"survival_{n}": share, f"survival_{n}_lower95": low, f"survival_{n}_upper95": high})
-            out[f"survival_{n}_n"] = seen
+            out[f"survival_{n}_n"] = len(seen)
         return out
 
     def compare_prompt(
         self,
         i: int,
         prompt: Prompt,
-        ref: Observation,
-        forced_ref: Observation,
-        forced: Observation,
-        ckpt: Observation,
-        part: PromptDivergence,
+        pair: PairedAnswers,
+        ref_sensitive: list[bool] | None,
+        ckpt_sensitive: list[bool] | None,
     ) -> dict[str, Any]:
-        """One prompt: both answers, pass/fail, and the reference's view at the first token they part on."""
-        ref_text, ckpt_text = ref.meta["texts"][i], ckpt.meta["texts"][i]
-        d = part.step
+        """One prompt: both answers as decoded, pass/fail, the reference's view at the first token they part
+        on, and each side's answer in its batch where it differs from its answer alone."""
+        ref_text, ckpt_text = pair.ref.texts[i], pair.ckpt.texts[i]
+        d = pair.step(i)
         row: dict[str, Any] = {
             "id": prompt.id,
             "category": prompt.category,
             "language": prompt.language,
-            "ref_answer": ref_text,
-            "ckpt_answer": ckpt_text,
+            "ref_answer": marked(ref_text, pair.ref.char_ends[i], d),
+            "ckpt_answer": marked(ckpt_text, pair.ckpt.char_ends[i], d),
             "ref_pass": prompt.matches(ref_text),
             "ckpt_pass": prompt.matches(ckpt_text),
             "identical": d is None,
@@ -427,52 +450,21 @@ class Smoke:
             "ref_logp_gap": None,
             "divergence": "",
         }
-        if part.reference_ties:
-            row["reference_ties"] = ", ".join(map(str, part.reference_ties))
-        if part.fragile:
-            # Where forcing says "the same token" by less than the logits' resolution: decoding may part.
-            row["agreement_within_resolution"] = ", ".join(map(str, part.fragile))
-        if d is None:
-            return row
-        for side, obs, text in (("ref_answer", ref, ref_text), ("ckpt_answer", ckpt, ckpt_text)):
-            cut = obs.meta["char_ends"][i][d - 1] if d > 0 else 0
-            row[side] = f"{text[:cut]}{DIVERGENCE_MARK}{text[cut:]}"
-        r = int(forced_ref.arrays["offsets"][i]) + d
-        top_ids, top_logp = forced_ref.arrays["top_ids"][r], forced_ref.arrays["top_logp"][r]
-        chosen, k = int(part.chosen), self.spec.generation.top_k
-        inside = bool(chosen in top_ids[:k])
-        ids = list(top_ids)
-        # The reference's preference for its own token over the candidate's: small is a near tie, large an
-        # error. Beyond the kept ids only a lower bound is known (the gap to the last one kept).
-        own = float(forced_ref.arrays["target_logp"][r])
-        gap = own - float(top_logp[ids.index(chosen)] if chosen in ids else top_logp[-1])
-        near = inside and gap < self.spec.generation.near_tie
-        step = int(ref.arrays["offsets"][i]) + d
-        row.update(
-            ckpt_token_in_ref_top5=inside,
-            ref_logp_gap=gap if chosen in ids else f">= {gap:.4g}",
-            ckpt_logp_gap=part.gap,
-            within_resolution=part.below_resolution,
-            divergence=(
-                ("near tie within the decoding paths' difference" if part.below_resolution else "near tie")
-                if near or part.below_resolution
-                else "real divergence"
-            )
-            + f" at token {d}",
-            ref_top5=", ".join(
-                f"{text!r} {float(lp):.3g}"
-                for text, lp in zip(ref.meta["top_text"][i][d], ref.arrays["top_logp"][step], strict=True)
-            ),
-            # The tokens each side chose, as text (from where each token ends in its answer).
-            ref_token=repr(_token_text(ref, i, d, ref_text)),
-            ckpt_token=repr(_token_text(ckpt, i, d, ckpt_text)),
-        )
+        row.update(divergence_row(pair, i, self.spec.generation.top_k, self.spec.generation.near_tie))
+        for side, sensitive, other in (
+            ("ref", ref_sensitive, pair.ref_other),
+            ("ckpt", ckpt_sensitive, pair.ckpt_other),
+        ):
+            if sensitive is not None and other is not None and sensitive[i]:
+                row[f"{side}_batch_sensitive"] = True
+                row[f"{side}_answer_in_batch"] = other.texts[i]
+                row[f"{side}_pass_in_batch"] = prompt.matches(other.texts[i])
         return row
 
 
 def _kld_along_answers(along: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, Any]:
     """KL(ref ‖ ckpt) over every answer token of the prompts `keep` marks, its mean with a standard error
-    clustered by prompt, and the same-top rate."""
+    clustered by prompt, and the same-top rate (both sides forced along the reference's answers)."""
     kept = keep[along["prompt"]]
     kld, same, clusters = along["kld"][kept], along["same_top"][kept], along["prompt"][kept]
     if not len(kld):
@@ -486,10 +478,3 @@ def _kld_along_answers(along: dict[str, np.ndarray], keep: np.ndarray) -> dict[s
         "same_top_p_stderr": same_err,
         "answer_tokens": len(kld),
     }
-
-
-def _token_text(obs: Observation, prompt: int, step: int, text: str) -> str:
-    """The text of the token an answer chose at `step`."""
-    ends = obs.meta["char_ends"][prompt]
-    start = ends[step - 1] if step > 0 else 0
-    return text[start : ends[step]]

@@ -1,5 +1,5 @@
 """Ctrl-C: one line, exit 130, and the next run resumes inside the task where the interrupted one stopped
-(per window for `ppl`, per prompt for `smoke`)."""
+(per window for `ppl`, per prompt decoded alone and per batch for `smoke`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import CliResult, cli_env, run_cli
+from tests.conftest import TINY_SMOKE_PROMPTS, CliResult, cli_env, run_cli, tiny_spec_args
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
 # The kernels of the 2-core Xeon the resumed run was first seen to differ on (AVX-512 VNNI, neither BF16
@@ -89,13 +89,27 @@ def test_a_run_resumed_under_another_thread_count_equals_a_whole_run_under_it(ti
 def test_an_interrupted_smoke_run_resumes_at_the_next_batch(tiny_pair, tmp_path):
     out = tmp_path / "run"
     ref = tiny_pair[TINY_BF16]
-    args = ["run", "--ckpt", ref, "--ref", ref, "--tasks", "smoke", "--out", out, "--quiet"]
-    # Prompts are decoded a batch at a time (`[generation] batch`), each batch saved as it completes: the
-    # third prompt done is in the first batch.
-    stopped = interrupt_after("smoke prompts", 3, args)
+    args = [
+        "run",
+        "--ckpt",
+        ref,
+        "--ref",
+        ref,
+        "--tasks",
+        "smoke",
+        *tiny_spec_args(),
+        "--out",
+        out,
+        "--quiet",
+    ]
+    # A loaded side decodes every prompt alone (each saved as it completes), then in the spec's batches (each
+    # batch saved as it completes): the third prompt done in batches is in the first batch.
+    n_prompts = TINY_SMOKE_PROMPTS
+    stopped = interrupt_after("smoke prompts", n_prompts + 3, args)
     assert stopped.returncode == 130, stopped.stderr
-    done = {p.name: p.stat().st_mtime_ns for p in partial_files(out, "batch-*.json")}
-    assert sorted(done) == ["batch-0000.json"]
+    done = {p.name: p.stat().st_mtime_ns for p in partial_files(out, "*-*.json")}
+    assert sorted(n for n in done if n.startswith("batch-")) == ["batch-0000.json"]
+    assert len([n for n in done if n.startswith("alone-")]) == n_prompts
     resumed = run_cli(*args)
     # The same model on both sides: no prompt the reference passes is failed, nothing diverges.
     assert resumed.returncode == 0, resumed.stderr

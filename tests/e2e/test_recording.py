@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from evalsuite.corpus import python_docs_text
-from tests.conftest import cli_run_in_process, copy_checkpoint, rerun, run_cli
+from tests.conftest import cli_run_in_process, copy_checkpoint, rerun, run_cli, tiny_spec_args
 
 EXACT = ("ppl_ref", "ppl_ckpt", "same_top_p", "delta_p_mean")
 
@@ -41,6 +41,7 @@ def test_recording_is_deterministic(tiny_pair, tiny_recording, tmp_path):
         again,
         "--tasks",
         "ppl,smoke",
+        *tiny_spec_args(),
         "--corpus",
         "python-docs",
         "--quiet",

@@ -12,7 +12,7 @@ import torch
 
 from evalsuite.corpus import python_docs_text
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
-from tests.conftest import TINY_TASKS, cli_run_in_process, rerun
+from tests.conftest import TINY_TASKS, cli_run_in_process, rerun, tiny_spec_args
 
 CONTRACT = (
     "n_windows",
@@ -169,6 +169,7 @@ def test_piped_output_has_no_third_party_noise_and_no_wrapped_lines(tiny_run):
 
 def test_no_plots_gives_the_same_verdict_and_metrics_without_a_picture(tiny_pair, tiny_run, tmp_path):
     args = ("run", "--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16], "--tasks", TINY_TASKS)
+    args += tiny_spec_args()
     again = rerun(tiny_run, tmp_path / "run", *args, "--corpus", "python-docs", "--no-plots")
     assert again.cli.returncode == tiny_run.cli.returncode, again.cli.stderr
     drawn = []  # the plots the first run drew (the vision task's input images are shown either way)

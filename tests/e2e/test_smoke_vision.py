@@ -7,8 +7,16 @@ import json
 import pytest
 
 from evalsuite.spec import default_spec_path, load_spec
-from evalsuite.tasks.smoke import DIVERGENCE_MARK, SmokeSpec
-from tests.conftest import cli_in_process, cli_run_in_process, rerun, wrong_scale_copy
+from evalsuite.tasks.answer_pairs import DIVERGENCE_MARK
+from evalsuite.tasks.smoke import SmokeSpec
+from tests.conftest import (
+    TINY_SMOKE_PROMPTS,
+    cli_in_process,
+    cli_run_in_process,
+    rerun,
+    tiny_spec_args,
+    wrong_scale_copy,
+)
 
 
 def task_result(run_dir, name):
@@ -47,6 +55,7 @@ def test_a_baseline_keeps_every_detail_row(tiny_pair, tiny_run, tmp_path):
     args += (
         "--tasks",
         "smoke,vision",
+        *tiny_spec_args(),
         "--corpus",
         "python-docs",
         "--baseline",
@@ -56,8 +65,7 @@ def test_a_baseline_keeps_every_detail_row(tiny_pair, tiny_run, tmp_path):
     # Vision's answer checks still fail; the baseline adds none that fail.
     assert again.cli.returncode == 1, again.cli.stderr
     assert again.loads == []
-    shipped = len(load_spec(SmokeSpec, default_spec_path("smoke")).prompts)
-    assert len(again.task("smoke")["details"]) == len(tiny_run.task("smoke")["details"]) == shipped
+    assert len(again.task("smoke")["details"]) == len(tiny_run.task("smoke")["details"]) == TINY_SMOKE_PROMPTS
     assert again.task("smoke")["details"] == tiny_run.task("smoke")["details"]
     for name in ("smoke", "vision"):
         regressions = [c for c in again.task(name)["checks"] if c["name"].endswith("_vs_baseline")]
@@ -88,7 +96,8 @@ def test_a_calibration_set_holding_a_prompt_and_a_question_flags_them_and_judges
         encoding="utf-8",
     )
     args = ("run", "--ckpt", tiny_pair["tiny-minicpmv47-w4a8"], "--ref", tiny_pair["tiny-minicpmv47-bf16"])
-    args += ("--tasks", "smoke,vision", "--corpus", "python-docs", "--calibration", calibration)
+    args += ("--tasks", "smoke,vision", *tiny_spec_args(), "--corpus", "python-docs")
+    args += ("--calibration", calibration)
     again = rerun(tiny_run, tmp_path / "again", *args)
     assert again.cli.returncode == 1, again.cli.stderr  # vision's answer checks fail, as in tiny_run
     assert again.loads == []  # a calibration file changes no observation
@@ -98,7 +107,7 @@ def test_a_calibration_set_holding_a_prompt_and_a_question_flags_them_and_judges
     assert m["calibration_source"] == str(calibration)
     prompts = [row for row in smoke["details"] if "table" not in row]
     kept = [row for row in prompts if row["id"] != "capital-france"]
-    assert len(prompts) == len(smoke_spec.prompts) and m["clean_n_prompts"] == len(kept)
+    assert len(prompts) == TINY_SMOKE_PROMPTS and m["clean_n_prompts"] == len(kept)
     for name, count in (
         ("ref_pass", lambda r: r["ref_pass"]),
         ("ckpt_pass", lambda r: r["ckpt_pass"]),

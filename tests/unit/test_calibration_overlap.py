@@ -185,7 +185,7 @@ def _smoke_observed(ref_answers: list[str], ckpt_answers: list[str], far: int) -
         "answers": answer_observation(ref_answers, {}),
         "forced-ref": forced_observation(n, reference=True),
         "forced": forced,
-        "continued": answer_observation(ckpt_answers, {}),
+        "ckpt-answers": answer_observation(ckpt_answers, {}),
     }
 
 

@@ -36,7 +36,7 @@ def _logp(rows: int, seed: int = 0) -> np.ndarray:
 
 
 def answer_observation(texts: list[str], about: dict) -> Observation:
-    """The reference's answers (or the candidate's continuations), one of 4 tokens per case."""
+    """One side's decoded answers, one of 4 tokens per case."""
     n = len(texts)
     return Observation(
         name="answers",
@@ -120,7 +120,7 @@ def observed(
     ones = np.ones((6, 4), np.float32)
     return {
         "answers": answer_observation([answers.get(c, (SAME, SAME))[0] for c in run], about),
-        "continued": answer_observation([answers.get(c, (SAME, SAME))[1] for c in run], {}),
+        "ckpt-answers": answer_observation([answers.get(c, (SAME, SAME))[1] for c in run], {}),
         "forced-ref": forced_observation(len(run), reference=True),
         "forced": forced_observation(len(run), reference=False),
         "features:ref": Observation(name="f", arrays={f"features-{c}": ones for c in run}),
@@ -156,13 +156,13 @@ def test_the_shipped_spec_has_the_single_image_then_each_case(vision):
         ("count", None, False),
     ]
     labels = [(n.label, n.role) for n in vision.needs()]
-    # The cases are the prompts of one set of answer observations (smoke's), the features one per side.
+    # The cases are the prompts of the answer observations (smoke's, one per side), the features one per side.
     assert labels == [
         ("features:ref", "ref"),
         ("answers", "ref"),
         ("forced-ref", "ref"),
+        ("ckpt-answers", "ckpt"),
         ("forced", "ckpt"),
-        ("continued", "ckpt"),
         ("features:ckpt", "ckpt"),
     ]
 

@@ -25,13 +25,7 @@ from evalsuite import metrics, tensor_errors
 from evalsuite.errors import InputError
 from evalsuite.multimodal import NoVisualPath, VisualProcessing
 from evalsuite.observation import Observation
-from evalsuite.observers.forced_answers import (
-    FORCED_LABEL,
-    FORCED_REFERENCE_LABEL,
-    PromptDivergence,
-    divergences,
-    path_noise,
-)
+from evalsuite.observers.forced_answers import FORCED_LABEL, FORCED_REFERENCE_LABEL
 from evalsuite.observers.greedy_answers import ANSWERS_LABEL, ANSWERS_META, PROMPTS, GreedyAnswers
 from evalsuite.observers.kld_detail import kld_at_reference
 from evalsuite.run_folder import write_atomic
@@ -47,6 +41,7 @@ from evalsuite.task import (
     skip_if_cannot_generate,
     task,
 )
+from evalsuite.tasks.answer_pairs import PairedAnswers, paired_answers
 from evalsuite.tasks.calibration_overlap import (
     Overlap,
     flagged_verdicts,
@@ -54,7 +49,7 @@ from evalsuite.tasks.calibration_overlap import (
     overlap_rows,
     text_overlap,
 )
-from evalsuite.tasks.smoke import CONTINUED_LABEL, smoke_needs
+from evalsuite.tasks.smoke import CKPT_ANSWERS_LABEL, smoke_needs
 from evalsuite.tasks.vision._pictures import contact_sheet, draw, draw_frames, png
 from evalsuite.tasks.vision._reading import OCR_DESCRIPTIONS, OCR_METRICS, ocr_values
 from evalsuite.tasks.vision._spec import ANSWER_METRICS, CASE_METRICS, SHIPPED_CASES, SINGLE, Case, VisionSpec
@@ -79,8 +74,8 @@ def tensors_sha256(inputs: dict[str, Any]) -> str:
 
 class VisionFeatures:
     """Observer of one side: the vision tower and merger's output for every visual token of every case run
-    (`features-CASE`). A side's answers to the cases are observed as `smoke`'s are (`smoke_needs`): the
-    reference's decoded, both sides forced along them, the candidate's own after a divergence."""
+    (`features-CASE`). A side's answers to the cases are observed as `smoke`'s are (`smoke_needs`): each
+    side's decoded (a question about an image alone), both sides forced along the reference's for the KLD."""
 
     # Its recording is the observation itself: a replay plans it under the key it was made under.
     records_itself = True
@@ -166,11 +161,10 @@ def compare_case(
     case: Case,
     index: int,
     observed: Mapping[str, Observation],
-    part: PromptDivergence,
+    pair: PairedAnswers,
 ) -> dict[str, Any]:
     """One case's metrics (unprefixed) from both sides' observations: `index` is its place among the cases
-    run (the prompts of the answer observations)."""
-    answers, continued = observed[ANSWERS_LABEL], observed[CONTINUED_LABEL]
+    run (the prompts of the answer observations); its answers are both sides' as decoded (`pair`)."""
     forced_ref, forced = observed[FORCED_REFERENCE_LABEL], observed[FORCED_LABEL]
     fa = observed["features:ref"].arrays[f"features-{case.name}"]
     fb = observed["features:ckpt"].arrays[f"features-{case.name}"]
@@ -186,7 +180,7 @@ def compare_case(
     )
     rows = slice(int(forced_ref.arrays["offsets"][index]), int(forced_ref.arrays["offsets"][index + 1]))
     along = kld_at_reference(forced_ref, forced)[rows]
-    ref_answer, ckpt_answer = answers.meta["texts"][index], continued.meta["texts"][index]
+    ref_answer, ckpt_answer = pair.ref.texts[index], pair.ckpt.texts[index]
     values: dict[str, Any] = {
         "vision_tokens": int(fa.shape[0]),
     }
@@ -201,8 +195,8 @@ def compare_case(
         first_tokens_kld=float(kld.mean()) if steps else float("nan"),
         first_tokens_compared=steps,
         answer_kld_mean=float(along.mean()) if len(along) else float("nan"),
-        answers_identical=part.step is None,
-        first_diff_token=part.step,
+        answers_identical=pair.step(index) is None,
+        first_diff_token=pair.step(index),
     )
     return values
 
@@ -233,7 +227,8 @@ class Vision:
             "mean KL(ref ‖ ckpt) over every token of the reference's answer, both sides forced along it "
             "(top-k exact, sampled tail)"
         ),
-        "first_diff_token": "the first token of the reference's answer the candidate would not choose",
+        "first_diff_token": "the first token at which the two sides decoded different answers",
+        "answers_compared": "how both sides' answers were decoded (a question about an image alone)",
         **{name: about.format(text="the text the image shows") for name, about in OCR_DESCRIPTIONS.items()},
         "calibration_overlap_share": "share of the questions' tokens (each tokenised alone, no chat "
         "template) in a 13-gram the calibration set holds, or in a shorter question found whole in it",
@@ -312,7 +307,7 @@ class Vision:
         return [
             Need("features:ref", "ref", features),
             # A question about an image is decoded alone (`greedy_answers.batches`).
-            *smoke_needs("vision", answers, self.spec.record, 5, 1, full_steps),
+            *smoke_needs("vision", answers, self.spec.record, full_steps),
             Need("features:ckpt", "ckpt", features),
         ]
 
@@ -328,14 +323,7 @@ class Vision:
         about = observed[ANSWERS_LABEL].meta
         skipped_here: dict[str, str] = about.get("skipped", {})
         run = [c.name for c in self.cases if c.name in about.get("cases", {})]
-        parts = divergences(
-            observed[FORCED_REFERENCE_LABEL],
-            observed[FORCED_LABEL],
-            max(
-                path_noise(observed[ANSWERS_LABEL], observed[FORCED_REFERENCE_LABEL]),
-                float(observed[CONTINUED_LABEL].meta.get("path_noise", 0.0)),
-            ),
-        )
+        pair = paired_answers(observed[ANSWERS_LABEL], observed[CKPT_ANSWERS_LABEL])
         for case in self.cases:
             pictures[case.name] = self.picture(case, artifacts)
             reason = skipped_here.get(case.name) or (None if case.name in run else "not observed")
@@ -346,11 +334,8 @@ class Vision:
                 details.append(row)
                 continue
             index = run.index(case.name)
-            found = {**about["cases"][case.name], **compare_case(case, index, observed, parts[index])}
-            answers = (
-                observed[ANSWERS_LABEL].meta["texts"][index],
-                observed[CONTINUED_LABEL].meta["texts"][index],
-            )
+            found = {**about["cases"][case.name], **compare_case(case, index, observed, pair)}
+            answers = (pair.ref.texts[index], pair.ckpt.texts[index])
             unjudged: set[str] = set()
             if case.ocr is not None:
                 read, reason = ocr_values(case.ocr, case.reads or "", *answers)
@@ -374,6 +359,7 @@ class Vision:
                 checks += apply_threshold(case.prefix + metric, found.get(metric), threshold)
             details.append(self.row(case, found, answers, pictures[case.name], null_reasons))
         values["cases_run"] = len(self.cases) - len(skipped)
+        values["answers_compared"] = pair.describe()  # the configuration is part of an answer
         values["skipped_cases"] = ", ".join(skipped)
         # A threshold of [thresholds] on a skipped case's metric was not measured; any other missing metric
         # (a misspelled name) fails.
