@@ -55,12 +55,12 @@ from safetensors.torch import load_file, save_file
 from evalsuite import tune_allocator
 from evalsuite.backends import load_backend
 from evalsuite.backends.options import BackendOptions
-from evalsuite.cli import DEFAULT_FIXTURES
-from evalsuite.compare_candidates import CompareRequest, compare
+from evalsuite.candidates.comparing import CompareRequest, compare
+from evalsuite.cli.app import DEFAULT_FIXTURES
 from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
-from evalsuite.runner import build_tasks
-from evalsuite.side import open_side
-from evalsuite.task import RunContext
+from evalsuite.pipeline.runner import build_tasks
+from evalsuite.protocol.side import open_side
+from evalsuite.protocol.task import RunContext
 
 SCALES = (0.99, 1.01, 1.02)
 CONTEXT = RunContext(corpus_name="python-docs")
@@ -100,8 +100,8 @@ def observation_seconds(path: Path, ref: Path, folder: Path) -> tuple[float, flo
 def timed_observations(spent: list[float]):
     """`compare`'s own observations timed as it makes them: every call of `observe_all` (each a group of
     loads, forwards and saves) adds its seconds to `spent`."""
-    import evalsuite.compare_candidates as compare_module
-    import evalsuite.runner as runner_module
+    import evalsuite.candidates.comparing as compare_module
+    import evalsuite.pipeline.runner as runner_module
 
     original = runner_module.observe_all
 

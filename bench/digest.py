@@ -23,7 +23,7 @@ from pathlib import Path
 
 from figures import add_arguments, recorded
 
-from evalsuite.digest import DigestCache
+from evalsuite.files.digest import DigestCache
 
 
 def make_shards(folder: Path, gigabytes: float, shards: int) -> list[Path]:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
 
-from evalsuite.cli import DEFAULT_FIXTURES
+from evalsuite.cli.app import DEFAULT_FIXTURES
 from evalsuite.fixtures import SMOLLM2_BF16, TINY_BF16, build_fixtures
 from evalsuite.machine import DRIFT_FILE, describe_machine
 

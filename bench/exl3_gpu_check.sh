@@ -157,7 +157,7 @@ import torch
 
 from evalsuite.backends.exl3 import DecodedExl3Backend, Exllamav3Backend
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 
 checkpoint = Checkpoint.open(sys.argv[1])
 tokenizer = checkpoint.load_tokenizer()
@@ -232,7 +232,7 @@ import torch
 
 from evalsuite.backends.exl3 import DecodedExl3Backend, Exllamav3Backend
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from exllamav3.conversion.quant_config import create_quantization_config_json
 
 pack = Path(sys.argv[1])

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from figures import add_arguments, recorded
 
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.exl3_encoder import encode_weight
 from evalsuite.formats.exl3 import block_tile_errors, decoded_blocks

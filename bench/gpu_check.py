@@ -138,7 +138,7 @@ def plan_bytes(pair: tuple[str, str], args: tuple[str, ...]) -> int:
     not built on this machine."""
     from evalsuite.backends.memory import loaded_peak_bytes
     from evalsuite.backends.options import BackendOptions
-    from evalsuite.checkpoint import Checkpoint
+    from evalsuite.files.checkpoint import Checkpoint
 
     backend = args[args.index("--backend") + 1] if "--backend" in args else "auto"
     peaks = []

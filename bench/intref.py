@@ -27,12 +27,12 @@ from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
 
 from evalsuite import tune_allocator
 from evalsuite.backends import load_backend
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.cli import DEFAULT_FIXTURES
+from evalsuite.cli.app import DEFAULT_FIXTURES
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
-from evalsuite.runner import build_tasks
-from evalsuite.side import BackendOptions, Side
-from evalsuite.task import RunContext, no_progress
+from evalsuite.pipeline.runner import build_tasks
+from evalsuite.protocol.side import BackendOptions, Side
+from evalsuite.protocol.task import RunContext, no_progress
 
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:

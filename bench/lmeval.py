@@ -27,7 +27,7 @@ from pathlib import Path
 
 from figures import TEST_FIXTURES, add_arguments, recorded
 
-from evalsuite.cli import DEFAULT_FIXTURES
+from evalsuite.cli.app import DEFAULT_FIXTURES
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.names import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_LLAMA_BF16
 from evalsuite.tasks.lmeval import shipped_task_folder

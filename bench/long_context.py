@@ -35,7 +35,7 @@ from typing import Any
 
 from figures import REPO, TEST_FIXTURES, Figures, add_arguments, quick_ppl_spec, recorded
 
-from evalsuite.cli import DEFAULT_FIXTURES
+from evalsuite.cli.app import DEFAULT_FIXTURES
 from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
 
 MIB = 2**20

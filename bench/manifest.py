@@ -23,8 +23,8 @@ from pathlib import Path
 
 from figures import add_arguments, recorded
 
-from evalsuite.digest import DigestCache
-from evalsuite.manifest import read_manifest, verify_manifest, write_sha256sums
+from evalsuite.files.digest import DigestCache
+from evalsuite.files.manifest import read_manifest, verify_manifest, write_sha256sums
 
 
 def fastest(repeats: int, run) -> float:

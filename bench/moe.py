@@ -33,8 +33,8 @@ from pathlib import Path
 from figures import TEST_FIXTURES, add_arguments, recorded
 from stream import rss_after_imports, timed_run
 
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.digest import DigestCache
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.files.digest import DigestCache
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.names import SCALED_BF16, SCALED_W4A8, TINY_BF16, TINY_W4A8
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from figures import TEST_FIXTURES, Figures, add_arguments, recorded
 
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.names import TINY_BF16, TINY_W4A8
 from evalsuite.tasks.tensors._verification import ModuleRules, verify_tensors

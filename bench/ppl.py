@@ -43,7 +43,7 @@ import numpy as np
 from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
 
 from evalsuite.api import DEFAULT_FIXTURES
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.names import (
     REAL_WIDE_BF16,
@@ -52,9 +52,9 @@ from evalsuite.fixtures.names import (
     SMOLLM2_W4A8,
     TINY_LLAMA_BF16,
 )
-from evalsuite.runner import build_tasks
-from evalsuite.side import BackendOptions, Side
-from evalsuite.task import RunContext
+from evalsuite.pipeline.runner import build_tasks
+from evalsuite.protocol.side import BackendOptions, Side
+from evalsuite.protocol.task import RunContext
 
 BENCH = Path(__file__).resolve().parent
 
@@ -66,10 +66,10 @@ from pathlib import Path
 import psutil
 from evalsuite import tune_allocator
 from evalsuite.backends import load_backend
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.runner import RunRequest, build_tasks, run
-from evalsuite.side import BackendOptions, Side
-from evalsuite.task import RunContext, no_progress
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.pipeline.runner import RunRequest, build_tasks, run
+from evalsuite.protocol.side import BackendOptions, Side
+from evalsuite.protocol.task import RunContext, no_progress
 mode, ckpt, ref, out, spec = sys.argv[1:6]
 tune_allocator()  # glibc's thresholds as the command line sets them, measured as it runs
 specs = {"ppl": Path(spec)} if spec else {}

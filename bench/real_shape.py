@@ -92,11 +92,11 @@ from figures import (
 from evalsuite import tune_allocator
 from evalsuite.backends.memory import loaded_bytes
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.digest import DigestCache
+from evalsuite.contract.spec import default_spec_path, load_spec
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.files.digest import DigestCache
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.names import DEFAULT_WIDE_LAYERS, TINY_BF16, TINY_EXL3, TINY_W4A8, wide_names
-from evalsuite.spec import default_spec_path, load_spec
 from evalsuite.tasks.smoke import SmokeSpec
 
 REAL_LAYERS = 40
@@ -199,9 +199,9 @@ def bare_streamed_forward(folder: Path) -> dict[str, Any]:
     import torch
 
     from evalsuite.backends.streamed import StreamedBackend
-    from evalsuite.runner import build_tasks
-    from evalsuite.side import Side
-    from evalsuite.task import RunContext
+    from evalsuite.pipeline.runner import build_tasks
+    from evalsuite.protocol.side import Side
+    from evalsuite.protocol.task import RunContext
 
     started = time.perf_counter()
     checkpoint = Checkpoint.open(folder)
@@ -897,7 +897,7 @@ def decoding_forwards(ref: Path, specs: dict[str, Path]) -> dict[str, int]:
     longest `max_new_tokens` (the random wide pair never stops early), per vision case its own and the single
     image's (each decoded alone)."""
     from evalsuite.observers.greedy_answers import batches
-    from evalsuite.side import open_side
+    from evalsuite.protocol.side import open_side
     from evalsuite.tasks.smoke import prompt_ids
     from evalsuite.tasks.vision import VisionSpec
 
@@ -977,9 +977,7 @@ def decoding(results: dict[str, Any]) -> dict[str, Any]:
         forwards = entry.get("generation_forwards") or 0
         if not forwards:
             continue
-        seconds = sum(
-            v for name, v in entry.get("seconds", {}).items() if name.endswith("answers")
-        )
+        seconds = sum(v for name, v in entry.get("seconds", {}).items() if name.endswith("answers"))
         out[entry["side"]] = {
             "forwards": forwards,
             "seconds": seconds,

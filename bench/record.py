@@ -24,10 +24,10 @@ from pathlib import Path
 from figures import TEST_FIXTURES, add_arguments, quick_ppl_spec, recorded
 
 from evalsuite import tune_allocator
-from evalsuite.cli import DEFAULT_FIXTURES
+from evalsuite.cli.app import DEFAULT_FIXTURES
 from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8, TINY_BF16, TINY_W4A8, build_fixtures
-from evalsuite.runner import RecordRequest, RunRequest, record, run
-from evalsuite.task import RunContext
+from evalsuite.pipeline.runner import RecordRequest, RunRequest, record, run
+from evalsuite.protocol.task import RunContext
 
 
 def timed_run(ckpt: Path, ref: Path, out: Path, specs: dict[str, Path]) -> tuple[float, dict]:

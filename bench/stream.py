@@ -47,8 +47,8 @@ from figures import (
 )
 
 from evalsuite.backends.memory import exl3_decoded_bytes
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.digest import DigestCache
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.files.digest import DigestCache
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.names import SCALED_BF16, SCALED_EXL3, SCALED_W4A8, TINY_BF16, TINY_W4A8
 
@@ -58,8 +58,8 @@ LIMIT_FRACTION = 0.25
 QUICK_HEADROOM = 1 << 30
 # What `evalsuite run` has imported when it loads its first model, streamed or not.
 IMPORTS = (
-    "import psutil, evalsuite.cli, evalsuite.runner, evalsuite.registry, evalsuite.backends.hf, "
-    "evalsuite.backends.streamed, evalsuite.backends.intref, evalsuite.backends.exl3, "
+    "import psutil, evalsuite.cli.app, evalsuite.pipeline.runner, evalsuite.pipeline.registry, "
+    "evalsuite.backends.hf, evalsuite.backends.streamed, evalsuite.backends.intref, evalsuite.backends.exl3, "
     "transformers.models.minicpmv4_7, "
     "compressed_tensors.compressors; import re; status = open('/proc/self/status').read(); "
     "anon = sum(int(re.search(rf'{k}:\\s+(\\d+)', status).group(1)) * 1024 "

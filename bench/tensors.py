@@ -76,8 +76,8 @@ import psutil
 import compressed_tensors.compressors, compressed_tensors.quantization, compressed_tensors.utils.match
 import matplotlib.figure
 import evalsuite.formats.compressed_tensors, evalsuite.tasks
-from evalsuite.registry import registered_tasks
-from evalsuite.runner import RunRequest, run
+from evalsuite.pipeline.registry import registered_tasks
+from evalsuite.pipeline.runner import RunRequest, run
 registered_tasks()  # imports every task plugin, as the run's plan does first
 def high_water_mark():
     # VmHWM belongs to this process image; ru_maxrss would carry over the parent's peak across fork + exec.
@@ -260,7 +260,7 @@ def write_float_copy(src: Path, dst: Path, kind: str, policy: QuantPolicy) -> No
 
 def largest_tensor(folder: Path) -> int:
     """Bytes of the largest tensor of a checkpoint, from its headers."""
-    from evalsuite.checkpoint import Checkpoint
+    from evalsuite.files.checkpoint import Checkpoint
 
     return max(info.nbytes for info in Checkpoint.open(folder).tensors.values())
 

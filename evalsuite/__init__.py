@@ -19,8 +19,7 @@ from evalsuite.api import (
     run,
     tune_allocator,
 )
-from evalsuite.errors import Cancelled, DependencyError, EvalsuiteError, InputError, ResourceError
-from evalsuite.results import (
+from evalsuite.contract.results import (
     SCHEMA_VERSION,
     CheckRecord,
     Comparison,
@@ -32,6 +31,7 @@ from evalsuite.results import (
     load_recording_manifest,
     load_results,
 )
+from evalsuite.errors import Cancelled, DependencyError, EvalsuiteError, InputError, ResourceError
 from evalsuite.version import __version__
 
 __all__ = [

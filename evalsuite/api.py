@@ -20,16 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from evalsuite.contract.results import Comparison, RecordingManifest, Results
 from evalsuite.errors import Cancelled, InputError
-from evalsuite.results import Comparison, RecordingManifest, Results
-from evalsuite.run_folder import write_atomic
+from evalsuite.files.run_folder import write_atomic
 
 if TYPE_CHECKING:
     from evalsuite.backends.options import BackendOptions
-    from evalsuite.observe import OnLoad
-    from evalsuite.run_cache import CacheKind
-    from evalsuite.runner import RecordRequest, RunRequest
-    from evalsuite.task import Progress
+    from evalsuite.files.run_cache import CacheKind
+    from evalsuite.pipeline.observe import OnLoad
+    from evalsuite.pipeline.runner import RecordRequest, RunRequest
+    from evalsuite.protocol.task import Progress
 
 DEFAULT_FIXTURES = Path(
     os.environ.get("EVALSUITE_FIXTURES", Path.home() / ".cache" / "evalsuite" / "fixtures")
@@ -270,8 +270,8 @@ def run(
     Returns:
         The typed results, the run folder and the files written.
     """
-    from evalsuite.runner import RunRequest
-    from evalsuite.task import RunContext
+    from evalsuite.pipeline.runner import RunRequest
+    from evalsuite.protocol.task import RunContext
 
     ckpt_source, ref_source = resolve_source(ckpt, fixtures), resolve_source(ref, fixtures)
     options = backend_options(dtype, device, trust_remote_code, stream, max_memory)
@@ -315,25 +315,25 @@ def run_request(
     """Run a prepared `RunRequest` and write its reports (what `run` does once its options are read).
 
     Args:
-        request: the run, as `evalsuite.runner.RunRequest`.
+        request: the run, as `evalsuite.pipeline.runner.RunRequest`.
         progress: as in `run`.
         cancel: as in `run`.
         on_load: as in `run`.
         junit: also write JUnit XML here.
         model_card: also write model-card.md into the run folder.
     """
-    from evalsuite.run_report import write_reports
-    from evalsuite.runner import run as run_plan
+    from evalsuite.pipeline.runner import run as run_plan
+    from evalsuite.reporting.diff_report import write_reports
 
     result = run_plan(request, progress=_progress(progress, cancel), on_load=on_load)
     # Everything rendered before anything is written: a rendering error leaves no report half-made.
     extra: dict[str, tuple[Path, str]] = {}
     if junit is not None:
-        from evalsuite.junit import render_junit
+        from evalsuite.reporting.junit import render_junit
 
         extra["junit"] = (Path(junit), render_junit(result.results))
     if model_card:
-        from evalsuite.model_card import render_model_card
+        from evalsuite.reporting.model_card import render_model_card
 
         extra["model_card"] = (result.folder.root / "model-card.md", render_model_card(result.results))
     typed = Results.model_validate(result.results)
@@ -409,9 +409,9 @@ def compare(
     Returns:
         The typed comparison and every candidate's typed results.
     """
-    from evalsuite.compare_candidates import CompareRequest
-    from evalsuite.compare_candidates import compare as compare_all
-    from evalsuite.task import RunContext
+    from evalsuite.candidates.comparing import CompareRequest
+    from evalsuite.candidates.comparing import compare as compare_all
+    from evalsuite.protocol.task import RunContext
 
     options = backend_options(dtype, device, trust_remote_code, stream, max_memory)
     request = CompareRequest(
@@ -490,8 +490,8 @@ def record(
         cancel: as in `run`.
         on_load: as in `run`.
     """
-    from evalsuite.runner import RecordRequest
-    from evalsuite.task import RunContext
+    from evalsuite.pipeline.runner import RecordRequest
+    from evalsuite.protocol.task import RunContext
 
     request = RecordRequest(
         ckpt=resolve_source(ckpt, fixtures),
@@ -520,14 +520,14 @@ def record_request(
     """Record a prepared `RecordRequest` (what `record` does once its options are read).
 
     Args:
-        request: the recording, as `evalsuite.runner.RecordRequest`.
+        request: the recording, as `evalsuite.pipeline.runner.RecordRequest`.
         progress: as in `run`.
         cancel: as in `run`.
         on_load: as in `run`.
     """
-    from evalsuite.recording import MANIFEST
-    from evalsuite.results import load_recording_manifest
-    from evalsuite.runner import record as record_side
+    from evalsuite.contract.results import load_recording_manifest
+    from evalsuite.pipeline.runner import record as record_side
+    from evalsuite.protocol.recording import MANIFEST
 
     path = record_side(request, progress=_progress(progress, cancel), on_load=on_load)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
@@ -543,13 +543,13 @@ def report(run_dir: Path, format: ReportFormat = "md") -> Path:
     """
     import json
 
-    from evalsuite.results import read_results
-    from evalsuite.run_report import render_markdown
+    from evalsuite.contract.results import read_results
+    from evalsuite.reporting.diff_report import render_markdown
 
     run_dir = Path(run_dir)
     results = read_results(run_dir / "results.json")
     if format == "model-card":
-        from evalsuite.model_card import render_model_card
+        from evalsuite.reporting.model_card import render_model_card
 
         target, text = run_dir / "model-card.md", render_model_card(results)
     elif format == "md":
@@ -587,6 +587,6 @@ def cache(*, clear: bool = False, fixtures: Path = DEFAULT_FIXTURES) -> list[Cac
         clear: first remove every kind but the fixtures; what each held before is returned.
         fixtures: the fixtures folder to show.
     """
-    from evalsuite.run_cache import cache_usage, clear_cache
+    from evalsuite.files.run_cache import cache_usage, clear_cache
 
     return clear_cache(fixtures) if clear else cache_usage(fixtures)

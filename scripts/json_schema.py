@@ -1,5 +1,5 @@
 """Write docs/schema/*.schema.json, the JSON Schema of every document evalsuite writes, from the typed models
-in `evalsuite.results`, so that the published schema cannot drift from the code.
+in `evalsuite.contract.results`, so that the published schema cannot drift from the code.
 
     python scripts/json_schema.py [--out docs/schema] [--check]
 
@@ -18,7 +18,7 @@ FOLDER = REPO / "docs" / "schema"
 
 def render() -> dict[str, str]:
     """Each schema file's name and text, as the models generate them."""
-    from evalsuite.results import SCHEMAS, json_schema
+    from evalsuite.contract.results import SCHEMAS, json_schema
 
     return {f"{kind}.schema.json": json.dumps(json_schema(kind), indent=2) + "\n" for kind in SCHEMAS}
 

@@ -9,7 +9,7 @@ HOW is what a user's other program does to the file:
   lets the run go on;
 - `rewrite`: opens it to write and changes one byte in place;
 - `truncate`: cuts it to half its size.
-The last two are what a lease hears of (`evalsuite.file_leases`) where the run has the file mapped: the other
+The last two are what a lease hears of (`evalsuite.files.leases`) where the run has the file mapped: the other
 process waits until the run has ended, and the run, waiting for it, must be ended by what it heard. Where
 nothing hears it, the change is made and the run goes on with the file as it now is.
 """
@@ -22,7 +22,8 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from evalsuite import cli, observe
+from evalsuite.cli.app import app as cli
+from evalsuite.pipeline import observe
 
 _CHANGE = {
     "replace": (

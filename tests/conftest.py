@@ -334,7 +334,7 @@ def smoke_subset_spec(folder: Path, count: int = 12) -> Path:
     same tables, fewer prompts, for runs that check a mechanism rather than the prompt set."""
     import tomllib
 
-    from evalsuite.spec import default_spec_path
+    from evalsuite.contract.spec import default_spec_path
 
     text = default_spec_path("smoke").read_text(encoding="utf-8")
     head, *blocks = text.split("\n[[prompts]]")
@@ -450,7 +450,7 @@ def cli_run_in_process(*args: str | Path) -> CliResult:
     import contextlib
     import io
 
-    from evalsuite.cli import main
+    from evalsuite.cli.app import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
@@ -478,8 +478,8 @@ def demo_thresholds(tasks: str, folder: Path) -> Path:
     of `tasks` as the demo cuts them (a run refuses thresholds for a task it does not run)."""
     import tomllib
 
-    from evalsuite.cli import DEMO_THRESHOLDS
-    from evalsuite.spec import default_spec_path
+    from evalsuite.cli.app import DEMO_THRESHOLDS
+    from evalsuite.contract.spec import default_spec_path
 
     tables = tomllib.loads(default_spec_path(DEMO_THRESHOLDS).read_text(encoding="utf-8"))
     lines = []

@@ -26,7 +26,7 @@ def write_peak() -> None:
 
 
 atexit.register(write_peak)
-from evalsuite.cli import main  # noqa: E402  (after the handler, so that every exit writes the file)
+from evalsuite.cli.app import main  # noqa: E402  (after the handler, so that every exit writes the file)
 
 sys.argv = ["evalsuite", *sys.argv[1:]]
 main()

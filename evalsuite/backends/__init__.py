@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from evalsuite.backends.chunked_head import ScoredStates
     from evalsuite.backends.streamed import StreamedPair
-    from evalsuite.checkpoint import Checkpoint
+    from evalsuite.files.checkpoint import Checkpoint
 
 
 class Backend(Protocol):

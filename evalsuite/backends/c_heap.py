@@ -74,8 +74,8 @@ def heap_kept_while_loading() -> Iterator[None]:
     freed memory kept there for the next allocation (the trim threshold at `LOADING_TRIM_THRESHOLD`); then
     the thresholds back to the process's running ones (`map_large_allocations`) and the heaps trimmed.
 
-    Why: the tensors a load reads are mappings of their own (`evalsuite.mapped_tensors`), so what the heaps
-    serve is the conversion's temporaries: dequantizing each expert of a W4A8 pack allocates and frees
+    Why: the tensors a load reads are mappings of their own (`evalsuite.files.mapped_tensors`), so what the
+    heaps serve is the conversion's temporaries: dequantizing each expert of a W4A8 pack allocates and frees
     temporaries of the per-expert tensors' sizes, hundreds of times a layer. Mapped each time, or trimmed from
     the heap's top each time they are freed (glibc trims above 128 KiB once the threshold is set by hand),
     every page of every temporary costs a page fault; kept, the next expert reuses them (bench/ppl.py: the

@@ -29,8 +29,8 @@ from evalsuite.backends.skeleton import (
     tensor_slots,
     tie_weights,
 )
-from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint
 
 # The stored dtypes a float slot takes as values (FP8 and integers are codes: they need decoding).
 LOADABLE_FLOATS = frozenset({"BF16", "F16", "F32", "F64"})

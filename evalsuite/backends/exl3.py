@@ -53,8 +53,8 @@ from evalsuite.backends.skeleton import (
     tensor_slots,
     tie_weights,
 )
-from evalsuite.checkpoint import EXL3_CONFIG_FILE, Checkpoint
 from evalsuite.errors import DependencyError, InputError
+from evalsuite.files.checkpoint import EXL3_CONFIG_FILE, Checkpoint
 from evalsuite.formats import one_torch_thread
 from evalsuite.formats.exl3 import (
     Exl3,

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from evalsuite.backends.skeleton import MarkedModules
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.formats.gptq import GptqFormat, decode, layout_problems
 
 

@@ -26,7 +26,6 @@ from evalsuite.backends.options import (
 from evalsuite.backends.packed_zero_points import zero_points_packed_on_meta
 from evalsuite.backends.skeleton import set_generation_config
 from evalsuite.backends.token_chunks import mlp_in_chunks
-from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import (
     DependencyError,
     InputError,
@@ -34,6 +33,7 @@ from evalsuite.errors import (
     is_out_of_memory,
     out_of_memory_line,
 )
+from evalsuite.files.checkpoint import Checkpoint
 
 DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}
 

@@ -48,8 +48,8 @@ from evalsuite.backends.skeleton import (
     tensor_slots,
     tie_weights,
 )
-from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.formats.compressed_tensors import SchemeLookup
 from evalsuite.formats.gptq import METHODS as GPTQ_METHODS
 

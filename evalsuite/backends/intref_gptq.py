@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from evalsuite.backends.intref_plan import QuantizedModule
-from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.formats.gptq import PARAMS, GptqFormat, codes, zero_points
 
 

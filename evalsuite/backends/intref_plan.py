@@ -24,10 +24,10 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from evalsuite.backends._intlinear import MAX_IN_FEATURES, ActivationQuant
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.contract.spec import StrictModel
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.formats.compressed_tensors import SchemeLookup
-from evalsuite.spec import StrictModel
 
 # Tensors of a quantized module in a compressed-tensors file; anything else under such a module is refused.
 _INT_SUFFIXES = (

@@ -5,7 +5,7 @@ The reference run again with every decoder layer's output multiplied by (1 + ÎµÂ
 scale exllamav3's `eval/qbench/measure.py` names `BF16_ROUNDING_EPS`), is a model that differs from the
 reference by rounding-sized perturbations alone: its KL divergence from the reference is the scale a
 candidate's divergence is read against (how small a difference a test on this text resolves is another
-figure, the minimum detectable effect of `evalsuite.claims`). The draws are seeded by the window's own
+figure, the minimum detectable effect of `evalsuite.stats.claims`). The draws are seeded by the window's own
 tokens and the layer's index, so a window gets the same noise whenever and in whichever order it is
 forwarded (a resumed observation included).
 """

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from evalsuite.backends.token_chunks import mlp_in_chunks
-from evalsuite.observation import Observation
+from evalsuite.contract.observation import Observation
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend, WindowCall

@@ -48,7 +48,7 @@ from evalsuite.machine import usable_cores
 
 if TYPE_CHECKING:
     from evalsuite.backends.options import BackendOptions
-    from evalsuite.checkpoint import Checkpoint
+    from evalsuite.files.checkpoint import Checkpoint
 
 BACKEND = "llamacpp"
 # The GGUF tensors a head can be: llama.cpp's converter writes `output.weight` unless the model ties it.

@@ -27,8 +27,8 @@ import re
 from collections.abc import Callable
 
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import FLOAT_DTYPES, Checkpoint
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import FLOAT_DTYPES, Checkpoint
 
 # Activations, the vocabulary-sized logits of a window and the allocator's slack need the rest.
 FIT_FRACTION = 0.9

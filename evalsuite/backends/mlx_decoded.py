@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from evalsuite.backends.skeleton import MarkedModules
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.formats.mlx import MlxFormat, decode, layout_problems
 
 # The scales' stored dtype → the dtype MLX computes the decoded values in.

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint, TensorInfo
 
 
 def fused_experts(module: nn.Module) -> bool:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint
 
 REST = None  # the unit of the text path outside the decoder layers
 VISION = "vision"  # the unit of what the text path never runs

@@ -67,8 +67,8 @@ from evalsuite.backends.hf import (
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed_layers import TransformersLayers, decoder_layers, layer_loader
 from evalsuite.backends.token_chunks import mlp_in_chunks
-from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint
 
 # Names of streamed_layers that callers have always imported (or patched) here.
 __all__ = [

@@ -36,8 +36,8 @@ from evalsuite.backends.stream_units import (
     unit_of,
     vision_modules,
 )
-from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint
 
 
 def decoder_layers(model: nn.Module, checkpoint: Checkpoint) -> tuple[nn.ModuleList, str]:

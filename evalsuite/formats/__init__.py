@@ -23,8 +23,8 @@ from typing import Any, BinaryIO, Literal, Protocol
 
 import numpy as np
 
-from evalsuite.checkpoint import TensorInfo
-from evalsuite.file_identity import check_unchanged
+from evalsuite.files.checkpoint import TensorInfo
+from evalsuite.files.identity import check_unchanged
 
 ModuleKind = Literal["linear", "embedding", "router", "state", "norm", "other"]
 Part = Literal["text", "head", "vision", "mtp"]

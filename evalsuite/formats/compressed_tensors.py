@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint, TensorInfo
 from evalsuite.formats import ModuleKind, ShardReader, as_float32, rows_and_cols, split_at_last_dot
 
 # Every tensor compressed-tensors may store for a quantized module (int-quantized keeps the name `weight`).

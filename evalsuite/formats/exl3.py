@@ -26,7 +26,7 @@ import json
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from evalsuite.checkpoint import EXL3_CONFIG_FILE, Checkpoint, TensorInfo
+from evalsuite.files.checkpoint import EXL3_CONFIG_FILE, Checkpoint, TensorInfo
 from evalsuite.formats import split_at_last_dot
 from evalsuite.formats.exl3_decode import (
     BLOCK_ELEMENTS,

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.formats import FP8_E4M3_VALUES, split_at_last_dot
 
 METHOD = "fp8"

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from evalsuite.errors import DependencyError, InputError
-from evalsuite.file_identity import FileIdentity
+from evalsuite.files.identity import FileIdentity
 
 # What a quantized module `X` stores in the candidate's view of a GGUF file: `X.ggml`, holding the GGUF
 # tensor's bytes with its ggml type as dtype (`gguf_view` in the tensors task pairs names with the source's).

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from evalsuite.checkpoint import Checkpoint, TensorInfo
+from evalsuite.files.checkpoint import Checkpoint, TensorInfo
 from evalsuite.formats import split_at_last_dot
 
 METHODS = ("gptq", "awq")

@@ -17,8 +17,8 @@ import threading
 
 import numpy as np
 
-from evalsuite.checkpoint import Checkpoint, TensorInfo, mlx_quantization
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint, TensorInfo, mlx_quantization
 from evalsuite.formats import split_at_last_dot
 
 METHOD = "mlx"

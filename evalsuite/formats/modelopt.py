@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint, TensorInfo
+from evalsuite.files.safetensors_headers import read_json
 from evalsuite.formats import FP8_E4M3_VALUES, split_at_last_dot
-from evalsuite.safetensors_files import read_json
 
 METHOD = "modelopt"
 PARAMS = frozenset({"weight", "weight_scale", "weight_scale_2", "input_scale"})

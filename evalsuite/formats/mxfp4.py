@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 
 METHOD = "mxfp4"
 PARAMS = frozenset({"blocks", "scales"})

@@ -23,14 +23,14 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from evalsuite import tensor_errors
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, observe_alone
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import StrictModel
 from evalsuite.errors import InputError
-from evalsuite.observation import Observation
+from evalsuite.files.run_folder import atomic_target
 from evalsuite.observers.window_logits import WindowObserver, WindowProtocol, window_tensor
-from evalsuite.run_folder import atomic_target
-from evalsuite.spec import StrictModel
-from evalsuite.task import Inputs, Progress
+from evalsuite.protocol.task import Inputs, Progress
+from evalsuite.stats import tensor_errors
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend, WindowCall

@@ -1,11 +1,11 @@
 """Chats' logits at their assistant tokens, reduced as the head makes them: `ppl` on chats.
 
-A chat (`evalsuite.chats.ChatTokens`) is a sequence of its own length with scored positions of its own (those
-predicting an assistant token). Each is forwarded alone, never padded (padding changes the arithmetic), with
-the head applied to its scored positions only and a chunk of them at a time (`ChunkedHead`; a backend
-without it returns the logits of the scored positions, one chat's worth), or, on a streamed side, in the
-shared pass over its layers (`pass_sequences`, `visitor`). Each chunk is reduced at once, as on long windows
-(`evalsuite.observers.compact_window_logits`):
+A chat (`evalsuite.inputs.chat_files.ChatTokens`) is a sequence of its own length with scored positions of its
+own (those predicting an assistant token). Each is forwarded alone, never padded (padding changes the
+arithmetic), with the head applied to its scored positions only and a chunk of them at a time (`ChunkedHead`;
+a backend without it returns the logits of the scored positions, one chat's worth), or, on a streamed side, in
+the shared pass over its layers (`pass_sequences`, `visitor`). Each chunk is reduced at once, as on long
+windows (`evalsuite.observers.compact_window_logits`):
 - the reference keeps its compact form (`compact_reduction`: top-k, the tail's mass, seeded samples of the
   tail), its NLL, top token and ranked tokens: its observation is its own recording;
 - the candidate, observed after it, keeps its log-probs at the ids the reference kept
@@ -29,8 +29,8 @@ import torch
 
 from evalsuite.backends.c_heap import map_large_allocations
 from evalsuite.backends.layer_pass import PassSequence, QuietVisitor, observe_alone
+from evalsuite.contract.observation import Observation
 from evalsuite.errors import InputError
-from evalsuite.observation import Observation
 from evalsuite.observers.compact_window_logits import (
     REFERENCE_LABEL,
     at_reference_reduction,
@@ -42,13 +42,13 @@ from evalsuite.observers.compact_window_logits import (
     with_targets,
 )
 from evalsuite.observers.window_logits import RecordOptions, check_logits_shape
-from evalsuite.task import Inputs, Progress
+from evalsuite.protocol.task import Inputs, Progress
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
     from evalsuite.backends.layer_pass import LayerVisitor
     from evalsuite.backends.streamed import StreamedBackend, WindowCall
-    from evalsuite.chats import ChatTokens
+    from evalsuite.inputs.chat_files import ChatTokens
 
 # The inputs' key of the chats, tokenised (`ChatTokens`, in order), and of their tags.
 CHATS = "chats"

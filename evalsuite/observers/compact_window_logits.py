@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from evalsuite.backends.c_heap import map_large_allocations
+from evalsuite.contract.observation import Observation
 from evalsuite.errors import InputError
-from evalsuite.observation import Observation
+from evalsuite.files.run_folder import atomic_target
 from evalsuite.observers.kld_detail import TOP_K_AGREEMENT, TokenDetail, kld_at_reference, top_hits_recorded
 from evalsuite.observers.window_logits import (
     COMPACT_ARRAYS,
@@ -43,8 +44,7 @@ from evalsuite.observers.window_logits import (
     window_logits_meta,
     window_tensor,
 )
-from evalsuite.run_folder import atomic_target
-from evalsuite.task import Inputs, Need, Progress
+from evalsuite.protocol.task import Inputs, Need, Progress
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend, ChunkedHead

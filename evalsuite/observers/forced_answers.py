@@ -30,8 +30,8 @@ import torch
 
 from evalsuite.backends.c_heap import release_freed_memory
 from evalsuite.backends.layer_pass import PassSequence, QuietVisitor, observe_alone
+from evalsuite.contract.observation import Observation
 from evalsuite.errors import InputError
-from evalsuite.observation import Observation
 from evalsuite.observers.compact_window_logits import joined_window_parts, save_window_part, window_part
 from evalsuite.observers.greedy_answers import (
     ANSWERS_LABEL,
@@ -40,8 +40,8 @@ from evalsuite.observers.greedy_answers import (
 )
 from evalsuite.observers.kld_detail import TOP_K_AGREEMENT, top_hits_recorded
 from evalsuite.observers.window_logits import RecordOptions, compact_rows, log_softmax64
-from evalsuite.task import Inputs, Progress
-from evalsuite.token_ranks import ranked_top
+from evalsuite.protocol.task import Inputs, Progress
+from evalsuite.stats.token_ranks import ranked_top
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend

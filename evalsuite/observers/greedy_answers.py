@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from evalsuite.observation import Observation
-from evalsuite.run_folder import atomic_target, write_atomic
-from evalsuite.task import Inputs, Progress
+from evalsuite.contract.observation import Observation
+from evalsuite.files.run_folder import atomic_target, write_atomic
+from evalsuite.protocol.task import Inputs, Progress
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend

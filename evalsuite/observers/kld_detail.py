@@ -17,14 +17,14 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import torch
 
-from evalsuite import claims, logit_rows, metrics, token_ranks
+from evalsuite.contract.observation import Observation
 from evalsuite.errors import InputError
+from evalsuite.files.run_folder import write_atomic
 from evalsuite.machine import largest_cache_bytes, usable_cores
-from evalsuite.observation import Observation
 from evalsuite.observers.logits_file import Header, read_header, read_rows
 from evalsuite.observers.window_logits import check_same_shape, kld_per_token, numpy_rows, window_paths
-from evalsuite.run_folder import write_atomic
-from evalsuite.task import SharedWork
+from evalsuite.protocol.task import SharedWork
+from evalsuite.stats import claims, logit_rows, metrics, token_ranks
 
 TOP_K_AGREEMENT = 5  # top-K agreement is reported for K = 1 .. 5
 TOKENS_ARTIFACT = "ppl_tokens.npz"

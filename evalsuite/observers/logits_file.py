@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from evalsuite.errors import InputError
+from evalsuite.files.run_folder import atomic_target
 from evalsuite.machine import usable_cores
-from evalsuite.run_folder import atomic_target
 
 # Logits are stored as the model produced them: bf16 logits as their raw 16 bits (numpy has no bfloat16).
 STORED_DTYPES = {torch.bfloat16: "<u2", torch.float16: "<f2", torch.float32: "<f4"}

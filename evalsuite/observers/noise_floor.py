@@ -12,11 +12,11 @@ from pydantic import Field
 
 from evalsuite.backends.layer_noise import BF16_ROUNDING, noisy_scored_states, noisy_window_logits, perturbed
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor
-from evalsuite.observation import Observation
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import StrictModel
 from evalsuite.observers.compact_window_logits import CANDIDATE_NAME, LogitsAtReference
 from evalsuite.observers.window_logits import WindowLogits, WindowLogitsVisitor
-from evalsuite.spec import StrictModel
-from evalsuite.task import Inputs, Progress
+from evalsuite.protocol.task import Inputs, Progress
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend, ChunkedHead
@@ -35,7 +35,7 @@ class NoiseFloorOptions(StrictModel):
     and the spread of their means is reported beside the floor. A candidate is `within` the floor when its
     mean KLD is shown to be at most (1 + `margin`) × the floor's: the one-sided upper 95% bound of the mean
     of kld − (1 + `margin`) · floor, per token, paired by token and window-clustered, is at most 0
-    (`evalsuite.claims.FloorComparison`); `above` when the lower bound exceeds 0, else
+    (`evalsuite.stats.claims.FloorComparison`); `above` when the lower bound exceeds 0, else
     `undetermined`."""
 
     enabled: bool = False

@@ -32,9 +32,8 @@ import numpy as np
 import torch
 
 from evalsuite.backends.c_heap import release_freed_memory
+from evalsuite.contract.observation import Observation
 from evalsuite.errors import InputError
-from evalsuite.logit_rows import target_nll
-from evalsuite.observation import Observation
 from evalsuite.observers.compact_window_logits import (
     REFERENCE_LABEL,
     joined_window_parts,
@@ -58,7 +57,8 @@ from evalsuite.observers.window_logits import (
     window_paths,
     window_tensor,
 )
-from evalsuite.task import Inputs
+from evalsuite.protocol.task import Inputs
+from evalsuite.stats.logit_rows import target_nll
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend

@@ -18,22 +18,22 @@ import numpy as np
 import torch
 from pydantic import model_validator
 
-from evalsuite import logit_rows, metrics
 from evalsuite.backends.c_heap import release_freed_memory
 from evalsuite.backends.layer_pass import LayerVisitor, QuietVisitor
-from evalsuite.digest import DigestCache
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import StrictModel
 from evalsuite.errors import InputError
-from evalsuite.observation import Observation
+from evalsuite.files.digest import DigestCache
+from evalsuite.files.run_cache import RunCache
 from evalsuite.observers.logits_file import LogitsWriter, core_left_for_writing, read_rows, window_file
-from evalsuite.run_cache import RunCache
-from evalsuite.spec import StrictModel
-from evalsuite.task import Inputs, Progress, SharedWork
+from evalsuite.protocol.task import Inputs, Progress, SharedWork
+from evalsuite.stats import logit_rows, metrics
 
 if TYPE_CHECKING:
     from evalsuite.backends import Backend
     from evalsuite.backends.streamed import StreamedBackend, WindowCall
-    from evalsuite.corpus import Corpus
-    from evalsuite.side import Side
+    from evalsuite.inputs.corpus import Corpus
+    from evalsuite.protocol.side import Side
 
 OBSERVER_NAME = "window-logits"
 # The estimator of a KLD computed over every vocabulary entry of two live observations.

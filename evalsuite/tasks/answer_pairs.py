@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from evalsuite import metrics
-from evalsuite.observation import Observation
+from evalsuite.contract.observation import Observation
 from evalsuite.observers.greedy_answers import ALONE, IN_BATCHES, AnswerSet, Configuration, answer_set
+from evalsuite.stats import metrics
 
 DIVERGENCE_MARK = "⟦"  # where the two answers part, inside each answer in report.md
 NEAR_TIE, INSIDE_TOP, OUTSIDE_TOP = (

@@ -34,9 +34,9 @@ import torch
 from pydantic import Field, field_validator
 from torch import nn
 
-from evalsuite import metrics, plots
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import StrictModel, TaskSpec
 from evalsuite.errors import InputError
-from evalsuite.observation import Observation
 from evalsuite.observers.boundary_states import BoundaryStates, check_same_model, read_boundary
 from evalsuite.observers.window_logits import (
     WindowProtocol,
@@ -44,9 +44,10 @@ from evalsuite.observers.window_logits import (
     prepare_windows,
     window_tensor,
 )
-from evalsuite.side import Side
-from evalsuite.spec import StrictModel, TaskSpec
-from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.plotting import plots
+from evalsuite.protocol.side import Side
+from evalsuite.protocol.task import Inputs, Need, Progress, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.stats import metrics
 from evalsuite.tasks.ppl import CompareOptions
 
 if TYPE_CHECKING:

@@ -1,6 +1,7 @@
 """The calibration set against a task's evaluated texts: the `[calibration]` spec section, the overlap of
 each window (or chat, smoke prompt, vision question) with the set given by `--calibration FILE` or named by
-the candidate's metadata, and what a task reports of it. How the overlap is found is `evalsuite.calibration`.
+the candidate's metadata, and what a task reports of it. How the overlap is found is
+`evalsuite.inputs.calibration_set`.
 
 A task that scores texts calls `calibration_overlap` (token ids it has made) or `text_overlap` (texts, each
 tokenised alone as the calibration set's are) in its `prepare` (files only: the tokenizer and the calibration
@@ -19,12 +20,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import Field
 
-from evalsuite.calibration import NGRAM, CalibrationSet, calibration_set, named_calibration_data, token_ids
-from evalsuite.spec import Check, StrictModel
-from evalsuite.task import RunContext
+from evalsuite.contract.spec import Check, StrictModel
+from evalsuite.inputs.calibration_set import (
+    NGRAM,
+    CalibrationSet,
+    calibration_set,
+    named_calibration_data,
+    token_ids,
+)
+from evalsuite.protocol.task import RunContext
 
 if TYPE_CHECKING:
-    from evalsuite.side import Side
+    from evalsuite.protocol.side import Side
 
 
 class CalibrationOptions(StrictModel):

@@ -2,8 +2,8 @@
 where the sides' templates or tokens differ), and the figures split by tag and by assistant turn, each split
 judged where it holds enough chats (`[chats] min_split_chats`) and otherwise reported as too small to judge.
 
-How a chat is rendered and its assistant tokens found is `evalsuite.chats`; how each side is observed on
-them, `evalsuite.observers.chat_logits`.
+How a chat is rendered and its assistant tokens found is `evalsuite.inputs.chat_files`; how each side is
+observed on them, `evalsuite.observers.chat_logits`.
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from evalsuite import claims
-from evalsuite.calibration import token_ids
-from evalsuite.chats import UNTAGGED, chat_template, chat_tokens, chats_sha256, read_chats
+from evalsuite.contract.spec import Check, StrictModel, TaskSpec, default_spec_path
 from evalsuite.errors import InputError
+from evalsuite.inputs.calibration_set import token_ids
+from evalsuite.inputs.chat_files import UNTAGGED, chat_template, chat_tokens, chats_sha256, read_chats
 from evalsuite.observers.chat_logits import ChatLogits, ChatLogitsAtReference, chat_inputs
 from evalsuite.observers.compact_window_logits import REFERENCE_LABEL
 from evalsuite.observers.window_logits import RecordOptions
-from evalsuite.spec import Check, StrictModel, TaskSpec, default_spec_path
-from evalsuite.task import Inputs, Need, RunContext
+from evalsuite.protocol.task import Inputs, Need, RunContext
+from evalsuite.stats import claims
 from evalsuite.tasks.long_context import context_length
 from evalsuite.tasks.ppl_subsets import subset_checks, subset_metrics, with_claims
 
 if TYPE_CHECKING:
-    from evalsuite.side import Side
+    from evalsuite.protocol.side import Side
 
 # `[chats] file`'s name for the chat set shipped beside tasks/ppl-chat.toml.
 SHIPPED = "shipped"

@@ -19,11 +19,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from evalsuite import claims, metrics, plots
 from evalsuite.backends.intref_plan import ActivationConvention, integer_modules_or_reason
 from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import TaskSpec
 from evalsuite.errors import InputError
-from evalsuite.observation import Observation
 from evalsuite.observers.kld_detail import Precision, token_detail
 from evalsuite.observers.noise_floor import NoiseFloorOptions, NoisyWindowLogits
 from evalsuite.observers.window_logits import (
@@ -36,9 +36,9 @@ from evalsuite.observers.window_logits import (
     prepare_windows,
     same_inputs,
 )
-from evalsuite.side import Side
-from evalsuite.spec import TaskSpec
-from evalsuite.task import (
+from evalsuite.plotting import plots
+from evalsuite.protocol.side import Side
+from evalsuite.protocol.task import (
     Difference,
     Inputs,
     Need,
@@ -48,6 +48,7 @@ from evalsuite.task import (
     clustered_difference,
     task,
 )
+from evalsuite.stats import claims, metrics
 from evalsuite.tasks.ppl import CompareOptions
 
 

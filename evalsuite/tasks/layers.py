@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from evalsuite import plots
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, ReferenceInput, observe_alone
-from evalsuite.observation import Observation
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import TaskSpec
 from evalsuite.observers.boundary_states import (
     BoundaryStates,
     FedOptions,
@@ -40,9 +40,9 @@ from evalsuite.observers.boundary_states import (
     summed_errors,
 )
 from evalsuite.observers.window_logits import WindowProtocol, prepare_windows, window_tensor
-from evalsuite.side import Side
-from evalsuite.spec import TaskSpec
-from evalsuite.task import Inputs, Need, Progress, RunContext, TaskResult, task
+from evalsuite.plotting import plots
+from evalsuite.protocol.side import Side
+from evalsuite.protocol.task import Inputs, Need, Progress, RunContext, TaskResult, task
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend, WindowCall

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import Field
 
-from evalsuite import metrics
+from evalsuite.contract.spec import StrictModel
 from evalsuite.errors import InputError
 from evalsuite.observers.window_logits import WindowProtocol
-from evalsuite.spec import StrictModel
-from evalsuite.task import Inputs
+from evalsuite.protocol.task import Inputs
+from evalsuite.stats import metrics
 from evalsuite.tasks.ppl_subsets import subset_metrics
 
 if TYPE_CHECKING:
-    from evalsuite.side import Side
+    from evalsuite.protocol.side import Side
 
 
 class LongContext(StrictModel):

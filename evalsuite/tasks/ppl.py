@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from evalsuite import claims, metrics, plots
-from evalsuite.observation import Observation
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import Check, StrictModel, TaskSpec
 from evalsuite.observers.chat_logits import CHAT_TAGS, is_chat_observation
 from evalsuite.observers.compact_window_logits import (
     REFERENCE_LABEL,
@@ -39,9 +39,18 @@ from evalsuite.observers.window_logits import (
     prepare_windows,
     same_inputs,
 )
-from evalsuite.side import Side
-from evalsuite.spec import Check, StrictModel, TaskSpec
-from evalsuite.task import Difference, Inputs, Need, RunContext, TaskResult, clustered_difference, task
+from evalsuite.plotting import plots
+from evalsuite.protocol.side import Side
+from evalsuite.protocol.task import (
+    Difference,
+    Inputs,
+    Need,
+    RunContext,
+    TaskResult,
+    clustered_difference,
+    task,
+)
+from evalsuite.stats import claims, metrics
 from evalsuite.tasks.calibration_overlap import (
     CalibrationOptions,
     Overlap,
@@ -72,8 +81,8 @@ from evalsuite.tasks.ppl_subsets import subset_checks, subset_metrics, with_clai
 class CompareOptions(StrictModel):
     kld_chunk_rows: int = 16
     # float32: every per-token statistic from one pass over each row in float32 with float64 sums
-    # (`evalsuite.logit_rows`; kld_mean within 1e-4 relative of the float64 definition, a test holds it);
-    # float64: the definition's own arithmetic, slower.
+    # (`evalsuite.stats.logit_rows`; kld_mean within 1e-4 relative of the float64 definition, a test holds
+    # it); float64: the definition's own arithmetic, slower.
     precision: Precision = "float32"
 
 
@@ -472,12 +481,13 @@ def scored_values(
 
 
 def _claimed(name: str) -> bool:
-    """Whether a metric is a claim (`evalsuite.claims`) that needs enough windows: a bound, an MDE."""
+    """Whether a metric is a claim (`evalsuite.stats.claims`) that needs enough windows: a bound, an MDE."""
     return name.endswith(("_upper95", "_lower95", "_mde"))
 
 
 def claim_metrics(values: dict[str, Any], n_windows: int) -> dict[str, float]:
-    """What the main figures let a report claim (`evalsuite.claims`): one-sided 95% bounds of `kld_mean`,
+    """What the main figures let a report claim (`evalsuite.stats.claims`): one-sided 95% bounds of
+    `kld_mean`,
     `same_top_p` and `ppl_ratio` (from ln_ppl_ratio's), the smallest mean KLD from the reference a test of
     `kld_mean` alone detects with 80% power (`kld_vs_ref_mde`: one candidate's error, not a pair's), and
     the smallest `ln_ppl_ratio` these windows detect. NaN, with fewer than 3 windows."""

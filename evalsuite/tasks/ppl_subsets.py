@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from evalsuite import claims, metrics
-from evalsuite.spec import Check, TaskSpec, apply_threshold
+from evalsuite.contract.spec import Check, TaskSpec, apply_threshold
+from evalsuite.stats import claims, metrics
 
 
 def subset_metrics(

@@ -31,9 +31,9 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import field_validator, model_validator
 
-from evalsuite import metrics
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import Check, StrictModel, TaskSpec
 from evalsuite.errors import InputError
-from evalsuite.observation import Observation
 from evalsuite.observers.forced_answers import (
     FORCED_LABEL,
     FORCED_REFERENCE_LABEL,
@@ -43,9 +43,9 @@ from evalsuite.observers.forced_answers import (
 from evalsuite.observers.greedy_answers import ANSWERS_LABEL, PROMPTS, GreedyAnswers
 from evalsuite.observers.kld_detail import kld_at_reference
 from evalsuite.observers.window_logits import RecordOptions
-from evalsuite.side import Side
-from evalsuite.spec import Check, StrictModel, TaskSpec
-from evalsuite.task import Inputs, Need, RunContext, TaskResult, skip_if_cannot_generate, task
+from evalsuite.protocol.side import Side
+from evalsuite.protocol.task import Inputs, Need, RunContext, TaskResult, skip_if_cannot_generate, task
+from evalsuite.stats import metrics
 from evalsuite.tasks.answer_pairs import (
     PairedAnswers,
     batch_sensitive,

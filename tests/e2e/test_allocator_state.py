@@ -98,7 +98,7 @@ elif mode == "tuned":  # a program that chose evalsuite's thresholds, as the com
     evalsuite.run(ckpt, ref, tasks=["ppl"], specs={"ppl": Path(long_spec)}, out=Path(out) / "long",
                   corpus="python-docs", plots=False)
 else:
-    from evalsuite.cli import main
+    from evalsuite.cli.app import main
     try:
         main(["run", "--ckpt", ckpt, "--ref", ref, "--tasks", "ppl", "--spec", f"ppl={long_spec}",
               "--out", str(Path(out) / "long"), *common])

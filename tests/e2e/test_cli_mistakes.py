@@ -1,6 +1,6 @@
 """A newcomer's mistakes: each one line on stderr and exit 2, before any model loads.
 
-These run the CLI's entry point in-process (`evalsuite.cli.main` with the argv a user types), with the
+These run the CLI's entry point in-process (`evalsuite.cli.app.main` with the argv a user types), with the
 model backend wrapped to count loads, so that "before any model" is measured, not assumed.
 """
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from evalsuite import metrics
 from evalsuite.backends import load_backend
 from evalsuite.backends.options import BackendOptions
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import default_spec_path, load_spec
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
-from evalsuite.observation import Observation
-from evalsuite.side import open_side
-from evalsuite.spec import default_spec_path, load_spec
+from evalsuite.protocol.side import open_side
+from evalsuite.stats import metrics
 from evalsuite.tasks.answer_pairs import DIVERGENCE_MARK
 from evalsuite.tasks.smoke import SmokeSpec, prompt_ids
 from evalsuite.tasks.vision._reading import as_reading

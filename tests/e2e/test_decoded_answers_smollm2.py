@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from evalsuite.fixtures.names import SMOLLM2_BF16, SMOLLM2_W4A8
-from evalsuite.model_card import format_number
+from evalsuite.reporting.model_card import format_number
 from tests.conftest import run_cli
 from tests.e2e.test_decoded_answers import SHIPPED, answers_as_decoded
 

@@ -1,4 +1,4 @@
-"""The float32 KLD detail (`evalsuite.logit_rows`) against the float64 definition on the fixture pairs'
+"""The float32 KLD detail (`evalsuite.stats.logit_rows`) against the float64 definition on the fixture pairs'
 real logits: `kld_mean` within 1e-4 relative (or 1e-9 absolute, whichever is larger), and every ranked id and
 same-top event exactly the definition's."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evalsuite.observation import Observation
+from evalsuite.contract.observation import Observation
 from evalsuite.observers.kld_detail import token_detail
 
 

@@ -70,7 +70,7 @@ def test_an_exception_not_evalsuites_own_exits_3_with_one_line_and_the_traceback
 
 
 def test_a_report_that_fails_to_render_leaves_no_results_json_behind(tiny_pair, tmp_path, monkeypatch):
-    from evalsuite import run_report as report
+    from evalsuite.reporting import diff_report as report
 
     def unrenderable(results):
         raise ValueError("a metric the table cannot show")
@@ -115,7 +115,7 @@ def failing(self, windows, positions):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         yield logits
 HFBackend.window_logits = failing
-from evalsuite.cli import main
+from evalsuite.cli.app import main
 main(sys.argv[1:])
 """
 

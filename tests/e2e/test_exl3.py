@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.cli import main
+from evalsuite.cli.app import main
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import MANIFEST_NAME, TINY_EXL3_POLICY, Exl3Policy, read_manifest, write_exl3_copy
 from evalsuite.formats.exl3_decode import decode_weight, padded
 from tests.conftest import (

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import MANIFEST_NAME, read_manifest
 from evalsuite.formats.exl3 import block_tile_errors, decoded_blocks
 from tests.conftest import cli_in_process, copy_checkpoint, edit_tensors

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from tests.conftest import copy_checkpoint, edit_tensors
 from tests.e2e.test_llmcompressor_packs import run_task
 from tests.e2e.test_tensors import failed_checks, named, run_tensors

@@ -256,7 +256,7 @@ def test_the_memory_plan_of_a_gguf_file_is_its_source_s_dequantized(tiny_llama, 
     the GGUF header) at the dtype's bytes, as it counts the BF16 source's (0 bytes once: no safetensors)."""
     from evalsuite.backends.memory import loaded_bytes
     from evalsuite.backends.options import BackendOptions
-    from evalsuite.checkpoint import Checkpoint
+    from evalsuite.files.checkpoint import Checkpoint
 
     source = loaded_bytes(Checkpoint.open(tiny_llama), BackendOptions())
     for name, folder in tiny_ggufs.items():

@@ -15,7 +15,7 @@ from safetensors.torch import load_file as load_torch_file
 
 from evalsuite.backends.memory import loaded_bytes
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures.autoround_packs import AUTOROUND_PACKS
 from evalsuite.fixtures.llmcompressor_packs import DEQUANTIZED_SUFFIX
 from evalsuite.formats.gptq import GptqFormat, decode

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, Grani
 from evalsuite.backends.hf import HFBackend
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed import StreamedBackend
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 
 SHAPE = dict(
     vocab_size=320,

@@ -13,9 +13,9 @@ from safetensors import safe_open
 from evalsuite.backends.intref import IntrefBackend
 from evalsuite.backends.intref_plan import unsupported_reason
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.corpus import python_docs_text
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.inputs.corpus import python_docs_text
 from tests.conftest import (
     cli_in_process,
     cli_run_in_process,
@@ -235,7 +235,7 @@ def test_intref_checks_fail_on_a_candidate_built_to_fail_them(tiny_pair, tiny_ru
 def test_a_noise_floor_scale_that_is_no_rounding_is_refused_naming_the_file(
     tiny_pair, tmp_path, task, table, value
 ):
-    from evalsuite.spec import default_spec_path
+    from evalsuite.contract.spec import default_spec_path
 
     text = default_spec_path(task).read_text()
     if f"[{table}]" in text:

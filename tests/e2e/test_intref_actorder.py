@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from evalsuite.backends.intref import IntrefBackend
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures.llmcompressor_packs import DEQUANTIZED_SUFFIX
 from evalsuite.formats.compressed_tensors import StoredQuantization, library_decode_scattered
 from tests.conftest import copy_checkpoint, edit_tensors, run_cli

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from evalsuite import metrics
+from evalsuite.stats import metrics
 from evalsuite.tasks.lmeval import shipped_task_folder
 from tests.conftest import FIXTURES, run_cli
 

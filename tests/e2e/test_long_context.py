@@ -22,7 +22,7 @@ from evalsuite.backends import token_chunks
 from evalsuite.backends.hf import HFBackend
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed import StreamedBackend
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
 from evalsuite.observers.compact_window_logits import (
     CompactWindowLogits,
@@ -30,7 +30,7 @@ from evalsuite.observers.compact_window_logits import (
     detail_at_reference,
 )
 from evalsuite.observers.window_logits import RecordOptions, WindowProtocol, tokens_sha256
-from evalsuite.task import no_progress
+from evalsuite.protocol.task import no_progress
 from tests.conftest import assert_refused, cli_in_process
 
 WINDOW = 1024

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.names import TINY_LLAMA_MLX
 from tests.conftest import (

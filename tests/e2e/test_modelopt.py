@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from evalsuite.backends.decoded import weight_decoding
 from evalsuite.backends.memory import loaded_bytes
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures.llmcompressor_packs import DEQUANTIZED_SUFFIX
 from evalsuite.fixtures.modelopt_packs import MODELOPT_PACKS, MODELOPT_VERSION
 from tests.conftest import assert_ppl_refused_before_any_load, copy_checkpoint, edit_tensors, run_tasks

@@ -261,7 +261,7 @@ def test_a_baseline_made_under_another_fed_setting_is_not_compared_on_the_moe_me
     """A baseline measured with `[fed] windows = 8`, a run with the shipped 2: every moe tolerance is listed
     as not comparable (with the windows each measured on), never compared; ppl's are compared. A baseline of
     the run's own identity is compared on every one."""
-    from evalsuite.model_card import render_model_card
+    from evalsuite.reporting.model_card import render_model_card
 
     spec = tmp_path / "fed8.toml"
     spec.write_text(SPEC_FILE.read_text(encoding="utf-8").replace("windows = 2 ", "windows = 8 "))

@@ -12,7 +12,7 @@ import pytest
 
 from evalsuite.backends.memory import loaded_bytes
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import build_fixtures
 from evalsuite.fixtures.names import TINY_GPT_OSS_BF16, TINY_GPT_OSS_MXFP4
 from tests.conftest import FIXTURES, ppl_metrics, tensor_edited_copy

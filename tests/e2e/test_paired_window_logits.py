@@ -13,14 +13,14 @@ import torch
 
 from evalsuite.backends.hf import HFBackend
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.contract.observation import Observation
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
-from evalsuite.observation import Observation
 from evalsuite.observers.kld_detail import PAIR_ARRAYS, token_detail
 from evalsuite.observers.paired_window_logits import PairedWindowLogits, is_paired, paired_detail
 from evalsuite.observers.window_logits import RecordOptions, WindowLogits, WindowProtocol, tokens_sha256
-from evalsuite.task import no_progress
+from evalsuite.protocol.task import no_progress
 
 PROTOCOL = WindowProtocol(
     window=64, starts={"first": 0, "step": 64, "count": 4}, scored={"first": 16, "last": 62}

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from evalsuite.corpus import load_corpus
-from evalsuite.model_card import render_model_card
+from evalsuite.inputs.corpus import load_corpus
 from evalsuite.observers.window_logits import WindowProtocol
+from evalsuite.reporting.model_card import render_model_card
 from tests.conftest import (
     SMOLLM2_BF16,
     SMOLLM2_W4A8,

@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from evalsuite.corpus import python_docs_text
+from evalsuite.inputs.corpus import python_docs_text
 from tests.conftest import cli_run_in_process, copy_checkpoint, rerun, run_cli, tiny_spec_args
 
 EXACT = ("ppl_ref", "ppl_ckpt", "same_top_p", "delta_p_mean")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from evalsuite.corpus import python_docs_text
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
+from evalsuite.inputs.corpus import python_docs_text
 from tests.conftest import TINY_TASKS, cli_run_in_process, rerun, tiny_spec_args
 
 CONTRACT = (

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from evalsuite.spec import default_spec_path, load_spec
+from evalsuite.contract.spec import default_spec_path, load_spec
 from evalsuite.tasks.answer_pairs import DIVERGENCE_MARK
 from evalsuite.tasks.smoke import SmokeSpec
 from tests.conftest import (
@@ -80,7 +80,7 @@ def test_a_calibration_set_holding_a_prompt_and_a_question_flags_them_and_judges
     whose user turn is smoke's `capital-france` prompt and one whose user turn is vision's chart question
     flag exactly that prompt and that case; smoke's clean_ figures are those of its other prompts' rows, each
     verdict is that of the checks it names, and report.md and the model card show both."""
-    from evalsuite.model_card import render_model_card
+    from evalsuite.reporting.model_card import render_model_card
     from evalsuite.tasks.vision import VisionSpec
 
     smoke_spec = load_spec(SmokeSpec, default_spec_path("smoke"))
@@ -168,7 +168,7 @@ def _line_of(text: str, occurrence: int, needle: str) -> int:
     ids=["bad-regex", "missing-field"],
 )
 def test_a_bad_prompt_spec_is_refused_with_file_and_line(tiny_pair, tmp_path, edit, line):
-    from evalsuite.spec import default_spec_path
+    from evalsuite.contract.spec import default_spec_path
 
     text = edit(default_spec_path("smoke").read_text())
     spec = tmp_path / "smoke.toml"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.digest import DigestCache
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.files.digest import DigestCache
 from evalsuite.machine import describe_machine, execution_differences
 from tests.conftest import FIXTURES, Run, rerun, run_cli
 from tests.e2e.test_run_ppl import CONTRACT

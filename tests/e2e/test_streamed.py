@@ -19,7 +19,7 @@ import torch
 from evalsuite.backends import load_backend
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed import StreamedBackend
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_BF16, TINY_EXL3, TINY_W4A8
 from tests.conftest import cli_run_in_process, copy_checkpoint, edit_tensors
 
@@ -236,8 +236,8 @@ def test_a_streamed_side_reads_its_vision_tower_at_the_first_image_only(
     it aside (where the loader can read it again), and the next image reads it again: the same features. A
     decoding of an image sets it aside once its first forward has merged the features, and answers as the
     loaded model does; so does a forward of an image's sequence (`sequences_logits`), with its logits."""
-    from evalsuite.multimodal import VisualProcessing
-    from evalsuite.spec import default_spec_path, load_spec
+    from evalsuite.backends.multimodal import VisualProcessing
+    from evalsuite.contract.spec import default_spec_path, load_spec
     from evalsuite.tasks.vision import VisionSpec, prepare_case
 
     checkpoint = Checkpoint.open({**tiny_pair, **tiny_exl3_pair}[fixture])

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.contract.spec import default_spec_path, load_spec
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import MANIFEST_NAME, read_manifest
-from evalsuite.side import Side
-from evalsuite.spec import default_spec_path, load_spec
-from evalsuite.task import RunContext, TaskSkipped
+from evalsuite.protocol.side import Side
+from evalsuite.protocol.task import RunContext, TaskSkipped
 from evalsuite.tasks.tensors import Tensors, TensorsSpec
 from tests.conftest import cli_in_process, copy_checkpoint, edit_tensors
 

@@ -15,9 +15,9 @@ import pytest
 
 from evalsuite.errors import InputError
 from evalsuite.observers.noise_floor import NoiseFloorOptions
-from evalsuite.run_report import write_reports
-from evalsuite.runner import RunRequest, run
-from evalsuite.task import RunContext
+from evalsuite.pipeline.runner import RunRequest, run
+from evalsuite.protocol.task import RunContext
+from evalsuite.reporting.diff_report import write_reports
 from tests.conftest import Models, cli_run_in_process, copy_checkpoint, edit_tensors, rerun, run_cli
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"
@@ -75,7 +75,7 @@ def test_the_intref_spec_s_divisor_is_the_one_applied(tiny_pair, ppl_intref_out,
     reference's and the hf candidate's observations are reused (their keys do not hold the divisor)."""
     _, _, first = ppl_intref_out
     out = shutil.copytree(first, tmp_path / "run")
-    from evalsuite.registry import get_task, spec_source
+    from evalsuite.pipeline.registry import get_task, spec_source
 
     spec = tmp_path / "intref-127.toml"
     spec.write_text(spec_source(get_task("intref")).read_text().replace("divisor = 127.5", "divisor = 127.0"))
@@ -173,8 +173,8 @@ def test_a_candidate_loaded_with_random_weights_is_refused_before_the_reference(
 
 PLUGIN = '''
 """A third-party task shipped with its own spec."""
-from evalsuite.spec import TaskSpec
-from evalsuite.task import TaskResult, task
+from evalsuite.contract.spec import TaskSpec
+from evalsuite.protocol.task import TaskResult, task
 
 
 class CountSpec(TaskSpec):

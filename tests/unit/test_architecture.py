@@ -207,3 +207,71 @@ def test_a_module_its_package_imports_names_its_siblings_by_their_own_modules():
             if isinstance(node, ast.ImportFrom) and not node.level and node.module == package:
                 found.append(f"{name}: from {package} import {', '.join(a.name for a in node.names)}")
     assert found == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The wings: the package's folders, each a concern (ARCHITECTURE.md's table of wings)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def wing_of(module: str) -> str:
+    """The wing a module lives in: its package just below `evalsuite` (`evalsuite.stats.metrics` →
+    `evalsuite.stats`); a module at the top of the package (`evalsuite.api`) stands for itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def wing_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph read at the level of wings: an edge from one wing to another wherever one of its
+    modules imports one of the other's."""
+    wings: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        wing = wing_of(module)
+        wings.setdefault(wing, set()).update(w for w in map(wing_of, targets) if w != wing)
+    return wings
+
+
+def wings(package: Path = PACKAGE) -> list[Path]:
+    return sorted(p for p in package.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+
+
+def test_the_wings_stand_on_each_other_one_way():
+    assert circles(wing_graph(import_graph())) == []
+
+
+def test_an_upward_import_between_wings_is_found(tmp_path):
+    """A scratch package of two wings, `high` on `low`: one upward import in `low`, lazy even, and the wings
+    import each other, though no module imports its way back to itself."""
+    package = tmp_path / "evalsuite"
+    for wing in ("low", "high"):
+        (package / wing).mkdir(parents=True)
+        (package / wing / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "low" / "base.py").write_text("X = 1\n")
+    (package / "high" / "top.py").write_text("from evalsuite.low.base import X\n")
+    assert circles(wing_graph(import_graph(package))) == []
+    (package / "low" / "helper.py").write_text("def f():\n    from evalsuite.high import top\n")
+    assert circles(import_graph(package)) == []  # no module circle: only the wings lean on each other
+    assert circles(wing_graph(import_graph(package))) == [["evalsuite.high", "evalsuite.low"]]
+
+
+def test_each_wing_sits_on_one_floor_or_adjacent_ones():
+    table = floors()
+    spread = {}
+    for wing in wings():
+        name = module_name(wing / "__init__.py")
+        found = {floor_of(m, table) for m in package_modules() if wing_of(m) == name}
+        spread[name] = sorted(f for f in found if f is not None)
+    wide = {w: f for w, f in spread.items() if f and f[-1] - f[0] > 1}
+    assert wide == {}, f"wings spanning floors that are not adjacent: {wide}"
+
+
+def test_every_wing_says_what_lives_there():
+    silent = [w.name for w in wings() if not ast.get_docstring(ast.parse((w / "__init__.py").read_text()))]
+    assert silent == []
+
+
+def test_the_top_of_the_package_holds_few_entries_besides_its_wings():
+    """The face, the API, errors, the version, the machine and their data: at most 12 entries beside the
+    wing folders, so that the package's top shows its wings, not an alphabetical list of modules."""
+    entries = [p.name for p in PACKAGE.iterdir() if p.name != "__pycache__" and p not in wings()]
+    assert len(entries) <= 12, sorted(entries)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from evalsuite.spec import default_spec_path, load_spec
+from evalsuite.contract.spec import default_spec_path, load_spec
 from evalsuite.tasks.tensors import TensorsSpec
 from evalsuite.tasks.tensors._assets import SHOWN_PER_FILE, AssetRules, asset_files, compare_assets
 

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from evalsuite.run_folder import atomic_target, write_atomic
+from evalsuite.files.run_folder import atomic_target, write_atomic
 
 
 def test_a_completed_block_replaces_the_file_with_the_umask_s_mode(tmp_path):

@@ -13,7 +13,11 @@ import numpy as np
 import pytest
 
 from evalsuite.backends.options import BackendOptions
-from evalsuite.calibration import (
+from evalsuite.contract.spec import default_spec_path, load_spec
+from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8
+from evalsuite.inputs.calibration_set import (
     CalibrationSet,
     calibration_set,
     calibration_texts,
@@ -21,12 +25,8 @@ from evalsuite.calibration import (
     ngram_hashes,
     token_ids,
 )
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.errors import InputError
-from evalsuite.fixtures import SMOLLM2_BF16, SMOLLM2_W4A8
-from evalsuite.side import Side
-from evalsuite.spec import default_spec_path, load_spec
-from evalsuite.task import RunContext
+from evalsuite.protocol.side import Side
+from evalsuite.protocol.task import RunContext
 from evalsuite.tasks.calibration_overlap import Overlap, overlap_metrics
 from evalsuite.tasks.smoke import Smoke, SmokeSpec, prompt_ids
 from tests.unit.test_vision_case_checks import answer_observation, flagging, forced_observation
@@ -316,7 +316,7 @@ def test_short_units_are_looked_for_in_memory_bounded_by_the_units_not_the_set()
 def test_ppl_on_chats_is_checked_on_the_chats_own_words_not_their_template(smollm2_sides, tmp_path):
     """A calibration text that is another chat through SmolLM2's template (its default system prompt, role
     markers) flags none of the shipped chats; one holding two shipped chats' words flags exactly those."""
-    from evalsuite.chats import read_chats
+    from evalsuite.inputs.chat_files import read_chats
     from evalsuite.tasks.chats import shipped_chats
     from evalsuite.tasks.ppl import Perplexity, PplSpec
 

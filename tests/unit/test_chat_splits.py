@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from evalsuite.spec import default_spec_path, load_spec
+from evalsuite.contract.spec import default_spec_path, load_spec
 from evalsuite.tasks.chats import split_checks, split_metrics, split_rows
 from evalsuite.tasks.ppl import PplSpec
 

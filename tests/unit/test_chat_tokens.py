@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from evalsuite.chats import Chat, chat_tokens, read_chats
 from evalsuite.errors import InputError
+from evalsuite.inputs.chat_files import Chat, chat_tokens, read_chats
 from evalsuite.tasks.chats import shipped_chats
 from tests.conftest import TINY_BF16
 

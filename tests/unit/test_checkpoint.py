@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import evalsuite.checkpoint as checkpoint_module
-from evalsuite.checkpoint import INDEX_FILE, Checkpoint
+import evalsuite.files.checkpoint as checkpoint_module
 from evalsuite.errors import DependencyError, InputError
+from evalsuite.files.checkpoint import INDEX_FILE, Checkpoint
 
 SHARD_1 = "model-00001-of-00002.safetensors"
 SHARD_2 = "model-00002-of-00002.safetensors"

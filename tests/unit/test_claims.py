@@ -1,4 +1,5 @@
-"""What a figure lets a report claim (`evalsuite.claims`): t quantiles against scipy's, equivalence's three
+"""What a figure lets a report claim (`evalsuite.stats.claims`): t quantiles against scipy's, equivalence's
+three
 outcomes on constructed per-token arrays, Holm's correction and the minimum detectable effect worked by hand,
 thresholds judged on a bound, and the tie-aware same-top-token event."""
 
@@ -11,9 +12,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from evalsuite import claims, metrics, token_ranks
+from evalsuite.contract.spec import Threshold, apply_threshold
 from evalsuite.observers.kld_detail import TokenDetail, detail_metrics
-from evalsuite.spec import Threshold, apply_threshold
+from evalsuite.stats import claims, metrics, token_ranks
 
 PER_WINDOW = 255
 

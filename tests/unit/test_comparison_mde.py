@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evalsuite import claims, metrics
-from evalsuite.comparison import write_comparison
+from evalsuite.candidates.side_by_side import write_comparison
 from evalsuite.observers.kld_detail import write_tokens
+from evalsuite.stats import claims, metrics
 from evalsuite.tasks.ppl import claim_metrics
 
 WINDOWS, PER_WINDOW = 8, 255

@@ -14,8 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from evalsuite import corpus as corpus_module
-from evalsuite.corpus import (
+from evalsuite.errors import DependencyError, InputError
+from evalsuite.inputs import corpus as corpus_module
+from evalsuite.inputs.corpus import (
     PYTHON_DOCS,
     WIKITEXT2,
     WIKITEXT2_TEST_ROWS,
@@ -24,8 +25,7 @@ from evalsuite.corpus import (
     wikitext2_from_path,
     wikitext2_test_text,
 )
-from evalsuite.errors import DependencyError, InputError
-from evalsuite.task import RunContext
+from evalsuite.protocol.task import RunContext
 from evalsuite.tasks.ppl import corpus_provenance
 
 

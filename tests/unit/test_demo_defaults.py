@@ -14,10 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from evalsuite.cli import DEMO_CKPT, DEMO_OUT, DEMO_THRESHOLDS, VISION_DEMO_OUT, demo_command, read_thresholds
-from evalsuite.runner import build_tasks
-from evalsuite.spec import default_spec_path
-from evalsuite.task import RunContext
+from evalsuite.cli.app import (
+    DEMO_CKPT,
+    DEMO_OUT,
+    DEMO_THRESHOLDS,
+    VISION_DEMO_OUT,
+    demo_command,
+    read_thresholds,
+)
+from evalsuite.contract.spec import default_spec_path
+from evalsuite.pipeline.runner import build_tasks
+from evalsuite.protocol.task import RunContext
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "reports" / "smollm2-135m-w4a8" / "results.json"

@@ -10,9 +10,9 @@ from evalsuite.backends.options import STREAMED_AUTO_DEVICE, BackendOptions
 from evalsuite.errors import DependencyError
 from evalsuite.observers.boundary_states import BoundaryStates
 from evalsuite.observers.window_logits import WindowLogits, WindowProtocol
-from evalsuite.plan import side_options
-from evalsuite.side import Side
-from evalsuite.task import Need
+from evalsuite.pipeline.plan import side_options
+from evalsuite.protocol.side import Side
+from evalsuite.protocol.task import Need
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1", "auto"])

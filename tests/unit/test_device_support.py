@@ -14,8 +14,8 @@ import torch
 
 from evalsuite.backends.memory import loaded_bytes
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.device_support import BACKENDS, DEVICES, plan_cells
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.pipeline.device_support import BACKENDS, DEVICES, plan_cells
 from tests.conftest import TINY_BF16, TINY_W4A8, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,9 +8,10 @@ import shutil
 
 import pytest
 
-from evalsuite import digest, file_identity
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.digest import DigestCache
+from evalsuite.files import digest
+from evalsuite.files import identity as file_identity
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.files.digest import DigestCache
 
 
 @pytest.fixture

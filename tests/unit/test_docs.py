@@ -80,7 +80,7 @@ def test_the_cli_reference_is_what_the_typer_app_generates() -> None:
 
 
 def test_the_cli_reference_names_every_command_and_no_home_folder() -> None:
-    from evalsuite.cli import app
+    from evalsuite.cli.app import app
 
     page = script("cli_reference").render()
     for command in app.registered_commands:
@@ -179,7 +179,7 @@ def test_every_quantized_format_evalsuite_detects_has_passing_evidence_for_tenso
 ):
     from typing import get_args
 
-    from evalsuite.checkpoint import SOURCE_FORMATS, CheckpointFormat
+    from evalsuite.files.checkpoint import SOURCE_FORMATS, CheckpointFormat
 
     render = script("render_formats")
     tests = json.loads(render.EVIDENCE.read_text(encoding="utf-8"))["tests"]

@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from evalsuite.backends.exl3 import exllamav3_path
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint, TensorInfo
 from evalsuite.fixtures.exl3_encoder import encode_weight
 from evalsuite.formats import exl3
 from evalsuite.formats.exl3_decode import unpack_states

@@ -1,7 +1,7 @@
-"""Leases on the files a run maps (`evalsuite.file_leases`): a process that opens one to write or cuts it
+"""Leases on the files a run maps (`evalsuite.files.leases`): a process that opens one to write or cuts it
 short ends the run in its main thread with `FileChangedError` before it may proceed; when the watch ends,
 every lease is let go and SIGIO's handler is what it was, so a later writer neither waits nor kills the
-process; a watch outside the main thread changes nothing. And a file's identity (`evalsuite.file_identity`)
+process; a watch outside the main thread changes nothing. And a file's identity (`evalsuite.files.identity`)
 tells each kind of change apart."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from evalsuite import file_leases
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.file_identity import FileChangedError, FileIdentity, check_unchanged
+from evalsuite.files import leases as file_leases
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.files.identity import FileChangedError, FileIdentity, check_unchanged
 
 LEASES = pytest.mark.skipif(
     not hasattr(__import__("fcntl"), "F_SETLEASE"), reason="read leases are Linux's (F_SETLEASE)"
@@ -99,14 +99,14 @@ def _replace(path: Path) -> None:
 
 def _rewrite(path: Path, mtime_ns: int) -> None:
     # Written within the clock tick of the identity taken, a file keeps its times (the module docstring of
-    # evalsuite.file_identity says so): this rewrite stamps a later time, as one made later would.
+    # evalsuite.files.identity says so): this rewrite stamps a later time, as one made later would.
     path.write_bytes(b"y" * path.stat().st_size)
     os.utime(path, ns=(mtime_ns, mtime_ns))
 
 
 def _after_a_clock_tick(path: Path, change) -> None:
     # A change within the file system's clock tick of the identity keeps its times (module docstring of
-    # evalsuite.file_identity): wait for the status-change time to move, so the change is seen if judged.
+    # evalsuite.files.identity): wait for the status-change time to move, so the change is seen if judged.
     before = os.stat(path).st_ctime_ns
     while True:
         change()

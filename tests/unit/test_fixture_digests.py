@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.corpus import python_docs_text
-from evalsuite.digest import DigestCache
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.files.digest import DigestCache
 from evalsuite.fixtures import (
     SMOLLM2_BF16,
     SMOLLM2_EXL3,
@@ -28,6 +27,7 @@ from evalsuite.fixtures import (
     TINY_W4A8,
 )
 from evalsuite.fixtures.cache import library_versions
+from evalsuite.inputs.corpus import python_docs_text
 
 # `Checkpoint.content_sha256()` of each fixture built by FIXTURE_CODE_VERSION "evalsuite.fixtures/2" (the EXL3
 # ones by ENCODER_VERSION 2), the same under the default kernels, ATEN_CPU_CAPABILITY=default,

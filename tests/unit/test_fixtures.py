@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from evalsuite.backends.multimodal import minicpmv_inputs
 from evalsuite.errors import DependencyError, InputError
 from evalsuite.fixtures import (
     BENCH_FIXTURE_NAMES,
@@ -42,7 +43,6 @@ from evalsuite.fixtures.names import (
     MLX_FIXTURE_NAMES,
     MXFP4_FIXTURE_NAMES,
 )
-from evalsuite.multimodal import minicpmv_inputs
 from tests.conftest import FIXTURES
 from tests.images import tiny_test_image
 
@@ -474,7 +474,7 @@ def test_cli_resolves_a_fixture_name_by_its_manifest_without_importing_torch(tmp
     script = f"""
 import sys
 from pathlib import Path
-from evalsuite.cli import resolve_source
+from evalsuite.cli.app import resolve_source
 from evalsuite.errors import InputError
 fixtures = Path({str(tmp_path)!r})
 print(resolve_source("my-fixture", fixtures))

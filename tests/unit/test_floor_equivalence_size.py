@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evalsuite import claims, metrics
-from evalsuite.claims import against_floor
+from evalsuite.stats import claims, metrics
+from evalsuite.stats.claims import against_floor
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "statistics.md"
 WINDOWS, PER_WINDOW, DRAWS, MARGIN = 8, 255, 2, 1.0  # the shipped ppl protocol and [noise_floor]

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from evalsuite import tensor_errors
-from evalsuite.checkpoint import Checkpoint, TensorInfo
+from evalsuite.files.checkpoint import Checkpoint, TensorInfo
 from evalsuite.formats import ShardReader, ct_decode, exl3
 from evalsuite.formats import compressed_tensors as ct
+from evalsuite.stats import tensor_errors
 from evalsuite.tasks.tensors._verification import (
     ErrorAccumulator,
     ModuleRules,

@@ -13,8 +13,8 @@ import torch
 from evalsuite.backends.hf import HFBackend, with_activation_quantization
 from evalsuite.backends.intref_plan import DYNAMIC_INT8_PER_TOKEN
 from evalsuite.backends.options import ADD_ACTIVATION_QUANTIZATION, BackendOptions
-from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint
 
 ADDED = BackendOptions().with_backend("hf", {ADD_ACTIVATION_QUANTIZATION: True})
 

@@ -27,7 +27,7 @@ from evalsuite.backends._intlinear import (
 )
 from evalsuite.backends.intref import IntrefBackend
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures.llmcompressor_packs import INTEGER_PACKS
 from tests.conftest import llmc_fixture
 

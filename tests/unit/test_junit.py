@@ -5,7 +5,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from typing import Any
 
-from evalsuite.junit import render_junit
+from evalsuite.reporting.junit import render_junit
 from tests.documents import PPL_METRICS, results_document
 
 PPL_RATIO = PPL_METRICS["ppl_ratio"]

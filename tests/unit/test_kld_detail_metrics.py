@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from evalsuite import metrics
+from evalsuite.stats import metrics
 
 
 def test_delta_p_percentiles_are_named_as_llama_cpp_prints_them():

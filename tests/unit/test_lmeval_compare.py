@@ -12,13 +12,13 @@ import pytest
 
 from evalsuite.backends import HFModelAccess, exposes_model
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.contract.spec import flat_metric_tables, load_spec
 from evalsuite.errors import DependencyError, InputError
-from evalsuite.run_report import render_markdown
-from evalsuite.runner import build_tasks
-from evalsuite.side import Side
-from evalsuite.spec import flat_metric_tables, load_spec
-from evalsuite.task import RunContext, TaskSkipped
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.pipeline.runner import build_tasks
+from evalsuite.protocol.side import Side
+from evalsuite.protocol.task import RunContext, TaskSkipped
+from evalsuite.reporting.diff_report import render_markdown
 from evalsuite.tasks.lmeval import (
     LmEval,
     LmEvalSpec,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evalsuite.model_card import render_model_card
+from evalsuite.reporting.model_card import render_model_card
 from tests.unit.test_lmeval_compare import CKPT, REF, lmeval_task, observation
 from tests.unit.test_model_card import caveats, numbers_not_in, ppl_task, results_document
 

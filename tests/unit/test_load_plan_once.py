@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from evalsuite import plan
 from evalsuite.backends.options import BackendOptions
-from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
+from evalsuite.files.digest import DigestCache
+from evalsuite.files.run_cache import RunCache
 from evalsuite.fixtures import TINY_W4A8
-from evalsuite.run_cache import RunCache
-from evalsuite.side import open_side
+from evalsuite.pipeline import plan
+from evalsuite.protocol.side import open_side
 from tests.conftest import copy_checkpoint, edit_tensors, wrong_scale_copy
 
 
@@ -93,7 +93,7 @@ def test_the_table_of_passed_plans_is_bounded_and_safe_to_share_between_threads(
 def test_a_passed_plan_is_kept_on_disk_for_the_next_process_under_the_same_code(
     tiny_pair, tmp_path, checked, monkeypatch
 ):
-    from evalsuite import run_cache
+    from evalsuite.files import run_cache
 
     good = copy_checkpoint(tiny_pair[TINY_W4A8], tmp_path / "good")
     options = BackendOptions().check()

@@ -4,8 +4,8 @@ float64 definition, and bit for bit what `pair_statistics` gives the same rows a
 import numpy as np
 import torch
 
-from evalsuite import logit_rows
 from evalsuite.observers.window_logits import numpy_rows
+from evalsuite.stats import logit_rows
 
 
 def _rows(dtype: torch.dtype, n: int = 12, vocab: int = 3000) -> torch.Tensor:

@@ -8,10 +8,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from evalsuite import metrics
 from evalsuite.errors import InputError
 from evalsuite.observers.logits_file import read_rows, window_file, write_window_chunks
 from evalsuite.observers.window_logits import WindowProtocol
+from evalsuite.stats import metrics
 from evalsuite.tasks.long_context import LongContext, position_bucket_metrics
 
 

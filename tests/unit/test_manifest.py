@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
-from evalsuite.manifest import read_manifest, verify_manifest, write_sha256sums
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.files.digest import DigestCache
+from evalsuite.files.manifest import read_manifest, verify_manifest, write_sha256sums
 
 FILES = {
     "config.json": b'{"a": 1}\n',
@@ -211,7 +211,7 @@ def test_written_sha256sums_is_what_sha256sum_writes_and_checks(folder):
 
 
 def test_the_run_hands_its_digest_cache_to_the_file_tasks(tiny_pair, tmp_path):
-    from evalsuite.runner import RunRequest, plan_run
+    from evalsuite.pipeline.runner import RunRequest, plan_run
 
     cache = DigestCache(tmp_path / "digests")
     request = RunRequest(

@@ -11,7 +11,7 @@ import pytest
 from evalsuite.backends import load_backend
 from evalsuite.backends.memory import loaded_bytes
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from tests.conftest import TINY_BF16, TINY_EXL3, TINY_W4A8
 
 LLMC_PACKS = (

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from evalsuite import metrics, tensor_errors
+from evalsuite.stats import metrics, tensor_errors
 
 
 def test_mean_with_stderr_uses_n_minus_one():

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from evalsuite.model_card import model_index, render_model_card
+from evalsuite.reporting.model_card import model_index, render_model_card
 from tests.documents import PPL_METRICS, ppl_task, results_document
 
 # A number as the card writes it: a sign, thousands separators, decimals, an exponent. Not one glued to a word

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.formats.modelopt import decode_fp8, decode_nvfp4
 
 

@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from evalsuite import metrics, tensor_errors
 from evalsuite.errors import InputError
 from evalsuite.observers.boundary_states import FedOptions
+from evalsuite.stats import metrics, tensor_errors
 from evalsuite.tasks.moe import COVERAGE_SCHEMA, expert_count, read_coverage
 
 

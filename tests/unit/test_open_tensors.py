@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import DependencyError, InputError
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_W4A8
 
 
@@ -117,7 +117,7 @@ def test_a_hundred_thousand_tensors_are_one_mapping_and_two_descriptors_under_a_
 import os, resource
 from pathlib import Path
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 checkpoint = Checkpoint.open({str(tmp_path / "ckpt")!r})
 with checkpoint.open_tensors(checkpoint.tensors) as handles:
     kept = [handles[name][...] for name in checkpoint.tensors]

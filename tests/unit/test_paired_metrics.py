@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from evalsuite import metrics
+from evalsuite.stats import metrics
 
 # Ten documents, equal accuracy (5 of 10 on each side) and six flips:
 # documents 0-2 correct → wrong, 5-7 wrong → correct, 3-4 right on both sides, 8-9 wrong on both.

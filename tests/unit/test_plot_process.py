@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evalsuite import plot_process, plots
+from evalsuite.plotting import plot_process, plots
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_the_plot_process_leaves_ctrl_c_to_the_command(tmp_path, started):
 _COMMAND = """
 import sys, time
 from pathlib import Path
-from evalsuite import plot_process
+from evalsuite.plotting import plot_process
 sys.path.insert(0, sys.argv[2])
 from test_plot_process import which_process
 plot_process.start()

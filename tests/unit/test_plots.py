@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from evalsuite import plots
+from evalsuite.plotting import plots
 
 
 def _labels(lo: float, hi: float) -> list[str]:

@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from evalsuite.cli import PROGRESS_LINES, ProgressLines
+from evalsuite.cli.app import PROGRESS_LINES, ProgressLines
 
 
 class Clock:

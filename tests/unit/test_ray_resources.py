@@ -13,9 +13,9 @@ import torch
 
 from evalsuite.backends.memory import loaded_bytes
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.compare_executors import candidate_resources, in_ray_task
-from evalsuite.plan import RunRequest
+from evalsuite.candidates.executors import candidate_resources, in_ray_task
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.pipeline.plan import RunRequest
 from evalsuite.tasks.tensors._verification._engine import default_worker_kind
 
 TINY_BF16, TINY_W4A8 = "tiny-minicpmv47-bf16", "tiny-minicpmv47-w4a8"

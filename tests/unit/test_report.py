@@ -6,8 +6,8 @@ import io
 
 from rich.console import Console
 
-from evalsuite.model_card import render_model_card
-from evalsuite.run_report import print_summary, render_markdown, summary_rows
+from evalsuite.reporting.diff_report import print_summary, render_markdown, summary_rows
+from evalsuite.reporting.model_card import render_model_card
 from tests.documents import ppl_task, results_document
 
 

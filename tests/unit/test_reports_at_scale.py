@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from evalsuite.observation import Observation
-from evalsuite.run_report import render_markdown
-from evalsuite.spec import default_spec_path, load_spec
-from evalsuite.task import RunContext, TaskResult
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import default_spec_path, load_spec
+from evalsuite.protocol.task import RunContext, TaskResult
+from evalsuite.reporting.diff_report import render_markdown
 from evalsuite.tasks.moe import COVERAGE_SCHEMA, MODES, MixtureOfExperts, MoeSpec, read_coverage
 from evalsuite.tasks.tensors import summary_tables
 from evalsuite.tasks.tensors._verification import TensorRow

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import math
 
-from evalsuite.spec import Check
-from evalsuite.task import TaskResult
+from evalsuite.contract.spec import Check
+from evalsuite.protocol.task import TaskResult
 
 
 def test_a_nan_metric_is_written_as_null_with_a_reason():
@@ -24,7 +24,7 @@ def test_a_nan_metric_is_written_as_null_with_a_reason():
 
 
 def test_a_nan_check_value_is_null_and_the_check_fails():
-    from evalsuite.spec import Threshold, apply_threshold
+    from evalsuite.contract.spec import Threshold, apply_threshold
 
     (check,) = apply_threshold("kld_mean", float("nan"), Threshold(max=1.0))
     doc = TaskResult.from_checks({"kld_mean": float("nan")}, [check]).to_json()

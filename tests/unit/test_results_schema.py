@@ -13,8 +13,7 @@ import jsonschema
 import pytest
 
 import evalsuite
-from evalsuite.errors import InputError
-from evalsuite.results import (
+from evalsuite.contract.results import (
     SCHEMA_VERSION,
     json_schema,
     load_comparison,
@@ -22,6 +21,7 @@ from evalsuite.results import (
     load_results,
     read_results,
 )
+from evalsuite.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED_RESULTS = sorted(

@@ -1,4 +1,5 @@
-"""The disk cache of what a run computes from small files (`evalsuite.run_cache`): a corpus's ids under a
+"""The disk cache of what a run computes from small files (`evalsuite.files.run_cache`): a corpus's ids under
+a
 tokenizer are read back instead of tokenized again, and only under the same tokenizer files, text and code;
 the cache is kept under its cap, and `evalsuite cache` shows and clears it."""
 
@@ -11,15 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evalsuite import run_cache
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
-from evalsuite.corpus import load_corpus
-from evalsuite.digest import DigestCache
 from evalsuite.errors import InputError
+from evalsuite.files import run_cache
+from evalsuite.files.checkpoint import Checkpoint
+from evalsuite.files.digest import DigestCache
 from evalsuite.fixtures import TINY_BF16
+from evalsuite.inputs.corpus import load_corpus
 from evalsuite.observers.window_logits import WindowProtocol, prepare_windows
-from evalsuite.side import open_side
+from evalsuite.protocol.side import open_side
 from tests.conftest import copy_checkpoint, run_cli
 
 PROTOCOL = WindowProtocol(window=64, starts={"first": 0, "step": 64, "count": 2})

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import load_spec
 from evalsuite.errors import InputError
-from evalsuite.observation import Observation
 from evalsuite.observers.greedy_answers import answers_observation
-from evalsuite.plan import build_tasks
-from evalsuite.spec import load_spec
-from evalsuite.task import RunContext
+from evalsuite.pipeline.plan import build_tasks
+from evalsuite.protocol.task import RunContext
 from evalsuite.tasks.smoke import Smoke, SmokeSpec
 
 K = 5

@@ -17,8 +17,8 @@ from evalsuite.backends.memory import (
     streamed_if_needed,
 )
 from evalsuite.backends.options import BackendOptions
-from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint
 
 
 @pytest.mark.parametrize(

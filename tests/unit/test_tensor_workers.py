@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_BF16, TINY_EXL3, TINY_W4A8
 from evalsuite.tasks.tensors._verification import verify_tensors
 from evalsuite.tasks.tensors._verification._engine import default_worker_kind

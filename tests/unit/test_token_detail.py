@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from evalsuite import metrics, token_ranks
-from evalsuite.observation import Observation
+from evalsuite.contract.observation import Observation
 from evalsuite.observers import kld_detail
 from evalsuite.observers.logits_file import window_file, write_window_chunks
 from evalsuite.observers.window_logits import log_softmax64
-from evalsuite.task import SharedWork
+from evalsuite.protocol.task import SharedWork
+from evalsuite.stats import metrics, token_ranks
 
 
 def _observation(folder, windows: list[torch.Tensor], key: str) -> Observation:

@@ -4,7 +4,7 @@ lower id, found group by group; against a sort of the whole row."""
 import numpy as np
 import pytest
 
-from evalsuite import token_ranks
+from evalsuite.stats import token_ranks
 
 
 def _sorted_whole(rows: np.ndarray, k: int) -> np.ndarray:

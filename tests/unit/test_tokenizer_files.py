@@ -10,7 +10,7 @@ from pathlib import Path
 
 import transformers
 
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_BF16
 from tests.conftest import copy_checkpoint
 

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from evalsuite.model_card import render_model_card
-from evalsuite.plan import RunRequest, build_tasks, spec_provenance
-from evalsuite.results import load_results, not_comparable
-from evalsuite.run_report import render_markdown, significant_differences
-from evalsuite.runner import with_holm
-from evalsuite.task import Difference, RunContext, TaskResult
+from evalsuite.contract.results import load_results, not_comparable
+from evalsuite.pipeline.plan import RunRequest, build_tasks, spec_provenance
+from evalsuite.pipeline.runner import with_holm
+from evalsuite.protocol.task import Difference, RunContext, TaskResult
+from evalsuite.reporting.diff_report import render_markdown, significant_differences
+from evalsuite.reporting.model_card import render_model_card
 from tests.documents import ppl_task, results_document
 from tests.unit.test_model_card import caveats, numbers_not_in
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import default_spec_path, load_spec
 from evalsuite.errors import InputError
-from evalsuite.model_card import render_model_card
-from evalsuite.observation import Observation
-from evalsuite.run_report import render_markdown
-from evalsuite.spec import default_spec_path, load_spec
-from evalsuite.task import RunContext, TaskResult
+from evalsuite.protocol.task import RunContext, TaskResult
+from evalsuite.reporting.diff_report import render_markdown
+from evalsuite.reporting.model_card import render_model_card
 from evalsuite.tasks.calibration_overlap import CalibrationOptions, Overlap
 from evalsuite.tasks.vision import Vision, VisionSpec
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from evalsuite.spec import default_spec_path, load_spec
+from evalsuite.contract.spec import default_spec_path, load_spec
 from evalsuite.tasks.vision import VisionSpec
 from evalsuite.tasks.vision._pictures import draw
 

@@ -3,9 +3,9 @@
 lm-eval does the evaluating: each side's loaded model is handed to its `HFLM` and its `simple_evaluate` runs
 the tasks of `tasks/lmeval.toml` with per-document samples kept. This module only reads those samples back
 (scores, per-choice log-likelihoods, answers) and compares the two sides on the same documents with
-`evalsuite.metrics`: accuracy of each side, the paired difference and its paired standard error, recovery,
-flips and McNemar's exact test, and for multiple choice the KL divergence between the two sides' distributions
-over the choices. Same accuracy can hide many changed answers; the paired view shows them.
+`evalsuite.stats.metrics`: accuracy of each side, the paired difference and its paired standard error,
+recovery, flips and McNemar's exact test, and for multiple choice the KL divergence between the two sides'
+distributions over the choices. Same accuracy can hide many changed answers; the paired view shows them.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from evalsuite import claims
 from evalsuite.backends import exposes_model
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import TaskSpec
 from evalsuite.errors import InputError
-from evalsuite.observation import Observation
-from evalsuite.offline import hub_offline
-from evalsuite.side import Side
-from evalsuite.spec import TaskSpec
-from evalsuite.task import Difference, Inputs, Need, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.inputs.offline import hub_offline
+from evalsuite.protocol.side import Side
+from evalsuite.protocol.task import Difference, Inputs, Need, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.stats import claims
 from evalsuite.tasks.lmeval._harness import (
     LmEvalSpec,
     lm_eval_api,

@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import field_validator
 
+from evalsuite.contract.spec import StrictModel, TaskSpec, default_spec_path
 from evalsuite.errors import DependencyError, InputError
-from evalsuite.spec import StrictModel, TaskSpec, default_spec_path
 
 MIN_LM_EVAL = "0.4.13"
 

@@ -1,6 +1,6 @@
 """The `lmeval` task's comparison of two sides' samples, document by document: accuracy of each side, the
 paired difference and its standard error, recovery, flips and McNemar's exact test, and for multiple choice
-the KL divergence between the two sides' distributions over the choices (`evalsuite.metrics`)."""
+the KL divergence between the two sides' distributions over the choices (`evalsuite.stats.metrics`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from evalsuite import metrics
+from evalsuite.contract.observation import Observation
 from evalsuite.errors import InputError
-from evalsuite.observation import Observation
+from evalsuite.stats import metrics
 
 
 def compare_task(

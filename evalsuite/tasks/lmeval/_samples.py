@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from evalsuite.backends import HFModelAccess
+from evalsuite.contract.observation import Observation
 from evalsuite.errors import DependencyError, InputError
-from evalsuite.observation import Observation
-from evalsuite.run_folder import write_atomic
-from evalsuite.task import Inputs, Progress
+from evalsuite.files.run_folder import write_atomic
+from evalsuite.protocol.task import Inputs, Progress
 from evalsuite.tasks.lmeval._harness import (
     LmEvalSpec,
     lm_eval_api,

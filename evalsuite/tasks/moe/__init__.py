@@ -42,15 +42,15 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import Field
 
-from evalsuite import plots
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import StrictModel, TaskSpec
 from evalsuite.errors import InputError
-from evalsuite.observation import Observation
+from evalsuite.files.run_folder import write_csv
 from evalsuite.observers.boundary_states import FedOptions, summed_errors
 from evalsuite.observers.window_logits import WindowProtocol, prepare_windows
-from evalsuite.run_folder import write_csv
-from evalsuite.side import Side
-from evalsuite.spec import StrictModel, TaskSpec
-from evalsuite.task import Inputs, Need, RunContext, TaskResult, TaskSkipped, task
+from evalsuite.plotting import plots
+from evalsuite.protocol.side import Side
+from evalsuite.protocol.task import Inputs, Need, RunContext, TaskResult, TaskSkipped, task
 from evalsuite.tasks.moe._observe import EXPERT_COUNT_FIELDS, MODES, MoeErrors, MoeReference, expert_count
 from evalsuite.tasks.moe._tables import COVERAGE_SCHEMA, ExpertTable, expert_name, read_coverage
 

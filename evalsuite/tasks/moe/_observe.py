@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from evalsuite import metrics, tensor_errors
 from evalsuite.backends.layer_pass import LayerStep, LayerVisitor, QuietVisitor, ReferenceInput, observe_alone
+from evalsuite.contract.observation import Observation
 from evalsuite.errors import InputError
-from evalsuite.observation import Observation
+from evalsuite.files.run_folder import atomic_target
 from evalsuite.observers.boundary_states import (
     FedOptions,
     FedWindowObserver,
@@ -30,8 +30,8 @@ from evalsuite.observers.boundary_states import (
     write_boundary,
 )
 from evalsuite.observers.window_logits import log_softmax64, window_tensor
-from evalsuite.run_folder import atomic_target
-from evalsuite.task import Inputs, Progress
+from evalsuite.protocol.task import Inputs, Progress
+from evalsuite.stats import metrics, tensor_errors
 
 if TYPE_CHECKING:
     from evalsuite.backends.streamed import StreamedBackend, WindowCall

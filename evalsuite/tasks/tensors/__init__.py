@@ -17,16 +17,16 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import Field
 
-from evalsuite import plots
 from evalsuite.backends.skeleton import ignored_on_load_patterns
-from evalsuite.checkpoint import SOURCE_FORMATS, Checkpoint
-from evalsuite.digest import DigestCache
+from evalsuite.contract.spec import Check, StrictModel, TaskSpec
 from evalsuite.errors import InputError
-from evalsuite.manifest import ManifestCheck, find_manifests, read_manifest, verify_manifest
-from evalsuite.run_folder import write_atomic, write_csv
-from evalsuite.side import Side
-from evalsuite.spec import Check, StrictModel, TaskSpec
-from evalsuite.task import Inputs, Progress, RunContext, TaskResult, TaskSkipped, no_progress, task
+from evalsuite.files.checkpoint import SOURCE_FORMATS, Checkpoint
+from evalsuite.files.digest import DigestCache
+from evalsuite.files.manifest import ManifestCheck, find_manifests, read_manifest, verify_manifest
+from evalsuite.files.run_folder import write_atomic, write_csv
+from evalsuite.plotting import plots
+from evalsuite.protocol.side import Side
+from evalsuite.protocol.task import Inputs, Progress, RunContext, TaskResult, TaskSkipped, no_progress, task
 from evalsuite.tasks.tensors._assets import AssetComparison, AssetRules, compare_assets
 from evalsuite.tasks.tensors._verification import (
     LibraryCheck,

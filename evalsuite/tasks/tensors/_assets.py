@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from evalsuite.manifest import WEIGHT_FILE, folder_files
-from evalsuite.spec import StrictModel
+from evalsuite.contract.spec import StrictModel
+from evalsuite.files.manifest import WEIGHT_FILE, folder_files
 
 # Past this many differences in one file the rest are counted, not listed (a replaced tokenizer differs in
 # every one of its 248 k entries).

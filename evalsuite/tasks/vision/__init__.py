@@ -21,17 +21,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from evalsuite import metrics, tensor_errors
+from evalsuite.backends.multimodal import NoVisualPath, VisualProcessing
+from evalsuite.contract.observation import Observation
+from evalsuite.contract.spec import Check, TaskSpec, apply_threshold
 from evalsuite.errors import InputError
-from evalsuite.multimodal import NoVisualPath, VisualProcessing
-from evalsuite.observation import Observation
+from evalsuite.files.run_folder import write_atomic
 from evalsuite.observers.forced_answers import FORCED_LABEL, FORCED_REFERENCE_LABEL
 from evalsuite.observers.greedy_answers import ANSWERS_LABEL, ANSWERS_META, PROMPTS, GreedyAnswers
 from evalsuite.observers.kld_detail import kld_at_reference
-from evalsuite.run_folder import write_atomic
-from evalsuite.side import Side
-from evalsuite.spec import Check, TaskSpec, apply_threshold
-from evalsuite.task import (
+from evalsuite.protocol.side import Side
+from evalsuite.protocol.task import (
     Inputs,
     Need,
     Progress,
@@ -41,6 +40,7 @@ from evalsuite.task import (
     skip_if_cannot_generate,
     task,
 )
+from evalsuite.stats import metrics, tensor_errors
 from evalsuite.tasks.answer_pairs import PairedAnswers, paired_answers
 from evalsuite.tasks.calibration_overlap import (
     Overlap,

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field
 
-from evalsuite.spec import StrictModel
+from evalsuite.contract.spec import StrictModel
 
 RGB = tuple[int, int, int]
 

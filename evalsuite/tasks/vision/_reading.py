@@ -7,8 +7,8 @@ import unicodedata
 
 from pydantic import Field
 
-from evalsuite import metrics
-from evalsuite.spec import StrictModel
+from evalsuite.contract.spec import StrictModel
+from evalsuite.stats import metrics
 
 OCR_METRICS = frozenset({"ref_cer", "ckpt_cer", "cer_delta"})
 OCR_DESCRIPTIONS = {

@@ -10,8 +10,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from evalsuite.contract.spec import StrictModel, TaskSpec, Threshold
 from evalsuite.observers.window_logits import RecordOptions
-from evalsuite.spec import StrictModel, TaskSpec, Threshold
 from evalsuite.tasks.calibration_overlap import CalibrationOptions
 from evalsuite.tasks.vision._pictures import ImageSpec, VideoSpec
 from evalsuite.tasks.vision._reading import OcrSpec

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from evalsuite.checkpoint import TensorInfo
+from evalsuite.files.checkpoint import TensorInfo
 from evalsuite.formats import ModuleKind, ShardReader, as_float32, row_blocks, rows_and_cols
 from evalsuite.formats.compressed_tensors import (
     DECODED_FORMATS,

@@ -14,7 +14,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from evalsuite.checkpoint import Checkpoint, TensorInfo
+from evalsuite.files.checkpoint import Checkpoint, TensorInfo
 from evalsuite.formats import QuantizedFormat, ShardReader, one_torch_thread, rows_and_cols
 from evalsuite.formats.compressed_tensors import INTEGER_FORMATS, CompressedTensors
 from evalsuite.formats.exl3 import Exl3
@@ -24,7 +24,7 @@ from evalsuite.formats.fp8_block import Fp8BlockFormat
 from evalsuite.formats.gptq import METHODS as GPTQ_METHODS
 from evalsuite.formats.gptq import GptqFormat
 from evalsuite.machine import usable_cores
-from evalsuite.task import Progress, no_progress
+from evalsuite.protocol.task import Progress, no_progress
 from evalsuite.tasks.tensors._verification._compressed_tensors import CompressedTensorsVerifier, LibraryCheck
 from evalsuite.tasks.tensors._verification._exl3 import Exl3Verifier
 from evalsuite.tasks.tensors._verification._fp8_block import Fp8BlockVerifier

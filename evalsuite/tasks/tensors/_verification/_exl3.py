@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from evalsuite.checkpoint import EXL3_CONFIG_FILE, TensorInfo
+from evalsuite.files.checkpoint import EXL3_CONFIG_FILE, TensorInfo
 from evalsuite.formats import ShardReader, as_float32
 from evalsuite.formats.exl3 import (
     PART_CLAIMS,

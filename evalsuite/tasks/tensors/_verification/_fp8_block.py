@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from evalsuite.checkpoint import TensorInfo
+from evalsuite.files.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader, as_float32, row_blocks
 from evalsuite.formats.ct_decode import first_difference
 from evalsuite.formats.fp8_block import Fp8BlockFormat, decode, library_decode

@@ -29,8 +29,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from evalsuite.checkpoint import Checkpoint, TensorInfo
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint, TensorInfo
 from evalsuite.formats import BLOCK_ELEMENTS, ShardReader, as_float32, split_at_last_dot
 from evalsuite.formats.ct_decode import first_difference
 from evalsuite.formats.ggml_library import ggml_dequantize, llama_cpp_decodes

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from evalsuite.checkpoint import TensorInfo
+from evalsuite.files.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader, as_float32
 from evalsuite.formats.gptq import GptqFormat, decode, layout_problems, unpack_words
 from evalsuite.tasks.tensors._verification._one_by_one import OneByOneVerifier

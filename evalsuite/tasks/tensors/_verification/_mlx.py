@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from evalsuite.checkpoint import TensorInfo
+from evalsuite.files.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader, as_float32, row_blocks
 from evalsuite.formats.ct_decode import first_difference
 from evalsuite.formats.mlx import BITS, SCALE_BYTES, MlxFormat, decode, layout_problems, library_decode

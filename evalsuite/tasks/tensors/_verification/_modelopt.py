@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from evalsuite.checkpoint import TensorInfo
+from evalsuite.files.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader, as_float32, row_blocks
 from evalsuite.formats.modelopt import (
     NVFP4_BLOCK,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.contract.spec import StrictModel
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.formats import ModuleKind, Part
-from evalsuite.spec import StrictModel
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from evalsuite.checkpoint import TensorInfo
+from evalsuite.files.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader, as_float32
 from evalsuite.formats.ct_decode import first_difference
 from evalsuite.formats.mxfp4 import BLOCK, Mxfp4Format, decode, library_decode

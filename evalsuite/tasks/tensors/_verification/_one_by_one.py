@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from evalsuite.checkpoint import TensorInfo
+from evalsuite.files.checkpoint import TensorInfo
 from evalsuite.formats import ShardReader
 from evalsuite.tasks.tensors._verification._rows import Problem, TensorRow
 

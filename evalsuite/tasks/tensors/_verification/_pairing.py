@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from evalsuite.checkpoint import TensorInfo
+from evalsuite.files.checkpoint import TensorInfo
 from evalsuite.formats import QuantizedFormat
 
 

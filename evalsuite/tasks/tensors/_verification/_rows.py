@@ -9,9 +9,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from evalsuite import tensor_errors
 from evalsuite.formats import ModuleKind, Part
 from evalsuite.formats.compressed_tensors import StoredQuantization
+from evalsuite.stats import tensor_errors
 from evalsuite.tasks.tensors._verification._outliers import ChannelOutliers, channel_outliers
 
 TensorClass = Literal["quantized", "protected", "missing"]

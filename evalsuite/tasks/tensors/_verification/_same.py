@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from evalsuite.checkpoint import DTYPE_SIZES, FLOAT_DTYPES, TensorInfo
+from evalsuite.files.checkpoint import DTYPE_SIZES, FLOAT_DTYPES, TensorInfo
 from evalsuite.formats import NUMPY_DTYPES, ShardReader, as_float32, row_blocks, rows_and_cols
 from evalsuite.tasks.tensors._verification._rows import ErrorAccumulator, Problem, TensorRow
 

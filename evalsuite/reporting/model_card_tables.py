@@ -1,0 +1,151 @@
+"""The model card's tables of what the run measured beyond WikiText's perplexity
+(`evalsuite.reporting.model_card`
+places them in its Results section): `ppl` on chats split by tag and turn, the calibration set's overlap
+with each task's evaluated text, and `smoke`'s trajectory survival. Every number is read from
+results.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from evalsuite.reporting.diff_report import answer_configuration, format_number, with_stderr
+
+
+def measured(entry: dict[str, Any] | None) -> dict[str, Any]:
+    """The metrics of a task that ran (pass or fail); empty for one absent, skipped or failed to run."""
+    if entry is None or entry.get("status") in ("skipped", "error"):
+        return {}
+    return entry.get("metrics", {})
+
+
+def table_row(cells: list[str]) -> str:
+    """A markdown table row, each cell's pipes escaped and its line breaks folded."""
+    return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+
+def chat_splits(results: dict[str, Any]) -> list[str]:
+    """`ppl` on chats, split by tag and by assistant turn: each split's mean KLD with its one-sided 95%
+    upper bound and same-top rate, errors clustered by chat (too few chats for a bound: none)."""
+    m = measured(results["tasks"].get("ppl"))
+    names = {k.removesuffix("_kld_mean") for k in m if k.endswith("_kld_mean")}
+    splits = sorted(
+        (n for n in names if n.startswith(("tag_", "turn_"))), key=lambda n: (not n.startswith("tag_"), n)
+    )
+    if not splits:
+        return []
+    lines = [
+        "Scored on chats through the model's chat template, assistant tokens only, split by tag and by "
+        "assistant turn (errors clustered by chat):",
+        "",
+        "| split | chats | tokens | mean KLD | KLD 95% upper bound | same top token |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in splits:
+        label = f"tag `{name.removeprefix('tag_')}`" if name.startswith("tag_") else name.replace("_", " ")
+        if m.get(f"{name}_note"):  # a split too small to judge: reported, its checks left out of the verdict
+            label += f" ({m[f'{name}_note']})"
+        lines.append(
+            table_row(
+                [
+                    label,
+                    format_number(m.get(f"{name}_n_windows")),
+                    format_number(m.get(f"{name}_n_tokens")),
+                    format_number(m[f"{name}_kld_mean"]),
+                    format_number(m.get(f"{name}_kld_mean_upper95")),
+                    format_number(m.get(f"{name}_same_top_p")),
+                ]
+            )
+        )
+    return [*lines, ""]
+
+
+# What each task checks against the calibration set, as the card says it: its units (None: `ppl`'s windows or
+# chats) and their tokens that overlap it.
+CALIBRATION_UNITS = {
+    "ppl": (None, "the scored tokens lie in a {n}-gram it holds"),
+    "smoke": (
+        "prompts",
+        "the `smoke` prompts' tokens lie in a {n}-gram it holds or in a shorter prompt it holds whole",
+    ),
+    "vision": (
+        "cases",
+        "the `vision` questions' tokens lie in a {n}-gram it holds or in a shorter question it holds whole",
+    ),
+}
+
+
+def calibration_overlap(results: dict[str, Any]) -> list[str]:
+    """How much of each task's evaluated text the calibration set holds (`--calibration`: `ppl`'s windows or
+    chats, `smoke`'s prompts, `vision`'s questions), which units it overlaps, and the verdict with and
+    without them; nothing where no calibration set was given."""
+    lines: list[str] = []
+    for task, (unit, overlapping) in CALIBRATION_UNITS.items():
+        m = measured(results["tasks"].get(task))
+        if "calibration_note" in m and f"Calibration set: {m['calibration_note']}." not in lines:
+            lines += [f"Calibration set: {m['calibration_note']}.", ""]
+        if "calibration_overlap_share" not in m:
+            continue
+        unit = unit or ("chats" if "calibration_flagged_chats" in m else "windows")
+        flagged = m.get(f"calibration_flagged_{unit}", 0)
+        share = format_number(m["calibration_overlap_share"])
+        bound = format_number(m.get("calibration_flag_share"))
+        counted = f"1 {unit.removesuffix('s')} overlaps" if flagged == 1 else f"{flagged} {unit} overlap"
+        text = (
+            f"Calibration set `{m.get('calibration_source')}`: {share} of "
+            f"{overlapping.format(n=m.get('calibration_ngram'))}; {counted} it by more than {bound}"
+        )
+        names = str(m.get(f"calibration_flagged_{unit.removesuffix('s')}_list") or "")
+        if task != "ppl" and names:  # ppl's units are indices; a prompt or case has a name
+            text += ": " + ", ".join(f"`{name}`" for name in names.split(","))
+        if "verdict_without_flagged" in m:
+            verdicts = m["verdict_with_flagged"], m["verdict_without_flagged"]
+            text += " (verdict with them: {}, without them: {})".format(*verdicts)
+        elif "clean_note" in m:
+            text += f" ({m['clean_note']})"
+        lines += [text + ".", ""]
+    return lines
+
+
+def greedy_answers(results: dict[str, Any]) -> list[str]:
+    """How long the two sides' greedy answers agree (`smoke`'s trajectory survival), with its intervals."""
+    m = measured(results["tasks"].get("smoke"))
+    lengths = sorted(int(k.removeprefix("survival_")) for k in m if k.removeprefix("survival_").isdigit())
+    if not lengths:
+        return []
+    lines = [
+        f"Greedy answers to {format_number(m.get('n_prompts'))} prompts (`smoke`): the share whose two "
+        "answers agree for their first N tokens (trajectory survival), with a 95% Wilson interval over "
+        "prompts:",
+        "",
+        "| N | survival | 95% interval | prompts |",
+        "| --- | --- | --- | --- |",
+    ]
+    for n in lengths:
+        low, high = m.get(f"survival_{n}_lower95"), m.get(f"survival_{n}_upper95")
+        lines.append(
+            table_row(
+                [
+                    str(n),
+                    format_number(m[f"survival_{n}"]),
+                    f"[{format_number(low)}, {format_number(high)}]",
+                    format_number(m.get(f"survival_{n}_n")),
+                ]
+            )
+        )
+    lines += [
+        "",
+        f"- answered identically: {format_number(m.get('identical'))}; the reference's answer right and the "
+        f"candidate's wrong: {format_number(m.get('ref_pass_ckpt_fail'))}; parting on a token outside the "
+        f"reference's top-5: {format_number(m.get('diverged_outside_top5'))}; on a near tie (the reference's "
+        f"own preference below the spec's `near_tie` at that step): {format_number(m.get('near_ties'))}",
+        f"- {answer_configuration(results['tasks']['smoke'])}",
+        "- every answer is as its side decoded it; at N, only the prompts whose token budget reaches N are "
+        "counted",
+    ]
+    if "kld_mean" in m:
+        lines.append(
+            f"- KLD along the reference's answers: {with_stderr(m, 'kld_mean')} over "
+            f"{format_number(m.get('answer_tokens'))} tokens "
+            f"({m.get('kld_estimator', 'estimator not stated')})"
+        )
+    return [*lines, ""]
