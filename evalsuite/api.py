@@ -229,6 +229,7 @@ def run(
     keep_observations: bool = True,
     fixtures: Path = DEFAULT_FIXTURES,
     plots: bool = True,
+    execution_floor: bool = False,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
     on_load: OnLoad | None = None,
@@ -262,6 +263,7 @@ def run(
         keep_observations: keep this run's observations in OUT/observations.
         fixtures: where fixture names are looked up.
         plots: draw each task's PNG plots (False: the verdict and the tables alone, for CI).
+        execution_floor: also run the reference's `ppl` windows batched and report its own difference.
         progress: called as `progress(description, total)` when a pass begins; the callable it returns is
             called once per step done.
         cancel: an event that, once set, stops the run at its next step with `Cancelled`.
@@ -289,6 +291,7 @@ def run(
             plots=plots,
             chats_file=chats,
             calibration_file=calibration,
+            execution_floor=execution_floor,
         ),
         ref_options=options,
         thresholds=read_thresholds(thresholds),
@@ -463,6 +466,7 @@ def record(
     max_memory: str | None = None,
     trust_remote_code: bool = False,
     fixtures: Path = DEFAULT_FIXTURES,
+    execution_floor: bool = False,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
     on_load: OnLoad | None = None,
@@ -486,6 +490,7 @@ def record(
         max_memory: memory the side may fill.
         trust_remote_code: allow code from the checkpoint folder.
         fixtures: where fixture names are looked up.
+        execution_floor: also record the reference against itself batched (as in `run`).
         progress: as in `run`.
         cancel: as in `run`.
         on_load: as in `run`.
@@ -503,6 +508,7 @@ def record(
             allow_download=allow_download,
             corpus_path=corpus_path,
             chats_file=chats,
+            execution_floor=execution_floor,
         ),
         options=backend_options(dtype, device, trust_remote_code, stream, max_memory),
         specs=dict(specs or {}),

@@ -388,6 +388,30 @@ class HFBackend:
                 logits = self.model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits[0]
             yield logits
 
+    def window_logits_batched(
+        self, windows: torch.Tensor, positions: torch.Tensor, per_forward: int
+    ) -> Iterator[torch.Tensor]:
+        """The reference in another execution (`--execution-floor`): the windows forwarded `per_forward` at
+        a time (one batch of equal lengths: no padding), on a CUDA device with cuBLAS's reduced-precision BF16
+        reduction the other way round too (`batched_kernel_setting`); each window's logits at `positions`."""
+        keep = positions.to(self.device)
+        for first in range(0, len(windows), max(per_forward, 1)):
+            ids = windows[first : first + per_forward].to(self.device)
+            with (
+                torch.inference_mode(),
+                _other_kernel_setting(self.device),
+                mlp_in_chunks(self.model, length=ids.shape[1]),
+            ):
+                logits = self.model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
+            yield from logits
+
+    @property
+    def batched_kernel_setting(self) -> str:
+        """What `window_logits_batched` changes besides the batch, in words."""
+        if self.device.type == "cuda":
+            return "cuBLAS's reduced-precision BF16 reduction the other way round"
+        return "none (a CPU's kernels follow the shapes)"
+
     @torch.inference_mode()
     def sequence_logits(self, inputs: dict[str, Any], positions: torch.Tensor) -> torch.Tensor:
         """One sequence forwarded alone (its token ids, and other inputs such as images), the logits at
@@ -454,3 +478,19 @@ class HFBackend:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _other_kernel_setting(device: torch.device) -> Iterator[None]:
+    """On a CUDA device, cuBLAS's reduced-precision BF16 reduction the other way round for the block: another
+    kernel setting a serving engine may run with; elsewhere nothing changes."""
+    if device.type != "cuda":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = not before
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before

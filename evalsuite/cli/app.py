@@ -34,6 +34,19 @@ from evalsuite.api import (  # noqa: F401
     tune_allocator,
 )
 from evalsuite.cli.demo import DEMO_CKPT, DEMO_OUT, DEMO_TASKS, DEMO_THRESHOLDS, VISION_DEMO_OUT  # noqa: F401
+from evalsuite.cli.options import (
+    CalibrationOption,
+    ChatsOption,
+    CorpusPath,
+    Device,
+    Dtype,
+    ExecutionFloor,
+    MaxMemory,
+    SpecOption,
+    Stream,
+    parse_specs,
+    task_names,
+)
 from evalsuite.cli.output import (  # noqa: F401
     PROGRESS_LINES,
     ProgressLines,
@@ -45,7 +58,6 @@ from evalsuite.cli.output import (  # noqa: F401
 )
 from evalsuite.errors import (
     EvalsuiteError,
-    InputError,
     ResourceError,
     is_out_of_descriptors,
     is_out_of_memory,
@@ -69,50 +81,6 @@ app = typer.Typer(
 # The folder a command writes its run into, once known: an internal error's traceback goes there, beside the
 # reports it did not write (else to a file in the temporary folder).
 output_folder: contextvars.ContextVar[Path | None] = contextvars.ContextVar("output_folder", default=None)
-
-
-def task_names(tasks: str) -> list[str]:
-    """`--tasks a,b,c` as a list of names."""
-    return [t.strip() for t in tasks.split(",") if t.strip()]
-
-
-def parse_specs(items: list[str] | None) -> dict[str, Path]:
-    """`--spec TASK=PATH` (repeatable): a spec file that replaces the shipped tasks/TASK.toml."""
-    specs = {}
-    for item in items or []:
-        task, sep, path = item.partition("=")
-        if not sep or not task or not path:
-            raise InputError(f"--spec takes TASK=PATH, not {item!r}")
-        specs[task.strip()] = Path(path)
-    return specs
-
-
-CorpusPath = Annotated[
-    Path | None,
-    typer.Option(
-        help="A local copy of WikiText-2's raw test split (parquet file, datasets save_to_disk folder, or "
-        "wiki.test.raw), checked to be that split."
-    ),
-]
-SpecOption = Annotated[
-    list[str] | None, typer.Option("--spec", help="TASK=PATH: use this spec file for TASK (repeatable).")
-]
-ChatsOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--chats",
-        help='Score ppl on these chats through the chat template (JSONL: {"messages": [...], "tag": ...} '
-        "per line) instead of a text.",
-    ),
-]
-CalibrationOption = Annotated[
-    Path | None,
-    typer.Option(
-        help="The candidate's calibration data (text, or chat or text JSONL): ppl's windows and chats, "
-        "smoke's prompts and vision's questions it holds are flagged, and the verdicts given without them "
-        "too."
-    ),
-]
 
 
 def execute(
@@ -146,20 +114,6 @@ def show_run(outcome: RunOutcome) -> int:
         )
         raise EvalsuiteError(f"no verdict: {why}")
     return outcome.exit_code
-
-
-Dtype = Annotated[str, typer.Option(help="Compute dtype: bfloat16, float16 or float32.")]
-Device = Annotated[str, typer.Option(help="cpu, cuda, cuda:N, or auto (accelerate's device_map).")]
-Stream = Annotated[
-    bool, typer.Option(help="Run both sides one decoder layer at a time (for models larger than memory).")
-]
-MaxMemory = Annotated[
-    str | None,
-    typer.Option(
-        help="Memory a side may fill, e.g. 24GB or 30GiB [default: the device's free memory]; a side whose "
-        "model needs more runs streamed."
-    ),
-]
 
 
 @app.command("run")
@@ -206,6 +160,7 @@ def run_command(
     plots: Annotated[
         bool, typer.Option("--plots/--no-plots", help="Draw the PNG plots (--no-plots: tables only).")
     ] = True,
+    execution_floor: ExecutionFloor = False,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
     """Compare a candidate checkpoint with its reference and write reports/NAME/{results.json,report.md}."""
@@ -241,6 +196,7 @@ def run_command(
             keep_observations=keep_observations,
             fixtures=fixtures,
             plots=plots,
+            execution_floor=execution_floor,
             progress=progress,
             on_load=announce_load,
         )
@@ -345,6 +301,7 @@ def record_command(
     max_memory: MaxMemory = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow code from the checkpoint folder.")] = False,
     fixtures: Annotated[Path, typer.Option(help="Where fixture names are looked up.")] = DEFAULT_FIXTURES,
+    execution_floor: ExecutionFloor = False,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
 ) -> int:
     """Observe one checkpoint and save a compact recording that `run --ref` accepts instead of the model."""
@@ -367,6 +324,7 @@ def record_command(
             max_memory=max_memory,
             trust_remote_code=trust_remote_code,
             fixtures=fixtures,
+            execution_floor=execution_floor,
             progress=progress,
             on_load=announce_load,
         )

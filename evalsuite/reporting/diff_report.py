@@ -378,6 +378,7 @@ def caveats(results: dict[str, Any]) -> list[str]:
             "itself uncertain by about ±25%"
         )
         notes += calibration_caveats(ppl)
+        notes += execution_floor_caveats(tasks["ppl"])
         if ppl.get("corpus") != "wikitext-2-raw-v1":
             notes.append(
                 f"the text scored is `{ppl.get('corpus')}`, not WikiText-2: PPL is not comparable with "
@@ -392,6 +393,31 @@ def caveats(results: dict[str, Any]) -> list[str]:
                 "a PPL increase is not an accuracy drop: downstream accuracy was not measured (task `lmeval`)"
             )
     return notes
+
+
+def execution_floor_caveats(ppl: dict[str, Any]) -> list[str]:
+    """Where the reference was run again in another execution (`--execution-floor`): its own difference,
+    and whether the candidate's lies within it, as the paired test says (within, above or undetermined)."""
+    m = ppl.get("metrics", {})
+    if "execution_floor" not in m:
+        return []
+    if m["execution_floor"] is None:
+        why = ppl.get("null_reasons", {}).get("execution_floor", "")
+        return [f"the reference's own execution difference was not measured: {why}"]
+    how = f"its windows {m['execution_floor_windows_per_forward']} at a time"
+    if not str(m.get("execution_floor_kernel_setting", "")).startswith("none"):
+        how += f", {m['execution_floor_kernel_setting']}"
+    kld = format_number(m["execution_floor_kld_mean"])
+    own = f"the reference's own execution difference ({how}: mean KLD {kld})"
+    low, high = m.get("execution_floor_excess_lower95"), m.get("execution_floor_excess_upper95")
+    interval = f"95% bounds of the paired excess [{format_number(low)}, {format_number(high)}]"
+    said = {
+        "within": f"the candidate's KLD is within {own}: {interval}",
+        "above": f"the candidate's KLD exceeds {own}: {interval}",
+        "undetermined": f"whether the candidate's KLD is within {own} is undetermined: {interval} hold 0, or "
+        "too few windows",
+    }
+    return [f"`ppl`: {said[m['execution_floor']]}"]
 
 
 def calibration_caveats(ppl: dict[str, Any]) -> list[str]:

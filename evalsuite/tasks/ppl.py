@@ -20,6 +20,11 @@ from evalsuite.observers.compact_window_logits import (
     is_at_reference,
     long_window_needs,
 )
+from evalsuite.observers.execution_floor import (
+    EXECUTION_FLOOR_LABEL,
+    ExecutionFloorLogits,
+    execution_floor_metrics,
+)
 from evalsuite.observers.kld_detail import (
     Precision,
     detail_metrics,
@@ -131,6 +136,7 @@ class Perplexity:
         "kld_floor_allowed",
         "kld_beyond_allowed",
         "noise_floor",
+        "execution_floor*",
         "kld_vs_ref_mde",
         "ln_ppl_ratio_mde",
         "*_upper95",
@@ -177,6 +183,14 @@ class Perplexity:
         "(1 + margin) × the noise floor's; above: its lower bound exceeds 0; undetermined: neither is shown "
         "(or fewer than 3 windows)",
         "kld_floor_draw_spread": "max − min of the floor's mean KLD over its noise draws (seeds)",
+        "execution_floor_kld_mean": "mean KLD of the reference from itself with its windows batched "
+        "(`--execution-floor`; on CUDA another kernel setting too): the reference's own execution difference",
+        "execution_floor_same_top_p": "share of scored positions where the reference ranks the same token "
+        "first both ways",
+        "execution_floor_excess": "mean per-token kld − the reference's own execution KLD, paired by token",
+        "execution_floor": "within: the upper 95% bound of execution_floor_excess (window-clustered) is at "
+        "most 0, the candidate's difference no larger than the reference's from itself; above: its lower "
+        "bound exceeds 0; undetermined: neither is shown",
         "n_chats": "chats scored (each one cluster of every error, as a window is on a text)",
         "assistant_spans": "how each chat's assistant tokens were found: the chat template's generation "
         "markers, or its rendering of each turn (the chat up to it with the generation prompt)",
@@ -238,6 +252,10 @@ class Perplexity:
             else:
                 noisy = NoisyWindowLogits(protocol, self.spec.record, chunk_rows, noise=floor.draw(i))
                 needs.append(Need(floor.label(i), "ref", noisy))
+        if self.context.execution_floor and not head_rows:
+            # The reference against itself, its windows batched: compared with its own files as it is made.
+            batched = ExecutionFloorLogits(protocol, self.spec.record, chunk_rows)
+            needs.append(Need(EXECUTION_FLOOR_LABEL, "ref", batched, consumes=(REFERENCE_LABEL,)))
         return needs
 
     def paired_differences(self, values: dict[str, Any]) -> list[Difference]:
@@ -313,6 +331,10 @@ class Perplexity:
                 ref, draws, kld, windows, chunk_rows, floor_spec.margin, shared
             )
             values.update(floor)
+        unmeasured: dict[str, str] = {}
+        if EXECUTION_FLOOR_LABEL in observed:
+            found, unmeasured = execution_floor_metrics(ref, observed[EXECUTION_FLOOR_LABEL], kld, windows)
+            values.update(found)
         artifacts_made = {}
         if self.context.plots:
             artifacts_made = self.plot(ref, nll_ckpt, kld, estimator, artifacts, windows_too=not chats)
@@ -355,7 +377,7 @@ class Perplexity:
             details += overlap_rows(self.overlap)
         few = claims.too_few_reason(n_windows)
         undefined = [k for k, v in values.items() if isinstance(v, float) and math.isnan(v) and _claimed(k)]
-        reasons = {k: few for k in undefined} if few else {}
+        reasons = {**unmeasured, **({k: few for k in undefined} if few else {})}
         return TaskResult.from_checks(
             values, checks, artifacts=artifacts_made, null_reasons=reasons, details=details
         )
