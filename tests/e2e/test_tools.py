@@ -11,6 +11,7 @@ from pathlib import Path
 
 from evalsuite.contract.spec import default_spec_path
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
+from evalsuite.reporting.diff_report import format_number
 from evalsuite.stats import metrics
 from evalsuite.tasks.answer_pairs import DIVERGENCE_MARK
 from evalsuite.tasks.tools._answers import first_json_object
@@ -174,6 +175,13 @@ def test_the_checks_fail_on_a_candidate_whose_answers_break_json(tiny_pair, tmp_
     verdicts = {c["name"]: c["passed"] for c in failed.task("tools")["checks"]}
     assert verdicts == {"parse_rate_drop": False, "right_call_rate_drop": False}
     assert all(r["ref_answer"].replace(DIVERGENCE_MARK, "").startswith("}{}") for r in rows_of(failed))
+    # The card's rows: each side's share with its interval and sample, the drop and the flips.
+    assert cli_run_in_process("report", failed.out, "--format", "model-card").returncode == 0
+    card = (failed.out / "model-card.md").read_text(encoding="utf-8")
+    low, high = (format_number(m[f"parse_rate_drop_{b}95"]) for b in ("lower", "upper"))
+    assert "Tool calls and JSON answers to 8 cases" in card
+    assert f"| parsed | 1 [{format_number(m['parse_rate_ref_lower95'])}, 1] | 0 [0, " in card
+    assert f"| 1 [{low}, {high}] | 8 / 0 (p = {format_number(m['parse_flip_p'])}) |" in card
     # The same reference against itself: nothing lost, both checks pass.
     same = run_pair(reference, reference, tmp_path / "same", "tools", "--spec", f"tools={spec}")
     assert same.cli.returncode == 0, same.cli.stderr
