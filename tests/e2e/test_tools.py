@@ -6,6 +6,7 @@ pass on that reference against itself."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -187,3 +188,14 @@ def test_the_checks_fail_on_a_candidate_whose_answers_break_json(tiny_pair, tmp_
     assert same.cli.returncode == 0, same.cli.stderr
     assert {c["name"]: c["passed"] for c in same.task("tools")["checks"]} == dict.fromkeys(verdicts, True)
     assert same.metrics("tools")["right_call_rate_ckpt"] == 2 / 8
+    # --baseline: the broken candidate against the good run's results regresses on each share; the good run
+    # against its own results does not (each rerun reuses every observation).
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps(same.results), encoding="utf-8")
+    args = ("--tasks", "tools", "--spec", f"tools={spec}", "--corpus", "python-docs", "--baseline", baseline)
+    again = rerun(same, tmp_path / "same-again", "run", "--ckpt", reference, "--ref", reference, *args)
+    assert again.cli.returncode == 0 and again.loads == [], again.cli.stderr
+    worse = rerun(failed, tmp_path / "worse", "run", "--ckpt", broken, "--ref", reference, *args)
+    assert worse.cli.returncode == 1 and worse.loads == [], worse.cli.stderr
+    regressed = {c["name"] for c in worse.task("tools")["checks"] if not c["passed"]} - set(verdicts)
+    assert regressed == {f"{o}_rate_ckpt_vs_baseline" for o in ("parse", "schema_valid", "right_call")}
