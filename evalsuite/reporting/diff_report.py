@@ -324,17 +324,22 @@ def failed_prompts(results: dict[str, Any]) -> list[str]:
     ]
 
 
-def answer_configuration(smoke: dict[str, Any]) -> str:
-    """How `smoke`'s answers were decoded and how often the batch moved them on each side, as one sentence
-    (report.md's caveats, the model card): the configuration is part of an answer."""
-    m = smoke.get("metrics", {})
-    text = f"`smoke` compares answers {m.get('answers_compared')}"
+# The tasks whose answers are compared as each side decoded them, and what they call the things they ask.
+DECODED_ANSWERS = {"smoke": "prompts", "tools": "cases"}
+
+
+def answer_configuration(entry: dict[str, Any], task: str = "smoke") -> str:
+    """How a task's decoded answers (`DECODED_ANSWERS`) were decoded and how often the batch moved them on
+    each side, as one sentence (report.md's caveats, the model card): the configuration is part of an
+    answer."""
+    m = entry.get("metrics", {})
+    text = f"`{task}` compares answers {m.get('answers_compared')}"
     ref, ckpt = m.get("ref_batch_sensitive"), m.get("ckpt_batch_sensitive")
     if ref is None or ckpt is None:
         return text + "; whether an answer depends on the batch was not measured: a side decoded one way only"
     text += (
         f"; answers that change when decoded in the spec's batch instead: reference {ref}, candidate {ckpt} "
-        f"of {m.get('n_prompts')}"
+        f"of {m.get('n_' + DECODED_ANSWERS[task])}"
     )
     p = m.get("batch_sensitivity_p")
     if isinstance(p, float):
@@ -359,8 +364,9 @@ def caveats(results: dict[str, Any]) -> list[str]:
     tasks = results["tasks"]
     notes = difference_caveats(results) + threshold_caveats(results) + failed_prompts(results)
     notes += replay_caveats(results) + baseline_caveats(results)
-    if tasks.get("smoke", {}).get("metrics", {}).get("answers_compared"):
-        notes.append(answer_configuration(tasks["smoke"]))
+    for task in DECODED_ANSWERS:
+        if tasks.get(task, {}).get("metrics", {}).get("answers_compared"):
+            notes.append(answer_configuration(tasks[task], task))
     for task, entry in tasks.items():
         if entry["status"] in ("skipped", "error"):
             what = "was skipped" if entry["status"] == "skipped" else "failed to run"

@@ -1,8 +1,7 @@
 """The model card's tables of what the run measured beyond WikiText's perplexity
-(`evalsuite.reporting.model_card`
-places them in its Results section): `ppl` on chats split by tag and turn, the calibration set's overlap
-with each task's evaluated text, and `smoke`'s trajectory survival. Every number is read from
-results.json."""
+(`evalsuite.reporting.model_card` places them in its Results section): `ppl` on chats split by tag and
+turn, the calibration set's overlap with each task's evaluated text, `smoke`'s trajectory survival and
+`tools`' tool calls and JSON answers. Every number is read from results.json."""
 
 from __future__ import annotations
 
@@ -149,3 +148,36 @@ def greedy_answers(results: dict[str, Any]) -> list[str]:
             f"({m.get('kld_estimator', 'estimator not stated')})"
         )
     return [*lines, ""]
+
+
+def tool_calls(results: dict[str, Any]) -> list[str]:
+    """`tools`: each side's share of cases whose answer holds a JSON object, is valid under the case's
+    schema and is the expected call, with 95% Wilson intervals over cases; the drop with Newcombe's paired
+    interval and the flips' McNemar p."""
+    m = measured(results["tasks"].get("tools"))
+    if "parse_rate_ref" not in m:
+        return []
+
+    def interval(name: str) -> str:
+        return f"[{format_number(m.get(f'{name}_lower95'))}, {format_number(m.get(f'{name}_upper95'))}]"
+
+    lines = [
+        f"Tool calls and JSON answers to {format_number(m.get('n_cases'))} cases (`tools`; "
+        f"{format_number(m.get('n_through_template'))} asked through the chat template's tools, "
+        f"{format_number(m.get('n_json_mode'))} in JSON mode): each side's share of cases, with a 95% Wilson "
+        "interval over cases; the drop (reference − candidate) with Newcombe's paired 95% interval:",
+        "",
+        "| outcome | reference | candidate | drop | lost / gained (McNemar p) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for outcome, words in (
+        ("parse", "parsed"),
+        ("schema_valid", "schema-valid"),
+        ("right_call", "right call"),
+    ):
+        ref, ckpt, drop = (f"{outcome}_rate_{s}" for s in ("ref", "ckpt", "drop"))
+        flips = f"{format_number(m.get(f'{outcome}_lost'))} / {format_number(m.get(f'{outcome}_gained'))}"
+        cells = [f"{format_number(m.get(name))} {interval(name)}" for name in (ref, ckpt, drop)]
+        lines.append(table_row([words, *cells, f"{flips} (p = {format_number(m.get(f'{outcome}_flip_p'))})"]))
+    lines += ["", f"- {answer_configuration(results['tasks']['tools'], 'tools')}", ""]
+    return lines

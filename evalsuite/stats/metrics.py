@@ -527,3 +527,34 @@ def proportion_interval(successes: int, n: int, level: float = 0.95) -> tuple[fl
     centre = (share + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return share, max(0.0, centre - half), min(1.0, centre + half)
+
+
+def paired_proportion_difference(
+    both: int, first_only: int, second_only: int, neither: int, level: float = 0.95
+) -> tuple[float, float, float]:
+    """The difference p₁ − p₂ of two shares measured on the same units (a case parsed by the reference and
+    by the candidate), with Newcombe's square-and-add interval for paired data (Newcombe 1998, method 10;
+    Fagerland, Lydersen and Laake, *Statistical Analysis of Contingency Tables*, 2017, ch. 8).
+
+    The counts are the paired 2×2 table: units a success on both, on the first only, on the second only,
+    on neither. Each share gets its Wilson interval (`proportion_interval`), and the two are combined with
+    the estimated correlation φ between them, shrunk towards 0 by n/2 where positive (Newcombe's
+    correction). Unlike estimate ± z·stderr it keeps its coverage where the difference is 0 with no
+    discordant unit, as a faithful candidate's is. NaN for no units.
+    """
+    counts = (both, first_only, second_only, neither)
+    if min(counts) < 0:
+        raise ValueError(f"paired counts cannot be negative: {counts}")
+    n = sum(counts)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    p1, l1, u1 = proportion_interval(both + first_only, n, level)
+    p2, l2, u2 = proportion_interval(both + second_only, n, level)
+    margins = (both + first_only) * (second_only + neither) * (both + second_only) * (first_only + neither)
+    phi = 0.0
+    if margins:
+        a = both * neither - first_only * second_only
+        phi = (a - n / 2) / math.sqrt(margins) if a > n / 2 else min(a, 0) / math.sqrt(margins)
+    low = math.sqrt(max(0.0, (p1 - l1) ** 2 + (u2 - p2) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2)))
+    high = math.sqrt(max(0.0, (p2 - l2) ** 2 + (u1 - p1) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1)))
+    return p1 - p2, p1 - p2 - low, p1 - p2 + high

@@ -15,6 +15,7 @@ reference did not rank the candidate's token among its first k at all (vLLM's ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,19 @@ def batch_sensitive(answers: AnswerSet, other: AnswerSet | None) -> list[bool] |
     if other is None:
         return None
     return [a != b for a, b in zip(answers.tokens, other.tokens, strict=True)]
+
+
+def batch_cells(pair: PairedAnswers, i: int, judged: dict[str, Callable[[str], Any]]) -> dict[str, Any]:
+    """What a row says where prompt `i`'s answer moves with the batch on a side (its answer alone and its
+    answer in the batch differ): that side's `…_batch_sensitive`, its answer in the batch, and each judge of
+    `judged` (a column's name → a judge of an answer's text) on it (`…_pass_in_batch`)."""
+    row: dict[str, Any] = {}
+    for side, answers, other in (("ref", pair.ref, pair.ref_other), ("ckpt", pair.ckpt, pair.ckpt_other)):
+        if other is not None and answers.tokens[i] != other.tokens[i]:
+            row[f"{side}_batch_sensitive"] = True
+            row[f"{side}_answer_in_batch"] = other.texts[i]
+            row.update({f"{side}_{name}_in_batch": judge(other.texts[i]) for name, judge in judged.items()})
+    return row
 
 
 def divergence_row(pair: PairedAnswers, i: int, top_k: int, near_tie: float) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -48,6 +48,7 @@ from evalsuite.protocol.task import Inputs, Need, RunContext, TaskResult, skip_i
 from evalsuite.stats import metrics
 from evalsuite.tasks.answer_pairs import (
     PairedAnswers,
+    batch_cells,
     batch_sensitive,
     divergence_row,
     marked,
@@ -165,14 +166,37 @@ class SmokeSpec(TaskSpec):
             raise ValueError(f"prompt ids must be unique: {sorted({i for i in ids if ids.count(i) > 1})}")
 
 
-def prompt_ids(side: Side, prompt: Prompt) -> list[int]:
-    """The prompt through the side's chat template (generation prompt on), or, without a template, its turns'
-    text one after the other."""
+def chat_ids(side: Side, chat: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """A chat through the side's chat template (generation prompt on; `tools` offered to the template where
+    given), or, without a template, its turns' text one after the other."""
     tokenizer = side.tokenizer
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return list(tokenizer(prompt.text())["input_ids"])
+    return list(tokenizer("\n".join(m["content"] for m in chat))["input_ids"])
+
+
+def prompt_ids(side: Side, prompt: Prompt) -> list[int]:
+    """The prompt through the side's chat template (`chat_ids`)."""
+    return chat_ids(side, prompt.chat())
+
+
+def agreed_ids(
+    ref: Side, ckpt: Side, names: list[str], ids_of: Callable[[Side], list[list[int]]]
+) -> list[list[int]]:
+    """The prompts' token ids (`ids_of` a side), made once with the reference's tokenizer (the candidate's
+    for a recorded reference). Where the two sides' tokenizer files differ, the candidate's must give the
+    same ids for every prompt: InputError naming the first (by `names`) that it does not."""
+    ids = ids_of(ckpt if ref.is_recorded else ref)
+    if not ref.is_recorded and ref.checkpoint.tokenizer_sha256 != ckpt.checkpoint.tokenizer_sha256:
+        for name, a, b in zip(names, ids, ids_of(ckpt), strict=True):
+            if a != b:
+                raise InputError(
+                    f"its tokenizer or chat template disagrees with the reference's on prompt {name!r}; the "
+                    "sides cannot be compared",
+                    ckpt.checkpoint.path,
+                )
+    return ids
 
 
 def ids_sha256(prompts: list[list[int]]) -> str:
@@ -295,17 +319,8 @@ class Smoke:
         """Prompt ids made once (with the reference tokenizer), hashed; the candidate must agree. Each
         prompt's overlap with the calibration set, if one is given or named."""
         skip_if_cannot_generate(ref, ckpt, "smoke")
-        source = ckpt if ref.is_recorded else ref
-        ids = [prompt_ids(source, p) for p in self.spec.prompts]
-        if not ref.is_recorded and ref.checkpoint.tokenizer_sha256 != ckpt.checkpoint.tokenizer_sha256:
-            other = [prompt_ids(ckpt, p) for p in self.spec.prompts]
-            for prompt, a, b in zip(self.spec.prompts, ids, other, strict=True):
-                if a != b:
-                    raise InputError(
-                        f"its tokenizer or chat template disagrees with the reference's on prompt "
-                        f"{prompt.id!r}; the sides cannot be compared",
-                        ckpt.checkpoint.path,
-                    )
+        names = [p.id for p in self.spec.prompts]
+        ids = agreed_ids(ref, ckpt, names, lambda side: [prompt_ids(side, p) for p in self.spec.prompts])
         prompts = [
             {"ids": i, "max_new_tokens": p.max_new_tokens}
             for i, p in zip(ids, self.spec.prompts, strict=True)
@@ -333,12 +348,7 @@ class Smoke:
         pair = paired_answers(observed[ANSWERS_LABEL], observed[CKPT_ANSWERS_LABEL])
         if len(pair) != len(self.spec.prompts):
             raise InputError(f"the sides answered {len(pair)} prompts, not {len(self.spec.prompts)}")
-        ref_sensitive = batch_sensitive(pair.ref, pair.ref_other)
-        ckpt_sensitive = batch_sensitive(pair.ckpt, pair.ckpt_other)
-        rows = [
-            self.compare_prompt(i, prompt, pair, ref_sensitive, ckpt_sensitive)
-            for i, prompt in enumerate(self.spec.prompts)
-        ]
+        rows = [self.compare_prompt(i, prompt, pair) for i, prompt in enumerate(self.spec.prompts)]
         # Every answer token's prompt, KL(ref ‖ ckpt) (the reference's compact rows against the candidate's
         # log-probs at their ids) and whether both sides rank the same token first: both forced along the
         # reference's answers.
@@ -424,14 +434,7 @@ class Smoke:
             out[f"survival_{n}_n"] = len(seen)
         return out
 
-    def compare_prompt(
-        self,
-        i: int,
-        prompt: Prompt,
-        pair: PairedAnswers,
-        ref_sensitive: list[bool] | None,
-        ckpt_sensitive: list[bool] | None,
-    ) -> dict[str, Any]:
+    def compare_prompt(self, i: int, prompt: Prompt, pair: PairedAnswers) -> dict[str, Any]:
         """One prompt: both answers as decoded, pass/fail, the reference's view at the first token they part
         on, and each side's answer in its batch where it differs from its answer alone."""
         ref_text, ckpt_text = pair.ref.texts[i], pair.ckpt.texts[i]
@@ -451,14 +454,7 @@ class Smoke:
             "divergence": "",
         }
         row.update(divergence_row(pair, i, self.spec.generation.top_k, self.spec.generation.near_tie))
-        for side, sensitive, other in (
-            ("ref", ref_sensitive, pair.ref_other),
-            ("ckpt", ckpt_sensitive, pair.ckpt_other),
-        ):
-            if sensitive is not None and other is not None and sensitive[i]:
-                row[f"{side}_batch_sensitive"] = True
-                row[f"{side}_answer_in_batch"] = other.texts[i]
-                row[f"{side}_pass_in_batch"] = prompt.matches(other.texts[i])
+        row.update(batch_cells(pair, i, {"pass": prompt.matches}))
         return row
 
 

@@ -100,3 +100,34 @@ def test_choice_kl_divergence_of_identical_choices_is_exactly_zero():
 def test_recovery_is_ckpt_over_ref_and_undefined_for_a_zero_reference():
     assert metrics.recovery(0.5, 0.45) == pytest.approx(0.9)
     assert math.isnan(metrics.recovery(0.0, 0.3))
+
+
+def test_paired_proportion_difference_by_hand():
+    # Ten cases: 4 parsed by both sides, 2 by the first only, none by the second only, 4 by neither.
+    # p1 = 6/10, p2 = 4/10; their Wilson intervals (z = 1.959964) are 0.6 − 0.2873 … 0.6 + 0.2318 and
+    # 0.4 − 0.2318 … 0.4 + 0.2873 (Wilson is symmetric about ½, so the two mirror each other).
+    # ad − bc = 16 > n/2 = 5: φ = (16 − 5) / sqrt(6·4·4·6) = 11/24, and each half-width is the root of
+    # x² + x² − 2φx² = x² (2 − 11/12) = x² · 13/12: 0.28733 · 1.04083 = 0.29906 below, 0.23182 · 1.04083 =
+    # 0.24129 above the difference 0.2.
+    diff, low, high = metrics.paired_proportion_difference(4, 2, 0, 4)
+    l1 = 0.6 - metrics.proportion_interval(6, 10)[1]
+    u1 = metrics.proportion_interval(6, 10)[2] - 0.6
+    assert diff == pytest.approx(0.2, abs=1e-15)
+    assert low == pytest.approx(0.2 - l1 * math.sqrt(13 / 12), rel=1e-12)
+    assert high == pytest.approx(0.2 + u1 * math.sqrt(13 / 12), rel=1e-12)
+    assert (round(low, 4), round(high, 4)) == (-0.0991, 0.4413)
+
+
+def test_paired_proportion_difference_agrees_with_the_published_example():
+    # Cavo et al. (2012), complete response before and after consolidation therapy, as Fagerland, Lydersen and
+    # Laake (2017, ch. 8) report it: 59, 6, 16, 80 → −0.0621 (95% CI −0.1186 to −0.0046).
+    diff, low, high = metrics.paired_proportion_difference(59, 6, 16, 80)
+    assert (round(diff, 4), round(low, 4), round(high, 4)) == (-0.0621, -0.1186, -0.0046)
+
+
+def test_paired_proportion_difference_of_identical_sides_is_zero_inside_its_interval():
+    diff, low, high = metrics.paired_proportion_difference(30, 0, 0, 10)
+    assert diff == 0.0 and low < 0 < high
+    assert all(math.isnan(v) for v in metrics.paired_proportion_difference(0, 0, 0, 0))
+    with pytest.raises(ValueError):
+        metrics.paired_proportion_difference(1, -1, 0, 0)
