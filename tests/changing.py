@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from evalsuite.cli.app import app as cli
+from evalsuite.cli import app as cli
 from evalsuite.pipeline import observe
 
 _CHANGE = {

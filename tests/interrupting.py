@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 
-from evalsuite.cli.app import app as cli
+from evalsuite.cli import app as cli
 
 
 def interrupting_display(what: str, n: int) -> Callable:

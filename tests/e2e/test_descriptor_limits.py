@@ -38,7 +38,7 @@ SMOLLM2_OPEN_FILES, NARROW_OPEN_FILES = 32, 1024
 # the next file it opens, wherever that is (a module imported lazily, a checkpoint's config), cannot be.
 NO_FILE_LEFT = """
 import os, resource, sys
-from evalsuite.cli.app import app as cli
+from evalsuite.cli import app as cli
 free = os.open(os.devnull, os.O_RDONLY)
 os.close(free)
 resource.setrlimit(resource.RLIMIT_NOFILE, (free, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
