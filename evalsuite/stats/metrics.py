@@ -361,6 +361,16 @@ def mcnemar_exact_p(c2w: int, w2c: int) -> float:
     return min(1.0, float(Fraction(2 * tail, 2**n)))
 
 
+def mcnemar_min_discordant(alpha: float = 0.05) -> int:
+    """The fewest discordant documents with which McNemar's exact two-sided test can reach p < `alpha` at all
+    (every flip one way): with fewer, no count of flips is evidence of a change at that level, and a verdict
+    resting on the test is undetermined rather than a pass."""
+    n = 1
+    while mcnemar_exact_p(n, 0) >= alpha:
+        n += 1
+    return n
+
+
 def choice_kl_divergence(lls_ref: ArrayLike, lls_ckpt: ArrayLike) -> float:
     """KL(P_ref ‖ P_ckpt) between two distributions over a question's answer choices, each the softmax of
     that side's per-choice log-likelihoods. 0 for identical log-likelihoods."""

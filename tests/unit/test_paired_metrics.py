@@ -100,3 +100,11 @@ def test_choice_kl_divergence_of_identical_choices_is_exactly_zero():
 def test_recovery_is_ckpt_over_ref_and_undefined_for_a_zero_reference():
     assert metrics.recovery(0.5, 0.45) == pytest.approx(0.9)
     assert math.isnan(metrics.recovery(0.0, 0.3))
+
+
+def test_mcnemar_needs_six_discordant_documents_to_reach_5_percent():
+    # All flips one way: p = 2 / 2^n, 0.0625 for n = 5 and 0.03125 for n = 6.
+    assert metrics.mcnemar_exact_p(5, 0) == 0.0625 and metrics.mcnemar_exact_p(6, 0) == 0.03125
+    assert metrics.mcnemar_min_discordant(0.05) == 6
+    # 2 / 2^n < 0.01 from n = 8 (2 / 128 = 0.0156, 2 / 256 = 0.0078).
+    assert metrics.mcnemar_min_discordant(0.01) == 8
