@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -165,14 +165,33 @@ class SmokeSpec(TaskSpec):
             raise ValueError(f"prompt ids must be unique: {sorted({i for i in ids if ids.count(i) > 1})}")
 
 
-def prompt_ids(side: Side, prompt: Prompt) -> list[int]:
-    """The prompt through the side's chat template (generation prompt on), or, without a template, its turns'
-    text one after the other."""
+def prompt_ids(side: Side, prompt: Prompt, **template: Any) -> list[int]:
+    """The prompt through the side's chat template (generation prompt on; `template`: the template's own
+    switches, `enable_thinking`), or, without a template, its turns' text one after the other."""
     tokenizer = side.tokenizer
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            prompt.chat(), add_generation_prompt=True, tokenize=True, **template
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return list(tokenizer(prompt.text())["input_ids"])
+
+
+def shared_prompt_ids(ref: Side, ckpt: Side, prompts: Sequence[Prompt], **template: Any) -> list[list[int]]:
+    """Each prompt's ids, made once (with the reference's tokenizer, the candidate's for a recorded
+    reference); InputError where the candidate's tokenizer or chat template makes other ids of a prompt."""
+    source = ckpt if ref.is_recorded else ref
+    ids = [prompt_ids(source, p, **template) for p in prompts]
+    if not ref.is_recorded and ref.checkpoint.tokenizer_sha256 != ckpt.checkpoint.tokenizer_sha256:
+        other = [prompt_ids(ckpt, p, **template) for p in prompts]
+        for prompt, a, b in zip(prompts, ids, other, strict=True):
+            if a != b:
+                raise InputError(
+                    f"its tokenizer or chat template disagrees with the reference's on prompt "
+                    f"{prompt.id!r}; the sides cannot be compared",
+                    ckpt.checkpoint.path,
+                )
+    return ids
 
 
 def ids_sha256(prompts: list[list[int]]) -> str:
@@ -295,17 +314,7 @@ class Smoke:
         """Prompt ids made once (with the reference tokenizer), hashed; the candidate must agree. Each
         prompt's overlap with the calibration set, if one is given or named."""
         skip_if_cannot_generate(ref, ckpt, "smoke")
-        source = ckpt if ref.is_recorded else ref
-        ids = [prompt_ids(source, p) for p in self.spec.prompts]
-        if not ref.is_recorded and ref.checkpoint.tokenizer_sha256 != ckpt.checkpoint.tokenizer_sha256:
-            other = [prompt_ids(ckpt, p) for p in self.spec.prompts]
-            for prompt, a, b in zip(self.spec.prompts, ids, other, strict=True):
-                if a != b:
-                    raise InputError(
-                        f"its tokenizer or chat template disagrees with the reference's on prompt "
-                        f"{prompt.id!r}; the sides cannot be compared",
-                        ckpt.checkpoint.path,
-                    )
+        ids = shared_prompt_ids(ref, ckpt, self.spec.prompts)
         prompts = [
             {"ids": i, "max_new_tokens": p.max_new_tokens}
             for i, p in zip(ids, self.spec.prompts, strict=True)
