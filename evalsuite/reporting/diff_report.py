@@ -315,26 +315,36 @@ def threshold_caveats(results: dict[str, Any]) -> list[str]:
 
 
 def failed_prompts(results: dict[str, Any]) -> list[str]:
-    """One line per smoke prompt the reference answers right and the candidate does not."""
+    """One line per smoke prompt the reference answers right and the candidate does not, and per longform
+    prompt (in each mode) whose candidate answer or thought loops where the reference's does not or whose
+    final answer the candidate gets wrong and the reference right."""
     rows = results["tasks"].get("smoke", {}).get("details") or []
-    return [
+    lines = [
         f"smoke prompt `{row.get('id')}`: the reference's answer passes, the candidate's does not"
         for row in rows
         if row.get("ref_pass") and not row.get("ckpt_pass")
     ]
+    for row in results["tasks"].get("longform", {}).get("details") or []:
+        name = f"longform prompt `{row.get('id')}`" + (f" ({row['mode']} mode)" if "mode" in row else "")
+        for what, key in (("answer", "loop"), ("thought", "thought_loop")):
+            if row.get(f"ckpt_{key}") and not row.get(f"ref_{key}"):
+                lines.append(f"{name}: the candidate's {what} loops, the reference's does not")
+        if row.get("ref_right") and not row.get("ckpt_right"):
+            lines.append(f"{name}: the reference's final answer is right, the candidate's is not")
+    return lines
 
 
-def answer_configuration(smoke: dict[str, Any]) -> str:
-    """How `smoke`'s answers were decoded and how often the batch moved them on each side, as one sentence
-    (report.md's caveats, the model card): the configuration is part of an answer."""
-    m = smoke.get("metrics", {})
-    text = f"`smoke` compares answers {m.get('answers_compared')}"
+def answer_configuration(entry: dict[str, Any], task: str = "smoke") -> str:
+    """How a task's answers (`smoke`'s, `longform`'s) were decoded and how often the batch moved them on each
+    side, as one sentence (report.md's caveats, the model card): the configuration is part of an answer."""
+    m = entry.get("metrics", {})
+    text = f"`{task}` compares answers {m.get('answers_compared')}"
     ref, ckpt = m.get("ref_batch_sensitive"), m.get("ckpt_batch_sensitive")
     if ref is None or ckpt is None:
         return text + "; whether an answer depends on the batch was not measured: a side decoded one way only"
     text += (
         f"; answers that change when decoded in the spec's batch instead: reference {ref}, candidate {ckpt} "
-        f"of {m.get('n_prompts')}"
+        f"of {m.get('n_answers', m.get('n_prompts'))}"
     )
     p = m.get("batch_sensitivity_p")
     if isinstance(p, float):
@@ -359,8 +369,9 @@ def caveats(results: dict[str, Any]) -> list[str]:
     tasks = results["tasks"]
     notes = difference_caveats(results) + threshold_caveats(results) + failed_prompts(results)
     notes += replay_caveats(results) + baseline_caveats(results)
-    if tasks.get("smoke", {}).get("metrics", {}).get("answers_compared"):
-        notes.append(answer_configuration(tasks["smoke"]))
+    for task in ("smoke", "longform"):
+        if tasks.get(task, {}).get("metrics", {}).get("answers_compared"):
+            notes.append(answer_configuration(tasks[task], task))
     for task, entry in tasks.items():
         if entry["status"] in ("skipped", "error"):
             what = "was skipped" if entry["status"] == "skipped" else "failed to run"

@@ -111,14 +111,25 @@ def vocabulary_bytes(tokenizer: Any) -> dict[int, bytes] | None:
     return table
 
 
+def counts(name: str, ref: Sequence[bool], ckpt: Sequence[bool]) -> dict[str, Any]:
+    """Each side's count of prompts with an outcome (`NAME_ref`, `NAME_ckpt`) and the 95% Wilson interval of
+    its share of the prompts (`NAME_ref_share_lower95`, `…_upper95`; each prompt one independent outcome)."""
+    values: dict[str, Any] = {}
+    for side, flags in (("ref", ref), ("ckpt", ckpt)):
+        k = int(np.sum(flags))
+        _, low, high = metrics.proportion_interval(k, len(flags))
+        values[f"{name}_{side}"] = k
+        values.update({f"{name}_{side}_share_lower95": low, f"{name}_{side}_share_upper95": high})
+    return values
+
+
 def paired_flags(name: str, ref: Sequence[bool], ckpt: Sequence[bool]) -> dict[str, Any]:
-    """A yes/no outcome that is bad when true (a loop), per side and paired over prompts: each side's count,
-    the prompts where only the candidate has it (`ckpt_NAME_not_ref`) and only the reference, and the exact
-    McNemar p of the two."""
+    """A yes/no outcome that is bad when true (a loop), per side and paired over prompts: each side's count
+    (`counts`), the prompts where only the candidate has it (`ckpt_NAME_not_ref`) and only the reference, and
+    the exact McNemar p of the two."""
     flips = metrics.flip_counts(np.logical_not(ref), np.logical_not(ckpt))
     return {
-        f"{name}_ref": int(np.sum(ref)),
-        f"{name}_ckpt": int(np.sum(ckpt)),
+        **counts(name, ref, ckpt),
         f"ckpt_{name}_not_ref": flips.c2w,
         f"ref_{name}_not_ckpt": flips.w2c,
         f"{name.removesuffix('s')}_flips_p": metrics.mcnemar_exact_p(flips.c2w, flips.w2c),
@@ -132,8 +143,7 @@ def right_answers(ref: Sequence[bool], ckpt: Sequence[bool]) -> dict[str, Any]:
     p = metrics.mcnemar_exact_p(flips.c2w, flips.w2c)
     decidable = flips.c2w + flips.w2c >= metrics.mcnemar_min_discordant(claims.ALPHA)
     return {
-        "right_ref": int(np.sum(ref)),
-        "right_ckpt": int(np.sum(ckpt)),
+        **counts("right", ref, ckpt),
         "right_lost": flips.c2w,
         "right_gained": flips.w2c,
         "right_flips_p": p,
@@ -179,13 +189,12 @@ def mode_values(
     judged = [(a.in_language, b.in_language) for a, b in zip(ref, ckpt, strict=True)]
     judged = [(a, b) for a, b in judged if a is not None and b is not None]
     off = paired_flags("off_language", [not a for a, _ in judged], [not b for _, b in judged])
+    values["language_n"] = len(judged)
+    values.update({k: v for k, v in off.items() if k.startswith("off_language_")})
     values.update(
-        language_n=len(judged),
-        off_language_ref=off["off_language_ref"],
-        off_language_ckpt=off["off_language_ckpt"],
         language_lost=off["ckpt_off_language_not_ref"],
         language_gained=off["ref_off_language_not_ckpt"],
-        language_flips_p=off["off_language_flips_p"],
+        language_flips_p=values.pop("off_language_flips_p"),
     )
     values.update(paired_flags("invalid_text", [r.invalid for r in ref], [r.invalid for r in ckpt]))
     values.update(mean_length("length_mean_ref", [r.length for r in ref]))
@@ -274,4 +283,5 @@ DESCRIPTIONS = {
     "interval (`length_ratio_lower95`, `_upper95`: t over prompts)",
     "ckpt_thought_loops_not_ref": "prompts whose candidate thought loops where the reference's does not",
     "thinking_modes": "the modes the prompts were asked in",
+    "n_answers": "answers each side decoded: the prompts in every mode",
 }

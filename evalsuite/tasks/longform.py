@@ -196,6 +196,7 @@ class Longform:
         if len(pair) != n * len(self.modes):
             raise InputError(f"the sides answered {len(pair)} prompts, not {n * len(self.modes)}")
         values, null_reasons = batch_figures(pair)
+        values["n_answers"] = len(pair)
         values["thinking_modes"] = (
             "both: enable_thinking false (figures unprefixed) and true (`thinking_…`)"
             if len(self.modes) > 1

@@ -180,3 +180,35 @@ def test_a_thinking_template_is_asked_both_ways_and_the_thought_measured_apart(t
     failed = {c.name for c in result.checks if not c.passed}
     assert failed == {"thinking_ckpt_thought_loops_not_ref"}
     assert m["thinking_thought_tokens_mean_ckpt"] == 80 and m["thinking_thought_unclosed_ckpt"] == 1
+
+
+def test_report_and_card_give_each_outcome_with_its_sample_and_interval_and_name_the_looping_prompt(tmp_path):
+    from evalsuite.reporting.diff_report import render_markdown
+    from evalsuite.reporting.model_card import render_model_card
+    from tests.documents import results_document
+    from tests.unit.test_model_card import numbers_not_in
+
+    task = longform(tmp_path, [("en", "x")] * 3, budget=70)
+    ref = [document(plain(70)), document(looped(1)), document(looped(2))]
+    ckpt = [document(looped(3)), document(looped(5)), document([11, 12, EOS])]
+    result = task.compare(observed(ref, ckpt), tmp_path)
+    result.descriptions = dict(Longform.metric_descriptions)
+    entry = result.to_json()
+    entry["differences"] = [d.to_json() for d in task.paired_differences(result.metrics)]
+    results = results_document(longform=entry)
+    card, report = render_model_card(results), render_markdown(results)
+    # Each side's count of the 3 prompts with the 95% Wilson interval of its share (2 of 3: [0.21, 0.94]).
+    row = next(line for line in card.splitlines() if line.startswith("| answers ending in a loop"))
+    assert "| 2 of 3 [0.21, 0.94] | 2 of 3 [0.21, 0.94] | 1 | 1 | 1 |" in row
+    assert "ratio" in card and "paired log-ratio over 3 prompts" in card
+    # Only p0's reference answer holds the expected "x" (token 23): one discordant prompt, too few.
+    assert (
+        "right answers lost more often than gained (exact McNemar, p < 0.05): undetermined: 1 discordant"
+        in card
+    )
+    assert numbers_not_in(results, card) == []
+    for text in (card.lower(), report.lower()):
+        assert "longform prompt `p0`: the candidate's answer loops, the reference's does not" in text
+        assert "`p1`: the candidate's" not in text  # both loop there
+        assert "longform prompt `p0`: the reference's final answer is right, the candidate's is not" in text
+    assert "## longform: fail" in report and "| ckpt_loops_not_ref | 1 |" in report
