@@ -267,8 +267,10 @@ class Longform:
         thought, unclosed, said = None, False, text
         if mode.thinks:
             cut = answers.thought_end(text, self.opened[i])
-            thought = min(answers.tokens_through(ends, cut), len(content))
-            unclosed, said = answers.THOUGHT_CLOSE not in text and cut > 0, text[cut:]
+            # A thought never closed is all of the answer, counted in tokens: tokens with no text (a
+            # special token again and again) are thought too.
+            unclosed, said = answers.THOUGHT_CLOSE not in text and (self.opened[i] or cut > 0), text[cut:]
+            thought = len(content) if unclosed else min(answers.tokens_through(ends, cut), len(content))
         data = None if self.bytes is None else b"".join(self.bytes.get(t, b"") for t in content)
         prose = answers.without_code(said)
         return Reading(
