@@ -9,7 +9,8 @@ functions on sequences and strings; no model, no tokenizer, no I/O.
 - **Invalid UTF-8** (`invalid_utf8_sequences`): the maximal ill-formed subsequences of the answer's bytes
   (the Unicode Standard's "best practice for U+FFFD substitution", ch. 3.9, which Python's decoder follows):
   each is one U+FFFD a decoder writes. A sequence cut by the end of an answer that was itself cut (its token
-  budget spent) is the budget's doing, not the model's, and is not counted there.
+  budget spent) is the budget's doing, not the model's, and is not counted there, nor is the U+FFFD a
+  decoder writes for it (`replacement_characters`).
 - **Script** (`script_share`): of the answer's letters (Unicode category L*), the share in the script of a
   language: Han ideographs for Chinese (CJK Unified and Compatibility Ideographs), Latin letters for English.
   Digits, punctuation, symbols and spaces are no language's, nor is code (`without_code`: fenced blocks and
@@ -62,9 +63,14 @@ def invalid_utf8_sequences(data: bytes, complete: bool = True) -> int:
     return count
 
 
-def replacement_characters(text: str) -> int:
-    """How many U+FFFD (the replacement character a decoder writes for bytes it cannot read) a text holds."""
-    return text.count("\ufffd")
+def replacement_characters(text: str, data: bytes | None = None, complete: bool = True) -> int:
+    """How many U+FFFD (the replacement character a decoder writes for bytes it cannot read) a text holds;
+    with `complete` False (a token budget cut the answer) and its bytes `data` known, not the last one where
+    it stands for a character the cut left unfinished: the budget's doing, as in `invalid_utf8_sequences`."""
+    count = text.count("\ufffd")
+    if not complete and data is not None and text.endswith("\ufffd"):
+        count -= invalid_utf8_sequences(data) - invalid_utf8_sequences(data, complete=False)
+    return count
 
 
 def script_share(text: str, language: str) -> float:

@@ -536,4 +536,6 @@ def proportion_interval(successes: int, n: int, level: float = 0.95) -> tuple[fl
     share = successes / n
     centre = (share + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return share, max(0.0, centre - half), min(1.0, centre + half)
+    # At a share of 0 (or 1) the bound is 0 (or 1) exactly; the arithmetic above leaves rounding dust there.
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    return share, low, 1.0 if successes == n else min(1.0, centre + half)

@@ -277,7 +277,7 @@ class Longform:
             length=len(tokens),
             stop=stop,
             loop=answers.loop_period(content[thought or 0 :]),
-            fffd=answers.replacement_characters(text),
+            fffd=answers.replacement_characters(text, data, stop == "eos"),
             invalid_utf8=None if data is None else answers.invalid_utf8_sequences(data, stop == "eos"),
             right=prompt.matches(said),
             in_language=answers.in_language(prose, prompt.language, self.spec.language.min_share),

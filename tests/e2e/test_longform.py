@@ -17,6 +17,7 @@ from evalsuite.fixtures import TINY_BF16, TINY_W4A8
 from evalsuite.observers.greedy_answers import answer_set
 from evalsuite.reporting.model_card import render_model_card
 from evalsuite.stats import answers
+from evalsuite.tasks.long_answers import vocabulary_bytes
 from tests.conftest import Run, cli_run_in_process, copy_checkpoint, edit_tensors, rerun, run_pair
 
 SHIPPED = Path(__file__).resolve().parents[2] / "tasks" / "longform.toml"
@@ -62,6 +63,17 @@ def looping_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def replacement_characters(checkpoint: Path, tokens: list[int], text: str, stop: str) -> int:
+    """The U+FFFD an answer's text holds, less a last one for a character its budget cut (its bytes read
+    through the checkpoint's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    table = vocabulary_bytes(AutoTokenizer.from_pretrained(checkpoint))
+    content = tokens if stop == "budget" else tokens[:-1]
+    data = None if table is None else b"".join(table.get(t, b"") for t in content)
+    return answers.replacement_characters(text, data, stop == "eos")
+
+
 def with_template(folder: Path, template: str) -> Path:
     (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
     return folder
@@ -87,8 +99,9 @@ def loaded(tiny_pair, tmp_path_factory) -> tuple[Run, Path]:
     return run, spec
 
 
-def test_rows_say_what_each_side_decoded_and_the_report_and_card_carry_the_task(loaded):
+def test_rows_say_what_each_side_decoded_and_the_report_and_card_carry_the_task(tiny_pair, loaded):
     run, _ = loaded
+    folders = {"ref": tiny_pair[TINY_BF16], "ckpt": tiny_pair[TINY_W4A8]}
     entry = run.task("longform")
     rows, m = entry["details"], entry["metrics"]
     assert [r["id"] for r in rows] == list(MECHANISM)
@@ -100,7 +113,9 @@ def test_rows_say_what_each_side_decoded_and_the_report_and_card_carry_the_task(
         for row, tokens, text in zip(rows, shown.tokens, shown.texts, strict=True):
             assert row[f"{side}_answer"] == text and row[f"{side}_length"] == len(tokens)
             assert row[f"{side}_stop"] == ("budget" if len(tokens) == 8 and tokens[-1] != 2 else "eos")
-            assert row[f"{side}_fffd"] == text.count("\ufffd")
+            assert row[f"{side}_fffd"] == replacement_characters(
+                folders[side], tokens, text, row[f"{side}_stop"]
+            )
             assert row[f"{side}_loop"] is False  # 8 tokens: too few to be called a loop
     assert m["n_prompts"] == 3 and m["thinking_modes"].startswith("one")
     assert (

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from evalsuite.stats import metrics
 from evalsuite.stats.answers import (
     LOOP_MAX_PERIOD,
     LOOP_WINDOW,
@@ -78,6 +79,23 @@ def test_a_character_cut_by_the_budget_is_not_the_models_fault():
 def test_replacement_characters_are_counted_in_the_text():
     assert replacement_characters("ok") == 0
     assert replacement_characters("a\ufffdb\ufffd") == 2
+    # "苦" is E8 8B A6; a budget that cut it after two bytes leaves a decoder's U+FFFD at the end: not the
+    # model's, unless the answer ended itself there. A U+FFFD before it (an invalid byte) still counts.
+    cut = "苦苦".encode()[:5]
+    assert replacement_characters(cut.decode(errors="replace"), cut, complete=False) == 0
+    assert replacement_characters(cut.decode(errors="replace"), cut, complete=True) == 1
+    assert replacement_characters(cut.decode(errors="replace"), None, complete=False) == 1  # bytes unknown
+    bad = b"\x80" + cut
+    assert replacement_characters(bad.decode(errors="replace"), bad, complete=False) == 1
+
+
+def test_a_share_of_none_or_all_has_its_wilson_bound_exactly_at_0_or_1():
+    # 0 of 5: centre = half = (z²/10)/(1 + z²/5) with z = 1.96, so the lower bound is 0 exactly; the upper
+    # is 2·centre = 0.7683/1.7683 = 0.4345.
+    share, low, high = metrics.proportion_interval(0, 5)
+    assert (share, low) == (0.0, 0.0) and high == pytest.approx(0.4345, abs=1e-4)
+    share, low, high = metrics.proportion_interval(5, 5)
+    assert (share, high) == (1.0, 1.0) and low == pytest.approx(1 - 0.4345, abs=1e-4)
 
 
 def test_the_language_of_an_answer_is_the_share_of_its_letters_in_the_prompts_script():
