@@ -7,6 +7,7 @@ takes `enable_thinking` is asked both ways, the candidate's looping thought fail
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -146,6 +147,24 @@ def test_a_recorded_reference_replays_to_the_live_runs_results(tiny_pair, loaded
     assert not replay.loads  # the candidate's answers reused, the reference's replayed: no model loaded
     live, again = run.task("longform"), replay.task("longform")
     assert again["metrics"] == live["metrics"] and again["details"] == live["details"]
+
+
+def test_a_baseline_with_more_right_answers_is_a_regression_and_itself_is_none(tiny_pair, loaded, tmp_path):
+    run, spec = loaded
+    args = ("run", "--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16], "--tasks", "longform")
+    args += ("--corpus", "python-docs", "--spec", f"longform={spec}")
+    accepted = run.results
+    (tmp_path / "same.json").write_text(json.dumps(accepted), encoding="utf-8")
+    same = rerun(run, tmp_path / "same", *args, "--baseline", tmp_path / "same.json")
+    against = {c["name"]: c["passed"] for c in same.task("longform")["checks"] if "baseline" in c["name"]}
+    assert same.loads == [] and against == {"right_ckpt_vs_baseline": True, "loops_ckpt_vs_baseline": True}
+    # A baseline whose candidate was right once more: this run has lost a right answer against it.
+    accepted["tasks"]["longform"]["metrics"]["right_ckpt"] += 1
+    (tmp_path / "better.json").write_text(json.dumps(accepted), encoding="utf-8")
+    worse = rerun(run, tmp_path / "worse", *args, "--baseline", tmp_path / "better.json")
+    assert worse.cli.returncode == 1, worse.cli.stderr
+    failed = [c["name"] for c in worse.task("longform")["checks"] if not c["passed"]]
+    assert "right_ckpt_vs_baseline" in failed and "loops_ckpt_vs_baseline" not in failed, failed
 
 
 def test_a_streamed_side_decodes_the_loaded_runs_answers_in_the_specs_batches(tiny_pair, loaded, tmp_path):
