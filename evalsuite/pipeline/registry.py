@@ -26,6 +26,7 @@ ENTRY_POINT_GROUP = "evalsuite.tasks"
 _BUILTIN_TASKS = {
     "ppl": ("evalsuite.tasks.ppl", "Perplexity"),
     "smoke": ("evalsuite.tasks.smoke", "Smoke"),
+    "longform": ("evalsuite.tasks.longform", "Longform"),
     "vision": ("evalsuite.tasks.vision", "Vision"),
     "tensors": ("evalsuite.tasks.tensors", "Tensors"),
     "intref": ("evalsuite.tasks.intref", "IntegerReference"),

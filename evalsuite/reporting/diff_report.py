@@ -315,17 +315,27 @@ def threshold_caveats(results: dict[str, Any]) -> list[str]:
 
 
 def failed_prompts(results: dict[str, Any]) -> list[str]:
-    """One line per smoke prompt the reference answers right and the candidate does not."""
+    """One line per smoke prompt the reference answers right and the candidate does not, and per longform
+    prompt (in each mode) whose candidate answer or thought loops where the reference's does not or whose
+    final answer the candidate gets wrong and the reference right."""
     rows = results["tasks"].get("smoke", {}).get("details") or []
-    return [
+    lines = [
         f"smoke prompt `{row.get('id')}`: the reference's answer passes, the candidate's does not"
         for row in rows
         if row.get("ref_pass") and not row.get("ckpt_pass")
     ]
+    for row in results["tasks"].get("longform", {}).get("details") or []:
+        name = f"longform prompt `{row.get('id')}`" + (f" ({row['mode']} mode)" if "mode" in row else "")
+        for what, key in (("answer", "loop"), ("thought", "thought_loop")):
+            if row.get(f"ckpt_{key}") and not row.get(f"ref_{key}"):
+                lines.append(f"{name}: the candidate's {what} loops, the reference's does not")
+        if row.get("ref_right") and not row.get("ckpt_right"):
+            lines.append(f"{name}: the reference's final answer is right, the candidate's is not")
+    return lines
 
 
 # The tasks whose answers are compared as each side decoded them, and what they call the things they ask.
-DECODED_ANSWERS = {"smoke": "prompts", "tools": "cases"}
+DECODED_ANSWERS = {"smoke": "prompts", "tools": "cases", "longform": "prompts"}
 
 
 def answer_configuration(entry: dict[str, Any], task: str = "smoke") -> str:
@@ -339,7 +349,7 @@ def answer_configuration(entry: dict[str, Any], task: str = "smoke") -> str:
         return text + "; whether an answer depends on the batch was not measured: a side decoded one way only"
     text += (
         f"; answers that change when decoded in the spec's batch instead: reference {ref}, candidate {ckpt} "
-        f"of {m.get('n_' + DECODED_ANSWERS[task])}"
+        f"of {m.get('n_answers', m.get('n_' + DECODED_ANSWERS[task]))}"
     )
     p = m.get("batch_sensitivity_p")
     if isinstance(p, float):

@@ -26,7 +26,13 @@ from evalsuite.reporting.diff_report import (
     verdict_paragraph,
     with_stderr,
 )
-from evalsuite.reporting.model_card_tables import calibration_overlap, chat_splits, greedy_answers, tool_calls
+from evalsuite.reporting.model_card_tables import (
+    calibration_overlap,
+    chat_splits,
+    greedy_answers,
+    long_answers,
+    tool_calls,
+)
 from evalsuite.reporting.model_card_tables import measured as _measured
 from evalsuite.reporting.model_card_tables import table_row as _row
 
@@ -220,6 +226,7 @@ def _results_table(results: dict[str, Any]) -> list[str]:
         *calibration_overlap(results),
         *greedy_answers(results),
         *tool_calls(results),
+        *long_answers(results),
         *_downstream_results(results),
     ]
 

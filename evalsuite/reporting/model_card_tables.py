@@ -1,7 +1,7 @@
 """The model card's tables of what the run measured beyond WikiText's perplexity
 (`evalsuite.reporting.model_card` places them in its Results section): `ppl` on chats split by tag and
-turn, the calibration set's overlap with each task's evaluated text, `smoke`'s trajectory survival and
-`tools`' tool calls and JSON answers. Every number is read from results.json."""
+turn, the calibration set's overlap with each task's evaluated text, `smoke`'s trajectory survival, `tools`'
+tool calls and JSON answers and `longform`'s long answers. Every number is read from results.json."""
 
 from __future__ import annotations
 
@@ -181,3 +181,132 @@ def tool_calls(results: dict[str, Any]) -> list[str]:
         lines.append(table_row([words, *cells, f"{flips} (p = {format_number(m.get(f'{outcome}_flip_p'))})"]))
     lines += ["", f"- {answer_configuration(results['tasks']['tools'], 'tools')}", ""]
     return lines
+
+
+# `longform`'s outcomes on the card, one row each: what, the metric of each side's count, those of the
+# prompts where only the candidate or only the reference has it, the exact McNemar p, and the sample.
+LONG_ANSWER_ROWS = (
+    (
+        "answers ending in a loop (last 64 tokens periodic, period ≤ 32)",
+        "loops_ref",
+        "loops_ckpt",
+        "ckpt_loops_not_ref",
+        "ref_loops_not_ckpt",
+        "loop_flips_p",
+        "n_prompts",
+    ),
+    (
+        "thoughts ending in a loop",
+        "thought_loops_ref",
+        "thought_loops_ckpt",
+        "ckpt_thought_loops_not_ref",
+        "ref_thought_loops_not_ckpt",
+        "thought_loop_flips_p",
+        "n_prompts",
+    ),
+    (
+        "answers cut by the token budget (no EOS)",
+        "budget_stops_ref",
+        "budget_stops_ckpt",
+        "ckpt_budget_stops_not_ref",
+        "ref_budget_stops_not_ckpt",
+        "budget_stop_flips_p",
+        "n_prompts",
+    ),
+    (
+        "final answers right (`expect`)",
+        "right_ref",
+        "right_ckpt",
+        "right_gained",
+        "right_lost",
+        "right_flips_p",
+        "n_prompts",
+    ),
+    (
+        "answers not in the prompt's language (of those with letters)",
+        "off_language_ref",
+        "off_language_ckpt",
+        "language_lost",
+        "language_gained",
+        "language_flips_p",
+        "language_n",
+    ),
+    (
+        "answers holding U+FFFD or invalid UTF-8",
+        "invalid_text_ref",
+        "invalid_text_ckpt",
+        "ckpt_invalid_text_not_ref",
+        "ref_invalid_text_not_ckpt",
+        "invalid_text_flips_p",
+        "n_prompts",
+    ),
+)
+
+
+def _share(m: dict[str, Any], count: str, sample: str) -> str:
+    """A count of prompts with its share's 95% Wilson interval, as results.json gives them: `3 of 66 [0.016,
+    0.13]`."""
+    k, n = m.get(count), m.get(sample)
+    if not isinstance(k, int) or not isinstance(n, int) or not n:
+        return "—"
+    low, high = (format_number(m.get(f"{count}_share_{end}"), 2) for end in ("lower95", "upper95"))
+    return f"{k} of {n} [{low}, {high}]"
+
+
+def long_answers(results: dict[str, Any]) -> list[str]:
+    """`longform`'s long answers: per outcome each side's count with its 95% interval, the prompts where only
+    one side has it and the exact McNemar p, per mode; the paired length ratio with its interval."""
+    entry = results["tasks"].get("longform")
+    m = measured(entry)
+    if not m:
+        return []
+    assert entry is not None
+    lines = [
+        f"Long greedy answers to {format_number(m.get('n_prompts'))} prompts (`longform`): counts of prompts "
+        "with the 95% Wilson interval of their share, the prompts where only one side has the outcome, and "
+        "the exact McNemar p of the two (paired over prompts):",
+        "",
+    ]
+    modes = [("", "")] + ([("thinking_", " (thinking mode)")] if "thinking_n_prompts" in m else [])
+    for prefix, label in modes:
+        lines += [
+            f"| outcome{label} | reference | candidate | candidate only | reference only | McNemar p |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for what, ref, ckpt, ckpt_only, ref_only, p, sample in LONG_ANSWER_ROWS:
+            if f"{prefix}{ref}" not in m or m[f"{prefix}{ref}"] is None:
+                continue
+            cells = [_share(m, f"{prefix}{ref}", f"{prefix}{sample}")]
+            cells += [_share(m, f"{prefix}{ckpt}", f"{prefix}{sample}")]
+            cells += [format_number(m.get(f"{prefix}{k}")) for k in (ckpt_only, ref_only)]
+            lines.append(table_row([what, *cells, format_number(m.get(f"{prefix}{p}"), 2)]))
+        lines += ["", *_long_answer_notes(entry, prefix, label), ""]
+    lines += [f"- {answer_configuration(entry, 'longform')}", f"- modes: {m.get('thinking_modes')}", ""]
+    return lines
+
+
+def _long_answer_notes(entry: dict[str, Any], prefix: str, label: str) -> list[str]:
+    """Below a mode's table: the answers' lengths and their paired ratio with its interval, whether right
+    answers are shown lost (or why that is undetermined), and the thoughts' lengths in a thinking mode."""
+    m = entry["metrics"]
+
+    def figure(name: str) -> str:
+        return format_number(m.get(f"{prefix}{name}"))
+
+    lost = m.get(f"{prefix}right_lost_shown")
+    reason = (entry.get("null_reasons") or {}).get(f"{prefix}right_lost_shown", "not reported")
+    notes = [
+        f"- answer length{label}: reference {with_stderr(m, f'{prefix}length_mean_ref')}, candidate "
+        f"{with_stderr(m, f'{prefix}length_mean_ckpt')} tokens; ratio {figure('length_ratio')} (95% interval "
+        f"[{figure('length_ratio_lower95')}, {figure('length_ratio_upper95')}], paired log-ratio over "
+        f"{figure('length_ratio_n')} prompts)",
+        "- right answers lost more often than gained (exact McNemar, p < 0.05): "
+        + (("shown" if lost else "not shown") if isinstance(lost, bool) else reason),
+    ]
+    if f"{prefix}thought_tokens_mean_ref" in m:
+        notes.append(
+            f"- thought length: reference {with_stderr(m, f'{prefix}thought_tokens_mean_ref')}, candidate "
+            f"{with_stderr(m, f'{prefix}thought_tokens_mean_ckpt')} tokens; thoughts never closed: reference "
+            f"{figure('thought_unclosed_ref')}, candidate {figure('thought_unclosed_ckpt')}"
+        )
+    return notes

@@ -110,6 +110,15 @@ def bound(value: float, stderr: float, clusters: int, which: Bound) -> float:
     return value + half if which == "upper95" else value - half
 
 
+def interval(value: float, stderr: float, clusters: int, level: float = LEVEL) -> tuple[float, float]:
+    """The two-sided `level` confidence interval of an estimate with a clustered `stderr`: value ± t_{(1 +
+    level) / 2, G−1} · stderr; NaN ends with too few clusters (`MIN_CLUSTERS`)."""
+    if not enough_clusters(clusters, stderr):
+        return float("nan"), float("nan")
+    half = t_quantile((1 + level) / 2, clusters - 1) * stderr
+    return value - half, value + half
+
+
 def equivalence(value: float, stderr: float, clusters: int, margin: float) -> Outcome:
     """Whether a difference (a candidate's KLD excess over the noise floor, say) lies within `margin`:
     `within` when its upper 95% bound is at or below the margin, `above` when its lower 95% bound is above

@@ -361,6 +361,16 @@ def mcnemar_exact_p(c2w: int, w2c: int) -> float:
     return min(1.0, float(Fraction(2 * tail, 2**n)))
 
 
+def mcnemar_min_discordant(alpha: float = 0.05) -> int:
+    """The fewest discordant documents with which McNemar's exact two-sided test can reach p < `alpha` at all
+    (every flip one way): with fewer, no count of flips is evidence of a change at that level, and a verdict
+    resting on the test is undetermined rather than a pass."""
+    n = 1
+    while mcnemar_exact_p(n, 0) >= alpha:
+        n += 1
+    return n
+
+
 def choice_kl_divergence(lls_ref: ArrayLike, lls_ckpt: ArrayLike) -> float:
     """KL(P_ref ‖ P_ckpt) between two distributions over a question's answer choices, each the softmax of
     that side's per-choice log-likelihoods. 0 for identical log-likelihoods."""
@@ -526,7 +536,9 @@ def proportion_interval(successes: int, n: int, level: float = 0.95) -> tuple[fl
     share = successes / n
     centre = (share + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return share, max(0.0, centre - half), min(1.0, centre + half)
+    # At a share of 0 (or 1) the bound is 0 (or 1) exactly; the arithmetic above leaves rounding dust there.
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    return share, low, 1.0 if successes == n else min(1.0, centre + half)
 
 
 def paired_proportion_difference(

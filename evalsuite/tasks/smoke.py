@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -166,19 +166,24 @@ class SmokeSpec(TaskSpec):
             raise ValueError(f"prompt ids must be unique: {sorted({i for i in ids if ids.count(i) > 1})}")
 
 
-def chat_ids(side: Side, chat: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+def chat_ids(
+    side: Side, chat: list[dict[str, str]], tools: list[dict[str, Any]] | None = None, **template: Any
+) -> list[int]:
     """A chat through the side's chat template (generation prompt on; `tools` offered to the template where
-    given), or, without a template, its turns' text one after the other."""
+    given; `template`: the template's own switches, `enable_thinking`), or, without a template, its turns'
+    text one after the other."""
     tokenizer = side.tokenizer
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            chat, tools=tools, add_generation_prompt=True, tokenize=True, **template
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return list(tokenizer("\n".join(m["content"] for m in chat))["input_ids"])
 
 
-def prompt_ids(side: Side, prompt: Prompt) -> list[int]:
+def prompt_ids(side: Side, prompt: Prompt, **template: Any) -> list[int]:
     """The prompt through the side's chat template (`chat_ids`)."""
-    return chat_ids(side, prompt.chat())
+    return chat_ids(side, prompt.chat(), **template)
 
 
 def agreed_ids(
@@ -197,6 +202,13 @@ def agreed_ids(
                     ckpt.checkpoint.path,
                 )
     return ids
+
+
+def shared_prompt_ids(ref: Side, ckpt: Side, prompts: Sequence[Prompt], **template: Any) -> list[list[int]]:
+    """Each prompt's ids through the chat template (`template`: its switches), agreed by both sides
+    (`agreed_ids`)."""
+    names = [p.id for p in prompts]
+    return agreed_ids(ref, ckpt, names, lambda side: [prompt_ids(side, p, **template) for p in prompts])
 
 
 def ids_sha256(prompts: list[list[int]]) -> str:
@@ -319,8 +331,7 @@ class Smoke:
         """Prompt ids made once (with the reference tokenizer), hashed; the candidate must agree. Each
         prompt's overlap with the calibration set, if one is given or named."""
         skip_if_cannot_generate(ref, ckpt, "smoke")
-        names = [p.id for p in self.spec.prompts]
-        ids = agreed_ids(ref, ckpt, names, lambda side: [prompt_ids(side, p) for p in self.spec.prompts])
+        ids = shared_prompt_ids(ref, ckpt, self.spec.prompts)
         prompts = [
             {"ids": i, "max_new_tokens": p.max_new_tokens}
             for i, p in zip(ids, self.spec.prompts, strict=True)

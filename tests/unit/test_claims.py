@@ -76,6 +76,15 @@ def test_bounds_use_t_with_windows_minus_one_degrees_of_freedom():
     assert claims.bound(1.0, 0.1, 8, "lower95") == pytest.approx(1.0 - stats.t.ppf(0.95, 7) * 0.1)
 
 
+def test_a_two_sided_interval_is_t_at_975_with_windows_minus_one_degrees_of_freedom():
+    # t_{0.975, 2} = 4.302652729911275 (tables): 0 ± 4.3027 · 1 over 3 clusters; too few clusters: no interval
+    assert claims.interval(0.0, 1.0, 3) == pytest.approx((-4.302652729911275, 4.302652729911275))
+    assert claims.interval(1.0, 0.1, 8) == pytest.approx(
+        (1.0 - stats.t.ppf(0.975, 7) * 0.1, 1.0 + stats.t.ppf(0.975, 7) * 0.1)
+    )
+    assert all(math.isnan(end) for end in claims.interval(1.0, 0.1, 2))
+
+
 def test_holm_adjusts_step_down_and_keeps_nan_out_of_the_family():
     # sorted 0.005, 0.01, 0.03, 0.04 (m = 4): 0.02, 0.03, max(0.03, 0.06), max(0.06, 0.04)
     adjusted = claims.holm([0.01, 0.04, 0.03, float("nan"), 0.005])

@@ -131,3 +131,11 @@ def test_paired_proportion_difference_of_identical_sides_is_zero_inside_its_inte
     assert all(math.isnan(v) for v in metrics.paired_proportion_difference(0, 0, 0, 0))
     with pytest.raises(ValueError):
         metrics.paired_proportion_difference(1, -1, 0, 0)
+
+
+def test_mcnemar_needs_six_discordant_documents_to_reach_5_percent():
+    # All flips one way: p = 2 / 2^n, 0.0625 for n = 5 and 0.03125 for n = 6.
+    assert metrics.mcnemar_exact_p(5, 0) == 0.0625 and metrics.mcnemar_exact_p(6, 0) == 0.03125
+    assert metrics.mcnemar_min_discordant(0.05) == 6
+    # 2 / 2^n < 0.01 from n = 8 (2 / 128 = 0.0156, 2 / 256 = 0.0078).
+    assert metrics.mcnemar_min_discordant(0.01) == 8
