@@ -114,6 +114,14 @@ CalibrationOption = Annotated[
     ),
 ]
 
+DraftOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="A draft checkpoint (same tokenizer) that specdec drafts with; without it, Transformers' prompt "
+        "lookup drafts."
+    ),
+]
+
 
 def execute(
     request: RunRequest, quiet: bool = False, junit: Path | None = None, model_card: bool = False
@@ -176,6 +184,7 @@ def run_command(
     corpus_path: CorpusPath = None,
     chats: ChatsOption = None,
     calibration: CalibrationOption = None,
+    draft: DraftOption = None,
     thresholds: Annotated[Path | None, typer.Option(help="TOML overriding spec thresholds.")] = None,
     spec: SpecOption = None,
     baseline: Annotated[
@@ -227,6 +236,7 @@ def run_command(
             corpus_path=corpus_path,
             chats=chats,
             calibration=calibration,
+            draft=draft,
             thresholds=thresholds,
             specs=parse_specs(spec),
             baseline=baseline,
@@ -338,6 +348,7 @@ def record_command(
     allow_download: Annotated[bool, typer.Option(help="Let datasets fetch WikiText-2 from the hub.")] = False,
     corpus_path: CorpusPath = None,
     chats: ChatsOption = None,
+    draft: DraftOption = None,
     spec: SpecOption = None,
     dtype: Dtype = "bfloat16",
     device: Device = "cpu",
@@ -360,6 +371,7 @@ def record_command(
             allow_download=allow_download,
             corpus_path=corpus_path,
             chats=chats,
+            draft=draft,
             specs=parse_specs(spec),
             dtype=dtype,
             device=device,

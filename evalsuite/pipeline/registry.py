@@ -33,6 +33,7 @@ _BUILTIN_TASKS = {
     "attribution": ("evalsuite.tasks.attribution", "Attribution"),
     "lmeval": ("evalsuite.tasks.lmeval", "LmEval"),
     "moe": ("evalsuite.tasks.moe", "MixtureOfExperts"),
+    "specdec": ("evalsuite.tasks.specdec", "SpeculativeDecoding"),
 }
 
 

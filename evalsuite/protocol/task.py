@@ -400,6 +400,7 @@ class RunContext:
     plots: bool = True  # draw each task's PNG plots (`--no-plots`: a CI job that wants the verdict alone)
     chats_file: Path | None = None  # chats to score instead of a text's windows (`--chats`)
     calibration_file: Path | None = None  # a pack's calibration data, kept apart from what is scored
+    draft_path: Path | None = None  # a draft checkpoint `specdec` drafts with (`--draft`), else prompt lookup
 
     @cached_property
     def corpus(self) -> Corpus:

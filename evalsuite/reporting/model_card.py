@@ -26,7 +26,12 @@ from evalsuite.reporting.diff_report import (
     verdict_paragraph,
     with_stderr,
 )
-from evalsuite.reporting.model_card_tables import calibration_overlap, chat_splits, greedy_answers
+from evalsuite.reporting.model_card_tables import (
+    calibration_overlap,
+    chat_splits,
+    greedy_answers,
+    speculative_decoding,
+)
 from evalsuite.reporting.model_card_tables import measured as _measured
 from evalsuite.reporting.model_card_tables import table_row as _row
 
@@ -219,6 +224,7 @@ def _results_table(results: dict[str, Any]) -> list[str]:
         *chat_splits(results),
         *calibration_overlap(results),
         *greedy_answers(results),
+        *speculative_decoding(results),
         *_downstream_results(results),
     ]
 

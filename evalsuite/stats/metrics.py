@@ -527,3 +527,15 @@ def proportion_interval(successes: int, n: int, level: float = 0.95) -> tuple[fl
     centre = (share + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return share, max(0.0, centre - half), min(1.0, centre + half)
+
+
+def tokens_per_round(new_tokens: ArrayLike, rounds: ArrayLike) -> NDArray[np.float64]:
+    """Per decoding with drafting (speculative decoding), its mean accepted length: the new tokens over the
+    verification rounds (the target's forwards), each round's bonus token included, so 1 where no drafted
+    token was ever kept and k + 1 where every round kept all of its k drafted tokens."""
+    tokens, counted = _as_f64(new_tokens), _as_f64(rounds)
+    if tokens.shape != counted.shape:
+        raise ValueError(f"{tokens.size} decodings' tokens against {counted.size} decodings' rounds")
+    if (counted < 1).any():
+        raise ValueError("a decoding has at least one round (its prompt's prefill)")
+    return tokens / counted

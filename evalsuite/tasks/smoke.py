@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -71,30 +71,15 @@ class Message(StrictModel):
     content: str
 
 
-class Prompt(StrictModel):
+class ChatPrompt(StrictModel):
+    """A prompt a task asks both sides greedily (`smoke`, `specdec`): one user turn (`prompt`) or a whole chat
+    (`messages`, ending with the user's turn), either way through the side's chat template with its
+    generation prompt, and the tokens its answer may take."""
+
     id: str
-    category: Category
-    language: Literal["en", "zh"] = "en"
-    # One user turn (`prompt`), or a whole chat (`messages`, ending with the user's turn): either way through
-    # the side's chat template, with its generation prompt.
     prompt: str | None = None
     messages: list[Message] | None = None
     max_new_tokens: int
-    expect: str
-    # An answer that also matches `reject` fails: "Jupiter, but it's actually Saturn" names the expected
-    # word and still answers wrongly.
-    reject: str | None = None
-
-    @field_validator("expect", "reject")
-    @classmethod
-    def _compiles(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise ValueError(f"not a valid regular expression: {exc}") from None
-        return value
 
     @field_validator("max_new_tokens")
     @classmethod
@@ -104,7 +89,7 @@ class Prompt(StrictModel):
         return value
 
     @model_validator(mode="after")
-    def _one_form(self) -> Prompt:
+    def _one_form(self) -> ChatPrompt:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of `prompt` (one user turn) and `messages` (a chat)")
         if self.messages is not None and (not self.messages or self.messages[-1].role != "user"):
@@ -120,6 +105,30 @@ class Prompt(StrictModel):
     def text(self) -> str:
         """The prompt's own words: its turns' contents one after the other, without any chat template."""
         return "\n".join(m["content"] for m in self.chat())
+
+    def template_options(self) -> dict[str, Any]:
+        """What the chat template is rendered with beside the messages (none here)."""
+        return {}
+
+
+class Prompt(ChatPrompt):
+    category: Category
+    language: Literal["en", "zh"] = "en"
+    expect: str
+    # An answer that also matches `reject` fails: "Jupiter, but it's actually Saturn" names the expected
+    # word and still answers wrongly.
+    reject: str | None = None
+
+    @field_validator("expect", "reject")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
 
     def matches(self, answer: str) -> bool:
         """The answer holds the expected answer and nothing the prompt rejects (case-insensitive)."""
@@ -160,19 +169,42 @@ class SmokeSpec(TaskSpec):
     COMPARE_ONLY: ClassVar[frozenset[str]] = TaskSpec.COMPARE_ONLY | {"calibration"}
 
     def model_post_init(self, _: Any) -> None:
-        ids = [p.id for p in self.prompts]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"prompt ids must be unique: {sorted({i for i in ids if ids.count(i) > 1})}")
+        refuse_repeated_ids(self.prompts)
 
 
-def prompt_ids(side: Side, prompt: Prompt) -> list[int]:
-    """The prompt through the side's chat template (generation prompt on), or, without a template, its turns'
-    text one after the other."""
+def refuse_repeated_ids(prompts: Sequence[ChatPrompt]) -> None:
+    """ValueError (a spec's validation error) where two prompts share an id."""
+    ids = [p.id for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"prompt ids must be unique: {sorted({i for i in ids if ids.count(i) > 1})}")
+
+
+def prompt_ids(side: Side, prompt: ChatPrompt) -> list[int]:
+    """The prompt through the side's chat template (generation prompt on, with the prompt's
+    `template_options`), or, without a template, its turns' text one after the other."""
     tokenizer = side.tokenizer
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            prompt.chat(), add_generation_prompt=True, tokenize=True, **prompt.template_options()
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return list(tokenizer(prompt.text())["input_ids"])
+
+
+def shared_prompt_ids(ref: Side, ckpt: Side, prompts: Sequence[ChatPrompt]) -> list[list[int]]:
+    """Each prompt's token ids, made once with the reference's tokenizer (the candidate's against a
+    recording); InputError where the candidate's tokenizer or chat template makes other ids of a prompt."""
+    source = ckpt if ref.is_recorded else ref
+    ids = [prompt_ids(source, p) for p in prompts]
+    if not ref.is_recorded and ref.checkpoint.tokenizer_sha256 != ckpt.checkpoint.tokenizer_sha256:
+        for prompt, made in zip(prompts, ids, strict=True):
+            if prompt_ids(ckpt, prompt) != made:
+                raise InputError(
+                    f"its tokenizer or chat template disagrees with the reference's on prompt "
+                    f"{prompt.id!r}; the sides cannot be compared",
+                    ckpt.checkpoint.path,
+                )
+    return ids
 
 
 def ids_sha256(prompts: list[list[int]]) -> str:
@@ -295,17 +327,7 @@ class Smoke:
         """Prompt ids made once (with the reference tokenizer), hashed; the candidate must agree. Each
         prompt's overlap with the calibration set, if one is given or named."""
         skip_if_cannot_generate(ref, ckpt, "smoke")
-        source = ckpt if ref.is_recorded else ref
-        ids = [prompt_ids(source, p) for p in self.spec.prompts]
-        if not ref.is_recorded and ref.checkpoint.tokenizer_sha256 != ckpt.checkpoint.tokenizer_sha256:
-            other = [prompt_ids(ckpt, p) for p in self.spec.prompts]
-            for prompt, a, b in zip(self.spec.prompts, ids, other, strict=True):
-                if a != b:
-                    raise InputError(
-                        f"its tokenizer or chat template disagrees with the reference's on prompt "
-                        f"{prompt.id!r}; the sides cannot be compared",
-                        ckpt.checkpoint.path,
-                    )
+        ids = shared_prompt_ids(ref, ckpt, self.spec.prompts)
         prompts = [
             {"ids": i, "max_new_tokens": p.max_new_tokens}
             for i, p in zip(ids, self.spec.prompts, strict=True)
