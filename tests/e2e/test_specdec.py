@@ -28,6 +28,7 @@ from evalsuite.fixtures import SMOLLM2_BF16, TINY_BF16, TINY_W4A8, build_fixture
 from evalsuite.fixtures.smollm2 import SMOLLM2_W4A8_POLICY
 from evalsuite.fixtures.w4a8 import write_w4a8_copy
 from evalsuite.observers.greedy_answers import model_inputs
+from evalsuite.reporting.model_card import render_model_card
 from tests.conftest import FIXTURES, Run, assert_refused, cli_in_process, cli_run_in_process, rerun, run_pair
 
 TINY_LLAMA = "tiny-llama-bf16"
@@ -106,17 +107,26 @@ def test_drafting_leaves_both_sides_answers_as_they_are_and_counts_rounds(loaded
     assert m["ref_rounds"] < sum(r["ref_tokens"] for r in rows)
     report = (loaded_run.out / "report.md").read_text(encoding="utf-8")
     assert "ref_accept_mean" in report and "ckpt_lossless" in report
+    # The card's section: one row per workload and the whole set, with sample sizes and intervals.
+    card = render_model_card(loaded_run.results)
+    assert "Speculative decoding (`specdec`" in card and "each side decoded 8 prompts" in card
+    assert "| trivial repetition | 1 |" in card and "| all | 8 |" in card
 
 
-def test_a_candidate_whose_forward_depends_on_the_tokens_in_a_call_fails_ckpt_lossless(llama_pair, tmp_path):
-    pair = llama_pair
-    run = run_pair(pair["per_call"], pair["ref"], tmp_path / "run", "specdec", *spec_args(pair))
+def test_a_candidate_whose_forward_depends_on_the_tokens_in_a_call_fails_ckpt_lossless(
+    llama_pair, loaded_run, tmp_path
+):
+    """The per-call candidate fails `ckpt_lossless` (the reference still passes), and against the W4A8 copy's
+    run as `--baseline` its changed answers are a regression too."""
+    pair, baseline = llama_pair, ("--baseline", loaded_run.out / "results.json")
+    run = run_pair(pair["per_call"], pair["ref"], tmp_path / "run", "specdec", *spec_args(pair), *baseline)
     assert run.cli.returncode == 1, run.cli.stderr
     task = run.task("specdec")
     m = task["metrics"]
     assert m["ref_lossless"] is True and m["ckpt_lossless"] is False and m["ckpt_drafting_changed"] >= 1
     failed = {c["name"] for c in task["checks"] if not c["passed"]}
-    assert failed == {"ckpt_lossless"}, task["checks"]
+    assert {"ckpt_lossless", "ckpt_drafting_changed_vs_baseline"} <= failed, task["checks"]
+    assert not {name for name in failed if name.startswith("ref_")}
     changed = [r for r in prompt_rows(run) if not r["ckpt_lossless"]]
     assert len(changed) == m["ckpt_drafting_changed"]
     assert all("ckpt_change" in r and "ckpt_drafted_answer" in r for r in changed)
