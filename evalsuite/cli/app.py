@@ -113,14 +113,7 @@ CalibrationOption = Annotated[
         "too."
     ),
 ]
-
-DraftOption = Annotated[
-    Path | None,
-    typer.Option(
-        help="A draft checkpoint (same tokenizer) that specdec drafts with; without it, Transformers' prompt "
-        "lookup drafts."
-    ),
-]
+DraftOption = Annotated[Path | None, typer.Option(help="A draft checkpoint for specdec; else prompt lookup.")]
 
 
 def execute(
