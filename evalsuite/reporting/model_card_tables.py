@@ -151,19 +151,6 @@ def greedy_answers(results: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-# `specdec`'s workloads in the order its spec lists them (exllamav3's eval/spec_decode.py's).
-SPECDEC_WORKLOADS = (
-    "trivial_repetition",
-    "agentic_code",
-    "agentic_shell",
-    "creative",
-    "creative_reasoning",
-    "translation",
-    "translation_reasoning",
-    "coding",
-)
-
-
 def _mean_and_interval(m: dict[str, Any], name: str) -> str:
     """A mean over prompts with its 95% interval, or why it has none."""
     low, high = m.get(f"{name}_lower95"), m.get(f"{name}_upper95")
@@ -181,15 +168,19 @@ def speculative_decoding(results: dict[str, Any]) -> list[str]:
     lines = [
         f"Speculative decoding (`specdec`; drafting: {m.get('drafting')}): each side decoded "
         f"{format_number(m['n_prompts'])} prompts greedily, each alone, plainly and with drafting. Drafting "
-        f"changed {format_number(m.get('ref_drafting_changed'))} of the reference's answers and "
-        f"{format_number(m.get('ckpt_drafting_changed'))} of the candidate's (lossless: reference "
-        f"{format_number(m.get('ref_lossless'))}, candidate {format_number(m.get('ckpt_lossless'))}).",
+        f"changed {format_number(m.get('ref_drafting_changed'))} of the reference's "
+        f"{format_number(m['n_prompts'])} answers ({format_number(m.get('ref_drafting_near_ties'))} at a "
+        f"near tie) and {format_number(m.get('ckpt_drafting_changed'))} of the candidate's "
+        f"({format_number(m.get('ckpt_drafting_near_ties'))} at a near tie); lossless: reference "
+        f"{format_number(m.get('ref_lossless'))}, candidate {format_number(m.get('ckpt_lossless'))}.",
         "",
         "| workload | prompts | reference: accepted length [95% interval] | candidate: accepted length | "
         "candidate − reference, paired | candidate | rounds (ref / ckpt) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    workloads = [(w, f"_{w}", f"n_prompts_{w}") for w in SPECDEC_WORKLOADS if f"n_prompts_{w}" in m]
+    # The workloads the run had prompts of, in the spec's order (the order `specdec` wrote them in).
+    names = [k.removeprefix("n_prompts_") for k in m if k.startswith("n_prompts_")]
+    workloads = [(w, f"_{w}", f"n_prompts_{w}") for w in names]
     for label, suffix, count in [*workloads, ("all", "_mean", "n_prompts")]:
         diff = "accept_diff" + suffix
         rounds = (

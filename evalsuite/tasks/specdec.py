@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 from pydantic import field_validator
@@ -53,16 +53,6 @@ from evalsuite.tasks.smoke import (
 )
 
 # exllamav3's eval/spec_decode.py's workloads, in its order.
-CATEGORIES = (
-    "trivial_repetition",
-    "agentic_code",
-    "agentic_shell",
-    "creative",
-    "creative_reasoning",
-    "translation",
-    "translation_reasoning",
-    "coding",
-)
 Category = Literal[
     "trivial_repetition",
     "agentic_code",
@@ -73,6 +63,7 @@ Category = Literal[
     "translation_reasoning",
     "coding",
 ]
+CATEGORIES: tuple[str, ...] = get_args(Category)
 SIDES = ("ref", "ckpt")
 DRAFTED_LABEL, CKPT_DRAFTED_LABEL = "drafted", "ckpt-drafted"
 TIMED_ONLY_ON_GPU = (
