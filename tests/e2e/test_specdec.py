@@ -158,11 +158,20 @@ def test_an_identical_draft_keeps_every_drafted_token_and_gives_plain_greedy(lla
 
 
 def test_a_draft_checkpoint_drafts_and_one_of_another_tokenizer_is_refused(
-    llama_pair, smollm2_pair, tmp_path
+    llama_pair, loaded_run, smollm2_pair, tmp_path
 ):
+    """In the prompt-lookup run's folder: the plain answers keep their observations' keys, the drafted ones
+    get new keys (an observation is keyed by what drafts), so nothing drafted by prompt lookup is reused."""
     pair, args = llama_pair, (*spec_args(llama_pair), "--draft")
-    run = run_pair(pair["ckpt"], pair["ref"], tmp_path / "run", "specdec", *args, pair["ref"])
+    common = ("run", "--ckpt", pair["ckpt"], "--ref", pair["ref"], "--tasks", "specdec")
+    run = rerun(loaded_run, tmp_path / "run", *common, *args, pair["ref"])
     assert run.cli.returncode == 0, run.cli.stderr
+    names = {
+        folder: {p.name for p in (folder / "observations").iterdir()} for folder in (run.out, loaded_run.out)
+    }
+    drafted = {folder: {n for n in found if "-drafted-" in n} for folder, found in names.items()}
+    assert names[run.out] - drafted[run.out] == names[loaded_run.out] - drafted[loaded_run.out]
+    assert len(drafted[run.out]) == 2 and not drafted[run.out] & drafted[loaded_run.out]
     m = run.metrics("specdec")
     assert m["ref_lossless"] is True and m["ckpt_lossless"] is True and "draft checkpoint" in m["drafting"]
     # The reference drafted by itself keeps every drafted token: 12 tokens in 2 rounds of 6.
