@@ -214,6 +214,7 @@ def run(
     corpus_path: Path | None = None,
     chats: Path | None = None,
     calibration: Path | None = None,
+    draft: Path | None = None,
     thresholds: Path | None = None,
     specs: Mapping[str, Path] | None = None,
     baseline: Path | None = None,
@@ -248,6 +249,7 @@ def run(
         corpus_path: a local copy of WikiText-2's raw test split.
         chats: score `ppl` on this JSONL file's chats, through the chat template, instead of a text.
         calibration: the candidate's calibration data (text or JSONL): evaluated text it holds is flagged.
+        draft: a draft checkpoint `specdec` drafts with (the sides' tokenizer); None: prompt lookup.
         thresholds: a TOML file overriding spec thresholds.
         specs: task name → a spec file replacing the shipped tasks/TASK.toml.
         baseline: an accepted earlier results.json: fail on metrics that worsened.
@@ -292,6 +294,7 @@ def run(
             chats_file=chats,
             calibration_file=calibration,
             execution_floor=execution_floor,
+            draft_path=draft,
         ),
         ref_options=options,
         thresholds=read_thresholds(thresholds),
@@ -459,6 +462,7 @@ def record(
     allow_download: bool = False,
     corpus_path: Path | None = None,
     chats: Path | None = None,
+    draft: Path | None = None,
     specs: Mapping[str, Path] | None = None,
     dtype: str = "bfloat16",
     device: str = "cpu",
@@ -483,6 +487,7 @@ def record(
         allow_download: let datasets fetch WikiText-2 from the hub.
         corpus_path: a local copy of WikiText-2's raw test split.
         chats: record `ppl` on this JSONL file's chats (as in `run`).
+        draft: the draft checkpoint `specdec` drafts with (as in `run`).
         specs: task name → a spec file replacing the shipped tasks/TASK.toml.
         dtype: compute dtype.
         device: `cpu`, `cuda`, `cuda:N` or `auto`.
@@ -509,6 +514,7 @@ def record(
             corpus_path=corpus_path,
             chats_file=chats,
             execution_floor=execution_floor,
+            draft_path=draft,
         ),
         options=backend_options(dtype, device, trust_remote_code, stream, max_memory),
         specs=dict(specs or {}),

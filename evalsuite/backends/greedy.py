@@ -16,7 +16,7 @@ repetition penalty) must not change what "greedy" means between two sides.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,12 +26,14 @@ import torch
 @dataclass
 class Generation:
     """A greedy generation: the new tokens and, per step, the top-k ids and log-probs (and optionally the
-    full log-prob rows of the first steps)."""
+    full log-prob rows of the first steps); `counts`, what a decoding measured of itself beside its answer
+    (a drafted decoding's rounds: `evalsuite.backends.drafting`)."""
 
     tokens: list[int]
     top_ids: np.ndarray  # (steps, k) int64
     top_logp: np.ndarray  # (steps, k) float32
     full_logp: np.ndarray  # (min(full_steps, steps), vocab) float32
+    counts: dict[str, Any] = field(default_factory=dict)
 
 
 class _StepRanks:
@@ -66,6 +68,24 @@ def generation_settings(model: Any) -> tuple[list[int], int]:
     return stops, int(pad)
 
 
+def greedy_config(model: Any, max_new_tokens: int, **settings: Any) -> Any:
+    """A fresh `GenerationConfig` for greedy decoding up to `max_new_tokens`, stopping at the model's eos
+    ids: what "greedy" means on every side, whatever the checkpoint's generation_config.json says. `settings`
+    add to it (a drafting's: `prompt_lookup_num_tokens`)."""
+    from transformers import GenerationConfig
+
+    stops, pad = generation_settings(model)
+    return GenerationConfig(
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stops or None,
+        pad_token_id=pad,
+        return_dict_in_generate=True,
+        **settings,
+    )
+
+
 def padded_batch(prompts: Sequence[dict[str, Any]], pad: int, device: torch.device) -> dict[str, Any]:
     """Prompts of token ids (`input_ids` of shape (1, length), perhaps an `attention_mask`) as one batch,
     left-padded with `pad` and masked; one prompt with other inputs (images) is handed on as it is."""
@@ -97,17 +117,10 @@ def greedy_batch(
     `max_new_tokens` or a stop token (kept), and what each of its steps ranked. Greedy decoding is causal, so
     a prompt that stops early, or asks for fewer tokens than the batch decodes, has its own answer cut from
     the batch's."""
-    from transformers import GenerationConfig, LogitsProcessorList
+    from transformers import LogitsProcessorList
 
     stops, pad = generation_settings(model)
-    config = GenerationConfig(
-        do_sample=False,
-        num_beams=1,
-        max_new_tokens=max(max_new_tokens),
-        eos_token_id=stops or None,
-        pad_token_id=pad,
-        return_dict_in_generate=True,
-    )
+    config = greedy_config(model, max(max_new_tokens))
     batch = padded_batch(prompts, pad, device)
     ranks = _StepRanks(top_k, full_steps)
     out = model.generate(**batch, generation_config=config, logits_processor=LogitsProcessorList([ranks]))

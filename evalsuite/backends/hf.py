@@ -14,6 +14,7 @@ import torch
 
 from evalsuite.backends.c_heap import heap_kept_while_loading
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
+from evalsuite.backends.drafting import Drafting, drafted_greedy
 from evalsuite.backends.greedy import Generation, greedy_batch
 from evalsuite.backends.intref_plan import DYNAMIC_INT8_PER_TOKEN
 from evalsuite.backends.load_lock import MODEL_LOADS, tensors_read_when_converted
@@ -190,6 +191,21 @@ def quiet_transformers() -> Iterator[None]:
             yield
     finally:
         hf_logging.set_verbosity(verbosity)
+
+
+def assisted_generation_refusal(checkpoint: Checkpoint, options: BackendOptions) -> str | None:
+    """Why Transformers would refuse to draft for this checkpoint's model, from its config alone (None: it
+    would not, or its class is only reached by remote code, which says so when it runs): assisted generation
+    must roll the cache back past a rejected draft, which a stateful model's recurrent state (a linear-
+    attention layer's) cannot do."""
+    config, _ = transformers_config(checkpoint, options)
+    cls = _registered_class(_model_class(config), config)
+    if cls is not None and getattr(cls, "_is_stateful", False):
+        return (
+            f"Transformers' assisted generation refuses {cls.__name__}, a stateful model (its recurrent "
+            "layers cannot roll back a rejected draft)"
+        )
+    return None
 
 
 def from_pretrained(
@@ -468,6 +484,14 @@ class HFBackend:
     ) -> list[Generation]:
         """Greedy decoding of `prompts` as one batch (`greedy.greedy_batch`), each up to its own length."""
         return greedy_batch(self.model, self.device, prompts, max_new_tokens, top_k, full_steps)
+
+    def generate_drafted(
+        self, inputs: dict[str, torch.Tensor], max_new_tokens: int, drafting: Drafting, top_k: int = 5
+    ) -> Generation:
+        """Greedy decoding of one prompt with drafting, by Transformers' assisted generation, with its rounds
+        (`drafting.drafted_greedy`); timed on a GPU."""
+        timed = self.device.type == "cuda"
+        return drafted_greedy(self.model, self.device, inputs, max_new_tokens, drafting, top_k, timed)
 
     def image_features(self, inputs: dict[str, Any]) -> torch.Tensor:
         """The vision tower and merger's output for the visual inputs (see the module's `image_features`)."""

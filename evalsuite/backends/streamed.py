@@ -40,7 +40,8 @@ Backend `exl3`: the pack's Transformers model from `DecodedSkeleton`, each unit'
 CPU when it is materialised, as a whole load decodes them (`DecodedExl3Layers`).
 
 Generation (`generate_greedy_batch`): the model's own `generate`, each decoder layer read from the files for
-each of its forwards, one per new token for a whole batch of prompts (`evalsuite.backends.greedy`).
+each of its forwards, one per new token for a whole batch of prompts (`evalsuite.backends.greedy`); with
+drafting (`generate_drafted`), one per verification round of one prompt (`evalsuite.backends.drafting`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from torch import nn
 
 from evalsuite.backends.c_heap import release_freed_memory
 from evalsuite.backends.chunked_head import ScoredStates, head_input_kept, scored_states
+from evalsuite.backends.drafting import Drafting, drafted_greedy
 from evalsuite.backends.greedy import Generation, greedy_batch
 from evalsuite.backends.hf import (
     hf_execution,
@@ -457,6 +459,24 @@ class StreamedBackend:
         `layer_loads`). The caches (attention's keys and values, a linear-attention layer's recurrent and
         convolution states) are Transformers' own, kept between forwards as in a loaded model's generation;
         the layer is the module a loaded model holds, so the answers are a loaded run's of the same batch."""
+        with self._reading_per_forward(prompts):
+            return greedy_batch(self.model, self.device, prompts, max_new_tokens, top_k, full_steps)
+
+    def generate_drafted(
+        self, inputs: dict[str, Any], max_new_tokens: int, drafting: Drafting, top_k: int = 5
+    ) -> Generation:
+        """Greedy decoding of one prompt with drafting, by Transformers' assisted generation
+        (`drafting.drafted_greedy`), each decoder layer read from the files for each of the target's
+        forwards as in `generate_greedy_batch`: a verification round reads every layer once, whatever the
+        number of drafted tokens it verifies. A draft model runs loaded beside it. Timed on a GPU."""
+        timed = self.device.type == "cuda"
+        with self._reading_per_forward([inputs]):
+            return drafted_greedy(self.model, self.device, inputs, max_new_tokens, drafting, top_k, timed)
+
+    @contextlib.contextmanager
+    def _reading_per_forward(self, prompts: Sequence[dict[str, Any]]) -> Iterator[None]:
+        """The model's own `generate` with each decoder layer materialised from the files for each forward
+        and freed after it (`_ReadPerCall`), the vision tower read first where a prompt has an image."""
         if any("pixel_values" in p or any("video" in k for k in p) for p in prompts):
             self._load_vision()  # set aside again at the first decoder layer (`_ReadPerCall`)
         real = list(self.layers)
@@ -464,7 +484,7 @@ class StreamedBackend:
             self.layers[index] = _ReadPerCall(layer, index, self)
         try:
             with _decoding_as_loaded(self.model, self.device):
-                return greedy_batch(self.model, self.device, prompts, max_new_tokens, top_k, full_steps)
+                yield
         finally:
             for index in range(self.n_layers):
                 stand_in = self.layers[index]

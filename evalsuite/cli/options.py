@@ -74,3 +74,4 @@ ExecutionFloor = Annotated[
         "report that difference from itself: a candidate's difference within it is no finding.",
     ),
 ]
+DraftOption = Annotated[Path | None, typer.Option(help="A draft checkpoint for specdec; else prompt lookup.")]

@@ -27,7 +27,7 @@ log-prob rows of its first `full_steps` steps (of the answers shown).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -333,17 +333,23 @@ def decoded(
     full_steps: int,
     step: Any,
     label: str = IN_BATCHES,
+    generate: Callable[[list[dict[str, Any]]], list[Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
     """Every prompt's answer document and full rows, decoding the batches of `plan` not yet saved in `folder`
-    (each saved as it completes, under `label`)."""
+    (each saved as it completes, under `label`): by `generate` where given (a batch's prompts in, their
+    generations out), else greedily (`generate_batch`). What a generation measured of itself (its
+    `counts`: a drafted decoding's rounds) is kept in its document."""
     documents: list[dict[str, Any]] = [{} for _ in prompts]
     full: list[np.ndarray] = [np.zeros((0, 0), np.float32) for _ in prompts]
     for b, members in enumerate(plan):
         saved = folder / f"{label}-{b:04d}.json"
         rows_file = folder / f"{label}-{b:04d}.safetensors"
         if not saved.is_file():
-            gens = generate_batch(backend, [prompts[i] for i in members], top_k, full_steps)
+            chosen = [prompts[i] for i in members]
+            gens = generate(chosen) if generate else generate_batch(backend, chosen, top_k, full_steps)
             docs = [answer_document(backend.tokenizer, g.tokens, g.top_ids, g.top_logp) for g in gens]
+            for doc, g in zip(docs, gens, strict=True):
+                doc.update(getattr(g, "counts", {}))
             if full_steps:
                 rows = {
                     str(i): np.ascontiguousarray(g.full_logp, dtype=np.float32)

@@ -341,7 +341,7 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
         request.thresholds_file,
         request.spec_overrides,
     )
-    _check_files_a_task_reads(tasks, context)
+    check_files_a_task_reads(tasks, context)
     if ckpt.options.backend == "intref" and not ckpt.options.conventions:
         ckpt.options = ckpt.options.with_backend("intref", intref_conventions(request))
     baseline = load_results(request.baseline) if request.baseline is not None else None
@@ -381,10 +381,11 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
     )
 
 
-def _check_files_a_task_reads(tasks: list[Task], context: RunContext) -> None:
-    """Refuse `--chats` and `--calibration` in a run whose tasks would not read them: `ppl` scores the chats;
-    `ppl`'s windows and chats, `smoke`'s prompts and `vision`'s questions are checked against the calibration
-    set. A run without them would ignore the file the user gave and say nothing."""
+def check_files_a_task_reads(tasks: list[Task], context: RunContext) -> None:
+    """Refuse `--chats`, `--calibration` and `--draft` in a run whose tasks would not read them: `ppl` scores
+    the chats; `ppl`'s windows and chats, `smoke`'s prompts and `vision`'s questions are checked against the
+    calibration set; `specdec` drafts with the draft. A run without them would ignore the file the user gave
+    and say nothing."""
     names = {t.name for t in tasks}
     if context.chats_file is not None and "ppl" not in names:
         raise InputError(
@@ -398,6 +399,12 @@ def _check_files_a_task_reads(tasks: list[Task], context: RunContext) -> None:
             "questions checked against the calibration set), none of which --tasks runs: add one of them "
             "to --tasks",
             context.calibration_file,
+        )
+    if context.draft_path is not None and "specdec" not in names:
+        raise InputError(
+            "--draft is read by `specdec` only (the checkpoint it drafts with), which --tasks does not run: "
+            "add specdec to --tasks",
+            context.draft_path,
         )
 
 

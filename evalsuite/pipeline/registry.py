@@ -35,6 +35,7 @@ _BUILTIN_TASKS = {
     "lmeval": ("evalsuite.tasks.lmeval", "LmEval"),
     "moe": ("evalsuite.tasks.moe", "MixtureOfExperts"),
     "tools": ("evalsuite.tasks.tools", "Tools"),
+    "specdec": ("evalsuite.tasks.specdec", "SpeculativeDecoding"),
 }
 
 

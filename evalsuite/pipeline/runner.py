@@ -40,6 +40,7 @@ from evalsuite.pipeline.plan import (
     RunPlan,
     RunRequest,
     build_tasks,
+    check_files_a_task_reads,
     check_out_folder,
     load_results,
     plan_observations,
@@ -273,6 +274,7 @@ def record(
         raise InputError("is already a recording; record a checkpoint", request.ckpt)
     stream_if_needed(side)
     tasks = build_tasks(request.tasks, request.context, specs=request.specs)
+    check_files_a_task_reads(tasks, request.context)
     inputs, skipped = prepare_all(tasks, side, side)
     if skipped:
         name, result = next(iter(skipped.items()))

@@ -401,6 +401,7 @@ class RunContext:
     chats_file: Path | None = None  # chats to score instead of a text's windows (`--chats`)
     calibration_file: Path | None = None  # a pack's calibration data, kept apart from what is scored
     execution_floor: bool = False  # the reference again in another execution (`--execution-floor`)
+    draft_path: Path | None = None  # a draft checkpoint `specdec` drafts with (`--draft`), else prompt lookup
 
     @cached_property
     def corpus(self) -> Corpus:

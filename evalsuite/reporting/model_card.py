@@ -31,6 +31,7 @@ from evalsuite.reporting.model_card_tables import (
     chat_splits,
     greedy_answers,
     long_answers,
+    speculative_decoding,
     tool_calls,
 )
 from evalsuite.reporting.model_card_tables import measured as _measured
@@ -227,6 +228,7 @@ def _results_table(results: dict[str, Any]) -> list[str]:
         *greedy_answers(results),
         *tool_calls(results),
         *long_answers(results),
+        *speculative_decoding(results),
         *_downstream_results(results),
     ]
 

@@ -1,7 +1,8 @@
 """The model card's tables of what the run measured beyond WikiText's perplexity
 (`evalsuite.reporting.model_card` places them in its Results section): `ppl` on chats split by tag and
 turn, the calibration set's overlap with each task's evaluated text, `smoke`'s trajectory survival, `tools`'
-tool calls and JSON answers and `longform`'s long answers. Every number is read from results.json."""
+tool calls and JSON answers, `longform`'s long answers and `specdec`'s drafting. Every number is read from
+results.json."""
 
 from __future__ import annotations
 
@@ -310,3 +311,72 @@ def _long_answer_notes(entry: dict[str, Any], prefix: str, label: str) -> list[s
             f"{figure('thought_unclosed_ref')}, candidate {figure('thought_unclosed_ckpt')}"
         )
     return notes
+
+
+def _mean_and_interval(m: dict[str, Any], name: str) -> str:
+    """A mean over prompts with its 95% interval, or why it has none."""
+    low, high = m.get(f"{name}_lower95"), m.get(f"{name}_upper95")
+    if low is None or high is None:
+        return f"{format_number(m.get(name))} (too few prompts for an interval)"
+    return f"{format_number(m.get(name))} [{format_number(low)}, {format_number(high)}]"
+
+
+def speculative_decoding(results: dict[str, Any]) -> list[str]:
+    """`specdec`: whether drafting left each side's greedy answers as they were, and each side's mean accepted
+    length per workload with its interval over prompts, the candidate's paired against the reference's."""
+    m = measured(results["tasks"].get("specdec"))
+    if "n_prompts" not in m:
+        return []
+    lines = [
+        f"Speculative decoding (`specdec`; drafting: {m.get('drafting')}): each side decoded "
+        f"{format_number(m['n_prompts'])} prompts greedily, each alone, plainly and with drafting. Drafting "
+        f"changed {format_number(m.get('ref_drafting_changed'))} of the reference's "
+        f"{format_number(m['n_prompts'])} answers ({format_number(m.get('ref_drafting_near_ties'))} at a "
+        f"near tie) and {format_number(m.get('ckpt_drafting_changed'))} of the candidate's "
+        f"({format_number(m.get('ckpt_drafting_near_ties'))} at a near tie); lossless: reference "
+        f"{format_number(m.get('ref_lossless'))}, candidate {format_number(m.get('ckpt_lossless'))}.",
+        "",
+        "| workload | prompts | reference: accepted length [95% interval] | candidate: accepted length | "
+        "candidate − reference, paired | candidate | rounds (ref / ckpt) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    # The workloads the run had prompts of, in the spec's order (the order `specdec` wrote them in).
+    names = [k.removeprefix("n_prompts_") for k in m if k.startswith("n_prompts_")]
+    workloads = [(w, f"_{w}", f"n_prompts_{w}") for w in names]
+    for label, suffix, count in [*workloads, ("all", "_mean", "n_prompts")]:
+        diff = "accept_diff" + suffix
+        rounds = (
+            ("ref_rounds", "ckpt_rounds")
+            if label == "all"
+            else (f"ref_rounds{suffix}", f"ckpt_rounds{suffix}")
+        )
+        lines.append(
+            table_row(
+                [
+                    label.replace("_", " "),
+                    format_number(m.get(count)),
+                    _mean_and_interval(m, f"ref_accept{suffix}"),
+                    _mean_and_interval(m, f"ckpt_accept{suffix}"),
+                    _mean_and_interval(m, diff),
+                    str(m.get(f"{diff}_direction", "undetermined")),
+                    f"{format_number(m.get(rounds[0]))} / {format_number(m.get(rounds[1]))}",
+                ]
+            )
+        )
+    lines += [
+        "",
+        "- accepted length: new tokens per verification round (one forward of the side's own model), the "
+        "bonus token included; its mean over prompts, each prompt one unit, with a Student-t 95% interval; "
+        "the difference is paired over prompts, and called higher or lower only where its interval excludes "
+        "0 (undetermined otherwise, or with fewer than 3 prompts)",
+        "- each side drafts for itself alone (batch 1), and its answers drafted are compared with its own "
+        "plain greedy answers, decoded alone",
+    ]
+    if m.get("ckpt_speedup") is not None:
+        lines.append(
+            f"- on the GPU: reference {_mean_and_interval(m, 'ref_speedup')}× faster drafted, candidate "
+            f"{_mean_and_interval(m, 'ckpt_speedup')}× (plain time over drafted time, mean over prompts)"
+        )
+    else:
+        lines.append("- tokens per second: not measured (they are, only where a GPU runs the side)")
+    return [*lines, ""]

@@ -132,6 +132,44 @@ def equivalence(value: float, stderr: float, clusters: int, margin: float) -> Ou
     return "undetermined"
 
 
+@dataclass(frozen=True)
+class Interval:
+    """A mean over `n` independent units (prompts) with its two-sided 95% confidence interval; NaN bounds
+    where the units are too few to claim anything from (`MIN_CLUSTERS`)."""
+
+    value: float
+    lower: float
+    upper: float
+    n: int
+
+
+Direction = Literal["higher", "lower", "same", "undetermined"]
+
+
+def mean_interval(x: Any) -> Interval:
+    """The mean of `x`, one value per independent unit (a prompt, or a paired difference of one), with its
+    two-sided 95% interval mean ± t_{0.975, n−1} · stderr (`metrics.mean_with_stderr`); NaN bounds below
+    `MIN_CLUSTERS` units."""
+    estimate = metrics.mean_with_stderr(x)
+    if not enough_clusters(estimate.n, estimate.stderr):
+        return Interval(estimate.value, float("nan"), float("nan"), estimate.n)
+    half = t_quantile(0.5 + LEVEL / 2, estimate.n - 1) * estimate.stderr
+    return Interval(estimate.value, estimate.value - half, estimate.value + half, estimate.n)
+
+
+def direction(difference: Interval) -> Direction:
+    """What a paired difference's interval lets a report say: `higher` or `lower` only where it excludes 0;
+    `same` where every paired difference is exactly 0 (the interval is the point 0); else `undetermined`,
+    never taken for "equal"."""
+    if difference.lower > 0:
+        return "higher"
+    if difference.upper < 0:
+        return "lower"
+    if difference.lower == difference.upper == difference.value == 0:
+        return "same"
+    return "undetermined"
+
+
 def two_sided_p(value: float, stderr: float, clusters: int) -> float:
     """The two-sided p-value of `value` against 0 (a paired, window-clustered t test, G − 1 degrees of
     freedom); NaN with too few clusters. A zero error with a nonzero value is 0, with a zero value 1."""

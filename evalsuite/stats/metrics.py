@@ -570,3 +570,15 @@ def paired_proportion_difference(
     low = math.sqrt(max(0.0, (p1 - l1) ** 2 + (u2 - p2) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2)))
     high = math.sqrt(max(0.0, (p2 - l2) ** 2 + (u1 - p1) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1)))
     return p1 - p2, p1 - p2 - low, p1 - p2 + high
+
+
+def tokens_per_round(new_tokens: ArrayLike, rounds: ArrayLike) -> NDArray[np.float64]:
+    """Per decoding with drafting (speculative decoding), its mean accepted length: the new tokens over the
+    verification rounds (the target's forwards), each round's bonus token included, so 1 where no drafted
+    token was ever kept and k + 1 where every round kept all of its k drafted tokens."""
+    tokens, counted = _as_f64(new_tokens), _as_f64(rounds)
+    if tokens.shape != counted.shape:
+        raise ValueError(f"{tokens.size} decodings' tokens against {counted.size} decodings' rounds")
+    if (counted < 1).any():
+        raise ValueError("a decoding has at least one round (its prompt's prefill)")
+    return tokens / counted

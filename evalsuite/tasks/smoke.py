@@ -72,30 +72,15 @@ class Message(StrictModel):
     content: str
 
 
-class Prompt(StrictModel):
+class ChatPrompt(StrictModel):
+    """A prompt a task asks both sides greedily (`smoke`, `specdec`): one user turn (`prompt`) or a whole chat
+    (`messages`, ending with the user's turn), either way through the side's chat template with its
+    generation prompt, and the tokens its answer may take."""
+
     id: str
-    category: Category
-    language: Literal["en", "zh"] = "en"
-    # One user turn (`prompt`), or a whole chat (`messages`, ending with the user's turn): either way through
-    # the side's chat template, with its generation prompt.
     prompt: str | None = None
     messages: list[Message] | None = None
     max_new_tokens: int
-    expect: str
-    # An answer that also matches `reject` fails: "Jupiter, but it's actually Saturn" names the expected
-    # word and still answers wrongly.
-    reject: str | None = None
-
-    @field_validator("expect", "reject")
-    @classmethod
-    def _compiles(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise ValueError(f"not a valid regular expression: {exc}") from None
-        return value
 
     @field_validator("max_new_tokens")
     @classmethod
@@ -105,7 +90,7 @@ class Prompt(StrictModel):
         return value
 
     @model_validator(mode="after")
-    def _one_form(self) -> Prompt:
+    def _one_form(self) -> ChatPrompt:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of `prompt` (one user turn) and `messages` (a chat)")
         if self.messages is not None and (not self.messages or self.messages[-1].role != "user"):
@@ -121,6 +106,30 @@ class Prompt(StrictModel):
     def text(self) -> str:
         """The prompt's own words: its turns' contents one after the other, without any chat template."""
         return "\n".join(m["content"] for m in self.chat())
+
+    def template_options(self) -> dict[str, Any]:
+        """What the chat template is rendered with beside the messages (none here)."""
+        return {}
+
+
+class Prompt(ChatPrompt):
+    category: Category
+    language: Literal["en", "zh"] = "en"
+    expect: str
+    # An answer that also matches `reject` fails: "Jupiter, but it's actually Saturn" names the expected
+    # word and still answers wrongly.
+    reject: str | None = None
+
+    @field_validator("expect", "reject")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
 
     def matches(self, answer: str) -> bool:
         """The answer holds the expected answer and nothing the prompt rejects (case-insensitive)."""
@@ -161,9 +170,14 @@ class SmokeSpec(TaskSpec):
     COMPARE_ONLY: ClassVar[frozenset[str]] = TaskSpec.COMPARE_ONLY | {"calibration"}
 
     def model_post_init(self, _: Any) -> None:
-        ids = [p.id for p in self.prompts]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"prompt ids must be unique: {sorted({i for i in ids if ids.count(i) > 1})}")
+        refuse_repeated_ids(self.prompts)
+
+
+def refuse_repeated_ids(prompts: Sequence[ChatPrompt]) -> None:
+    """ValueError (a spec's validation error) where two prompts share an id."""
+    ids = [p.id for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"prompt ids must be unique: {sorted({i for i in ids if ids.count(i) > 1})}")
 
 
 def chat_ids(
@@ -181,9 +195,10 @@ def chat_ids(
     return list(tokenizer("\n".join(m["content"] for m in chat))["input_ids"])
 
 
-def prompt_ids(side: Side, prompt: Prompt, **template: Any) -> list[int]:
-    """The prompt through the side's chat template (`chat_ids`)."""
-    return chat_ids(side, prompt.chat(), **template)
+def prompt_ids(side: Side, prompt: ChatPrompt, **template: Any) -> list[int]:
+    """The prompt through the side's chat template (`chat_ids`), with the prompt's own `template_options`
+    and then `template`'s switches."""
+    return chat_ids(side, prompt.chat(), **{**prompt.template_options(), **template})
 
 
 def agreed_ids(
@@ -204,7 +219,9 @@ def agreed_ids(
     return ids
 
 
-def shared_prompt_ids(ref: Side, ckpt: Side, prompts: Sequence[Prompt], **template: Any) -> list[list[int]]:
+def shared_prompt_ids(
+    ref: Side, ckpt: Side, prompts: Sequence[ChatPrompt], **template: Any
+) -> list[list[int]]:
     """Each prompt's ids through the chat template (`template`: its switches), agreed by both sides
     (`agreed_ids`)."""
     names = [p.id for p in prompts]
