@@ -578,12 +578,9 @@ def tune_allocator() -> bool:
     """Let evalsuite set glibc's malloc thresholds in this process, as the command line does; whether it will
     (False on another C library, where nothing is ever set). It lasts as long as the process.
 
-    Why a program opts in: a load keeps its temporaries in the heaps (dequantizing a W4A8 pack expert by
-    expert would otherwise pay a page fault per page of each), and a long window's reduction maps its large
-    blocks (else the heaps fragment to many times its working memory). Both need `mallopt`, and once
-    `mallopt` has set a threshold glibc turns its dynamic thresholds off for good and cannot report what they
-    were: the calling program's allocator would be evalsuite's from then on. So `run`, `compare` and `record`
-    leave the allocator alone unless this was called; the command line calls it as it starts.
+    Why a program opts in: loads keep their temporaries in the heaps and long windows map their large blocks,
+    both through `mallopt`, after which glibc's dynamic thresholds are off for good and cannot be restored.
+    So `run`, `compare` and `record` leave the allocator alone unless this was called (the CLI calls it).
     """
     from evalsuite.backends.c_heap import allow_thresholds
 
