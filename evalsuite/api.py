@@ -593,8 +593,7 @@ def cache(*, clear: bool = False, fixtures: Path = DEFAULT_FIXTURES) -> list[Cac
     least recently used dropped first; file digests are not evicted; fixtures are shown, never removed here.
 
     Args:
-        clear: first remove every kind but the fixtures; what each held before is returned.
-        fixtures: the fixtures folder to show.
+        clear: first remove every kind but the fixtures, returning what each held; fixtures: the folder shown.
     """
     from evalsuite.files.run_cache import cache_usage, clear_cache
 
