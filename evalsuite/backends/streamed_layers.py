@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import re
-import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +24,15 @@ from evalsuite.backends.hf import (
     transformers_config,
 )
 from evalsuite.backends.load_lock import tensors_read_when_converted
+from evalsuite.backends.memory import expert_cache_budget
 from evalsuite.backends.options import BackendOptions
+from evalsuite.backends.routed_experts import (
+    ExpertCache,
+    FusedReader,
+    RoutedExperts,
+    fused_plan,
+    routed_experts,
+)
 from evalsuite.backends.skeleton import refuse_mismatch, set_generation_config, tie_weights
 from evalsuite.backends.stream_units import (
     REST,
@@ -82,12 +89,26 @@ def _itself(obj: Any, memo: dict[int, Any]) -> Any:
     return obj
 
 
+@dataclass(frozen=True)
+class _RoutedLayout:
+    """A layer's routed experts as the files store them: the experts module's name in the layer, each expert's
+    tensors, the reader that fuses them without Transformers' loading (None: Transformers' loading reads
+    them), each expert's bytes in the files, and every expert tensor's name."""
+
+    module: str
+    by_expert: dict[int, list[str]]
+    reader: FusedReader | None
+    file_bytes: dict[int, int]
+    expert_names: frozenset[str] | set[str]
+
+
 class TransformersLayers:
     """Backend `hf`, streamed: the skeleton `from_pretrained` builds on the meta device (quantizer applied,
     no tensor data read), its units materialised by Transformers' own loading code (module docstring)."""
 
     def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
         from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
         from transformers.modeling_utils import LoadStateDictConfig
 
         if checkpoint.format == "gguf":
@@ -119,13 +140,23 @@ class TransformersLayers:
             hf_quantizer=self.quantizer,
             weight_mapping=mapping,
         )
+        # Each file tensor's target in the model and the source pattern of the converter that takes it, as
+        # Transformers renames it (`_plan_units`), and the converters by source pattern.
+        self._targets: dict[str, tuple[str, str | None]] = {}
+        self._converters = {
+            p: c for c in mapping if isinstance(c, WeightConverter) for p in c.source_patterns
+        }
         self.units = self._plan_units(mapping)
         refuse_partial_load(checkpoint, report)
         self._pristine: nn.Module | None = None
         # The routed-experts hook of the layer read for a decoding step, and its handle, until it is freed.
-        self._routed: tuple[_RoutedExperts, Any] | None = None
-        # Wall seconds of routed experts read during decoding forwards (`_RoutedExperts`), all layers.
+        self._routed: tuple[RoutedExperts, Any] | None = None
+        # Wall seconds of routed experts read during decoding forwards (`RoutedExperts`), all layers.
         self.routed_read_seconds = 0.0
+        # Per layer, how its routed experts are stored and read (`_routed_layout`), worked out once.
+        self._layouts: dict[int, _RoutedLayout | None] = {}
+        # Routed experts kept across a decoding's steps, within what the side's budget leaves.
+        self.expert_cache = ExpertCache(expert_cache_budget(checkpoint, options))
 
     def _plan_units(self, mapping: list[Any]) -> dict[Unit, list[str]]:
         """The files' tensor names by unit, placed by the names Transformers' own renaming gives them; a layer
@@ -140,7 +171,8 @@ class TransformersLayers:
         provided: set[str] = set()
         unexpected: list[str] = []
         for name in self.checkpoint.tensors:
-            target, _ = rename_source_key(name, renamings, converters, prefix_name, expected)
+            target, pattern = rename_source_key(name, renamings, converters, prefix_name, expected)
+            self._targets[name] = (target, pattern)
             units.setdefault(unit_of(target, self.prefix, self.text), []).append(name)
             provided.add(target)
             if target not in expected:
@@ -175,15 +207,17 @@ class TransformersLayers:
         self.model.initialize_weights()
 
     def _decompress(self, modules: list[nn.Module]) -> None:
+        """What compressed-tensors' `decompress_module` does to each quantized module, the modules stored
+        alike decompressed together (`evalsuite.formats.ct_batch`)."""
         if self.compressor is None:
             return
-        from compressed_tensors.compressors import decompress_module
         from compressed_tensors.quantization.utils import is_module_quantized
 
+        from evalsuite.formats.ct_batch import decompress_modules
+
         with quiet_transformers():
-            for module in modules:
-                if is_module_quantized(module):
-                    decompress_module(module, self.compressor.force_compression_format)
+            quantized = [m for m in modules if is_module_quantized(m)]
+            decompress_modules(quantized, self.compressor.force_compression_format)
 
     def load_rest(self) -> None:
         """The text path outside the decoder layers, tied weights tied."""
@@ -227,23 +261,78 @@ class TransformersLayers:
     def load_layer_routed(self, index: int, read: list[int]) -> None:
         """Decoder layer `index` as `load_layer` makes it, but for its routed experts where the files store
         each apart: those are read when the layer's experts are first called, and only the experts the call's
-        tokens route to (`_RoutedExperts`). Each tensor's bytes read are added to `read` (one element)."""
-        experts = _routed_experts(self.layers[index], self.units.get(index, []))
-        if experts is None:
+        tokens route to (`RoutedExperts`), or taken from the cache. Each tensor's bytes read are added to
+        `read` (one element)."""
+        layout = self._routed_layout(index)
+        if layout is None:
             self.load_layer(index)
             read[0] += sum(self.checkpoint.tensors[n].nbytes for n in self.units.get(index, []))
             return
-        module, by_expert = experts
-        rest = [n for n in self.units.get(index, []) if not any(n in names for names in by_expert.values())]
+        rest = [n for n in self.units.get(index, []) if n not in layout.expert_names]
         self._pristine = self._skeleton_copy(index)
         self._load(rest)
         read[0] += sum(self.checkpoint.tensors[n].nbytes for n in rest)
         modules = list(self.layers[index].modules())
         self._initialise_buffers(modules)
         self._decompress(modules)
-        module = self.layers[index].get_submodule(module)
-        routed = _RoutedExperts(self, module, by_expert, read)
+        module = self.layers[index].get_submodule(layout.module)
+        if layout.reader is not None:
+            reader = layout.reader
+            read_rows = functools.partial(reader.read, device=self.device)
+        else:
+            read_rows = functools.partial(self._read_experts, module, layout.by_expert)
+        routed = RoutedExperts(module, index, read_rows, layout.file_bytes, self.expert_cache, read)
         self._routed = (routed, module.register_forward_pre_hook(routed))
+
+    def _routed_layout(self, index: int) -> _RoutedLayout | None:
+        """How layer `index` stores its routed experts and how they are read: by `FusedReader` where the
+        model's conversion of them is the plain one, else by Transformers' loading; None where they are not
+        stored apart (the layer is read whole)."""
+        if index in self._layouts:
+            return self._layouts[index]
+        names = self.units.get(index, [])
+        found = routed_experts(self.layers[index], names)
+        layout = None
+        if found is not None:
+            module, by_expert = found
+            full = f"{self.prefix}.{index}.{module}"
+            plan = fused_plan(
+                self._converters, self._targets.__getitem__, self._read_dtype, full,
+                self.layers[index].get_submodule(module), by_expert[min(by_expert)],
+            )  # fmt: skip
+            reader = None if plan is None else FusedReader(self.checkpoint, plan, by_expert)
+            file_bytes = {
+                e: sum(self.checkpoint.tensors[n].nbytes for n in tensors) for e, tensors in by_expert.items()
+            }
+            expert_names = {n for tensors in by_expert.values() for n in tensors}
+            layout = _RoutedLayout(module, by_expert, reader, file_bytes, expert_names)
+        self._layouts[index] = layout
+        return layout
+
+    def _read_dtype(self, target: str) -> Any:
+        """The dtype Transformers' loading casts a float tensor of `target` to when it reads it (the load's
+        dtype, a dtype plan's where one matches, else the skeleton parameter's where it differs)."""
+        from transformers.core_model_loading import build_glob_alternation
+
+        dtype, plan = self.load_config.dtype, self.load_config.dtype_plan or {}
+        if plan:
+            alternation, by_group, _ = build_glob_alternation(list(plan))
+            match = alternation.search(target)
+            if match is not None:
+                return plan[by_group[match.lastgroup]]
+        empty = self.model.get_parameter(target)
+        return empty.dtype if empty.dtype != dtype else dtype
+
+    def _read_experts(
+        self, module: nn.Module, by_expert: dict[int, list[str]], experts: list[int]
+    ) -> dict[str, torch.Tensor]:
+        """The fused rows of `experts`, read and converted by Transformers' own loading into the module,
+        which holds them after (`RoutedExperts` had kept what it held before)."""
+        for key, value in list(module.named_parameters(recurse=False)):
+            rows = torch.empty((len(experts), *value.shape[1:]), device="meta", dtype=value.dtype)
+            setattr(module, key, nn.Parameter(rows, requires_grad=False))
+        self._load([n for e in experts for n in by_expert[e]])
+        return {key: value.data for key, value in module.named_parameters(recurse=False)}
 
     def free_layer(self, index: int) -> None:
         if self._routed is not None:
@@ -252,6 +341,7 @@ class TransformersLayers:
             routed, handle = self._routed
             handle.remove()
             routed.restore()
+            self.routed_read_seconds += routed.read_seconds
             self._routed = None
         # The layer's tensors go now, whatever holds the module (compressed-tensors binds each quantized
         # module's forward to the module: a reference cycle only the garbage collector would break).
@@ -365,103 +455,6 @@ class DecodedExl3Layers:
     def free_layer(self, index: int) -> None:
         # Decoded weights go back to meta; computed buffers (rotary frequencies) stay.
         _release_tensors(self.layers[index], keep_computed=True)
-
-
-# A routed expert's tensor as the files store it: `…mlp.experts.<index>.<projection>…`.
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
-
-
-def _routed_experts(layer: nn.Module, names: list[str]) -> tuple[str, dict[int, list[str]]] | None:
-    """The layer's module of fused routed experts (its name in the layer) and the files' tensors of each
-    expert, where the files store the experts apart and the module is one whose forward takes the tokens'
-    routing (`(hidden_states, top_k_index, top_k_weights)`, as Transformers' MoE experts do); else None."""
-    found = [
-        (name, module)
-        for name, module in layer.named_modules()
-        if name.endswith("experts")
-        and isinstance(getattr(module, "num_experts", None), int)
-        and hasattr(module, "gate_up_proj")
-    ]
-    if len(found) != 1:
-        return None
-    name, module = found[0]
-    by_expert: dict[int, list[str]] = {}
-    for tensor in names:  # the layer's own tensors (`units`): an expert's carries its index after `experts.`
-        match = _EXPERT.search(tensor)
-        if match:
-            by_expert.setdefault(int(match.group(1)), []).append(tensor)
-    if len(by_expert) != module.num_experts:
-        return None
-    return name, by_expert
-
-
-class _RoutedExperts:
-    """A forward pre-hook on a layer's fused experts, for a decoding step: at each call, the experts the
-    call's tokens route to that are not yet read are read from the files and converted by Transformers' own
-    loading, and the module holds those experts only, in the order of their indices (a row per expert
-    read, not one per expert of the model). The call's routing is renumbered to those rows and the module's
-    expert count set to theirs: the forward runs each token through the same experts' weights, grouped in
-    the same order, as with every expert present, and no tensor of the model's full expert count is made or
-    filled. `restore` gives the module back its full shape (on the meta device) and count."""
-
-    def __init__(
-        self, loader: TransformersLayers, module: nn.Module, by_expert: dict[int, list[str]], read: list[int]
-    ) -> None:
-        self.loader, self.module, self.by_expert, self.read = loader, module, by_expert, read
-        self.num_experts = int(module.num_experts)
-        self.shapes = {k: v.shape for k, v in module.named_parameters(recurse=False)}
-        self.dtypes = {k: v.dtype for k, v in module.named_parameters(recurse=False)}
-        self.rows: list[int] = []  # the experts read, ascending: row i holds expert rows[i]
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        routed = args[1] if len(args) > 1 else None
-        if not isinstance(routed, torch.Tensor):
-            raise InputError(
-                "the experts' forward did not get the tokens' routing: it cannot be read sparsely"
-            )
-        wanted = {int(e) for e in routed.reshape(-1).tolist() if 0 <= int(e) < self.num_experts}
-        todo = sorted(wanted - set(self.rows))
-        if todo:
-            self._read(module, todo)
-        # Expert e → its row; an index outside the model's experts (a sentinel) stays past the last row.
-        table = torch.full((self.num_experts + 1,), len(self.rows), dtype=routed.dtype)
-        table[torch.tensor(self.rows, dtype=torch.long)] = torch.arange(len(self.rows), dtype=routed.dtype)
-        renumbered = table.to(routed.device)[routed.clamp(0, self.num_experts)]
-        module.num_experts = len(self.rows)
-        return (args[0], renumbered, *args[2:])
-
-    def _read(self, module: nn.Module, todo: list[int]) -> None:
-        before = {k: v for k, v in module.named_parameters(recurse=False)}
-        for key in before:
-            rows = torch.empty((len(todo), *self.shapes[key][1:]), device="meta", dtype=self.dtypes[key])
-            setattr(module, key, nn.Parameter(rows, requires_grad=False))
-        names = [n for e in todo for n in self.by_expert[e]]
-        started = time.perf_counter()
-        self.loader._load(names)
-        self.loader.routed_read_seconds += time.perf_counter() - started
-        self.read[0] += sum(self.loader.checkpoint.tensors[n].nbytes for n in names)
-        if not self.rows:
-            self.rows = todo
-            return
-        # A later call of the same read (a prompt's forward after another's) routes to more experts: the
-        # rows are merged in the order of their indices.
-        merged = sorted([*self.rows, *todo])
-        old_at = torch.tensor([merged.index(e) for e in self.rows], dtype=torch.long)
-        new_at = torch.tensor([merged.index(e) for e in todo], dtype=torch.long)
-        for key, old in before.items():
-            new = getattr(module, key).data
-            whole = torch.empty((len(merged), *old.shape[1:]), dtype=new.dtype, device=new.device)
-            whole[old_at.to(new.device)] = old.data
-            whole[new_at.to(new.device)] = new
-            setattr(module, key, nn.Parameter(whole, requires_grad=False))
-        self.rows = merged
-
-    def restore(self) -> None:
-        """The module's full expert count, and its experts' parameters on the meta device in full shape."""
-        self.module.num_experts = self.num_experts
-        for key, shape in self.shapes.items():
-            empty = torch.empty(shape, device="meta", dtype=self.dtypes[key])
-            setattr(self.module, key, nn.Parameter(empty, requires_grad=False))
 
 
 def _release_tensors(layer: nn.Module, keep_computed: bool) -> None:
