@@ -172,9 +172,9 @@ def streamed_peak_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
     return total - sum(layers) + 2 * max(layers) if layers else total
 
 
-def expert_cache_budget(checkpoint: Checkpoint, options: BackendOptions) -> int:
-    """The bytes a streamed side may keep routed experts in across a decoding's steps
-    (`evalsuite.backends.routed_experts.ExpertCache`): what the side's budget (`--max-memory`, else the
+def decoded_cache_budget(checkpoint: Checkpoint, options: BackendOptions) -> int:
+    """The bytes a streamed side may keep converted weights in across a decoding's steps
+    (`evalsuite.backends.decoded_cache.DecodedCache`): what the side's budget (`--max-memory`, else the
     device's free memory when the side is set up) leaves, at `FIT_FRACTION`, beside its streamed peak; none
     on `--device auto`."""
     budget = memory_budget(options)

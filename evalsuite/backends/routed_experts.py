@@ -1,6 +1,6 @@
 """A streamed decoding step's routed experts (backend `hf`): of a MoE layer read for one forward, only the
 experts its tokens route to, read when the experts are first called (`RoutedExperts`), decoded together
-(`FusedReader`), and kept across steps within the side's memory budget (`ExpertCache`).
+(`FusedReader`), and kept across steps within the side's memory budget (`DecodedCache`).
 
 Why not Transformers' loading for them: `convert_and_load_state_dict_in_model` renames each file tensor,
 copies a converter for it and, for a compressed-tensors pack, decompresses each expert projection through
@@ -13,14 +13,13 @@ same with one stacked copy or one library decompression per parameter (`evalsuit
 same values in the same places, bit for bit (`tests/unit/test_routed_experts.py` holds it equal to
 Transformers' loading). Any other conversion is left to Transformers, expert tensor by expert tensor.
 
-Why a cache: consecutive steps of a decoding route many of their tokens to the same experts (`ExpertCache`).
+Why a cache: consecutive steps of a decoding route many of their tokens to the same experts (`DecodedCache`).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from evalsuite.backends.decoded_cache import DecodedCache
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
 
@@ -186,58 +186,6 @@ class FusedReader:
         return fused
 
 
-class ExpertCache:
-    """Routed experts' fused rows kept across the steps of a decoding, least recently used first out, within
-    `budget` bytes: consecutive steps route many tokens to the same experts, whose rows are then neither read
-    nor decoded again. The rows are the very values read (copies of them), so a hit changes no bit of a
-    forward. `hits`, `misses` (experts a step needed, found or not) and `bytes_saved` (the files' bytes a
-    hit did not read) are what results.json's `model_loads` reports."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = max(0, int(budget))
-        self.held = 0
-        self.hits = self.misses = self.bytes_saved = 0
-        self._rows: OrderedDict[tuple[int, int], tuple[Rows, int, int]] = OrderedDict()
-
-    def take(self, layer: int, expert: int) -> Rows | None:
-        """The expert's rows, or None; a hit counts the bytes its read would have cost."""
-        found = self._rows.get((layer, expert))
-        if found is None:
-            self.misses += 1
-            return None
-        self._rows.move_to_end((layer, expert))
-        self.hits += 1
-        self.bytes_saved += found[2]
-        return found[0]
-
-    def keep(self, layer: int, expert: int, rows: Rows, file_bytes: int) -> None:
-        """Keep a copy of an expert's rows, evicting the least recently used while over the budget; rows
-        larger than the budget are not kept."""
-        size = sum(t.numel() * t.element_size() for t in rows.values())
-        if size > self.budget or (layer, expert) in self._rows:
-            return
-        while self.held + size > self.budget and self._rows:
-            _, (_, evicted, _) = self._rows.popitem(last=False)
-            self.held -= evicted
-        self._rows[(layer, expert)] = ({k: v.clone() for k, v in rows.items()}, size, file_bytes)
-        self.held += size
-
-    def clear(self) -> None:
-        self._rows.clear()
-        self.held = 0
-
-    def figures(self) -> dict[str, Any]:
-        """What results.json's `model_loads` says of the cache."""
-        asked = self.hits + self.misses
-        return {
-            "budget_bytes": self.budget,
-            "hits": self.hits,
-            "misses": self.misses,
-            "hit_rate": round(self.hits / asked, 4) if asked else None,
-            "bytes_saved": self.bytes_saved,
-        }
-
-
 # Reads the fused rows of the given experts of a layer, in that order: (experts, rows, columns) by parameter.
 ReadRows = Callable[[list[int]], dict[str, torch.Tensor]]
 
@@ -258,7 +206,7 @@ class RoutedExperts:
         layer: int,
         read: ReadRows,
         file_bytes: dict[int, int],
-        cache: ExpertCache | None,
+        cache: DecodedCache | None,
         counted: list[int],
     ) -> None:
         self.module, self.layer, self.read_rows, self.cache = module, layer, read, cache

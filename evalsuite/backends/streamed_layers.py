@@ -6,9 +6,7 @@ and freed again. How a streamed pass uses them, and why it is bit-identical to a
 
 from __future__ import annotations
 
-import copy
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,16 +22,10 @@ from evalsuite.backends.hf import (
     transformers_config,
 )
 from evalsuite.backends.load_lock import tensors_read_when_converted
-from evalsuite.backends.memory import expert_cache_budget
+from evalsuite.backends.memory import decoded_cache_budget
 from evalsuite.backends.options import BackendOptions
-from evalsuite.backends.routed_experts import (
-    ExpertCache,
-    FusedReader,
-    RoutedExperts,
-    fused_plan,
-    routed_experts,
-)
 from evalsuite.backends.skeleton import refuse_mismatch, set_generation_config, tie_weights
+from evalsuite.backends.step_reads import DecodingReads
 from evalsuite.backends.stream_units import (
     REST,
     VISION,
@@ -89,20 +81,7 @@ def _itself(obj: Any, memo: dict[int, Any]) -> Any:
     return obj
 
 
-@dataclass(frozen=True)
-class _RoutedLayout:
-    """A layer's routed experts as the files store them: the experts module's name in the layer, each expert's
-    tensors, the reader that fuses them without Transformers' loading (None: Transformers' loading reads
-    them), each expert's bytes in the files, and every expert tensor's name."""
-
-    module: str
-    by_expert: dict[int, list[str]]
-    reader: FusedReader | None
-    file_bytes: dict[int, int]
-    expert_names: frozenset[str] | set[str]
-
-
-class TransformersLayers:
+class TransformersLayers(DecodingReads):
     """Backend `hf`, streamed: the skeleton `from_pretrained` builds on the meta device (quantizer applied,
     no tensor data read), its units materialised by Transformers' own loading code (module docstring)."""
 
@@ -148,15 +127,14 @@ class TransformersLayers:
         }
         self.units = self._plan_units(mapping)
         refuse_partial_load(checkpoint, report)
-        self._pristine: nn.Module | None = None
-        # The routed-experts hook of the layer read for a decoding step, and its handle, until it is freed.
-        self._routed: tuple[RoutedExperts, Any] | None = None
-        # Wall seconds of routed experts read during decoding forwards (`RoutedExperts`), all layers.
-        self.routed_read_seconds = 0.0
-        # Per layer, how its routed experts are stored and read (`_routed_layout`), worked out once.
-        self._layouts: dict[int, _RoutedLayout | None] = {}
-        # Routed experts kept across a decoding's steps, within what the side's budget leaves.
-        self.expert_cache = ExpertCache(expert_cache_budget(checkpoint, options))
+        # Per decoder layer, its compressed-tensors modules' parameters as built (`_remember_compressed`).
+        self._built: dict[int, dict[str, tuple[dict[str, Any], Any]]] = {}
+        # The dtype plan's patterns, compiled once (`_read_dtype`); whether tensors no converter takes are set
+        # by `_load_renamed` (not where a quantizer quantizes what it reads: Transformers' loop does that).
+        self._dtype_plan: tuple[Any, dict[str, str]] | None = None
+        self._renamed_apart = self.quantizer is None or bool(self.quantizer.pre_quantized)
+        # A decoding's reads (`DecodingReads`): what they convert is kept within what the budget leaves.
+        self._start_decoding_reads(decoded_cache_budget(checkpoint, options))
 
     def _plan_units(self, mapping: list[Any]) -> dict[Unit, list[str]]:
         """The files' tensor names by unit, placed by the names Transformers' own renaming gives them; a layer
@@ -182,15 +160,53 @@ class TransformersLayers:
         return units
 
     def _load(self, names: list[str]) -> None:
+        """The tensors `names` into the model, as Transformers' loading puts them there: those a converter
+        takes (fused experts, a dequantization) by `convert_and_load_state_dict_in_model`; those only renamed
+        by `_load_renamed`, which does for them what that function does, without its per-tensor machinery."""
+        renamed = [n for n in names if self._targets[n][1] is None] if self._renamed_apart else []
+        converted = [n for n in names if self._targets[n][1] is not None] if renamed else names
+        if renamed:
+            self._load_renamed(renamed)
+        if not converted:
+            return
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
         with (
-            self.checkpoint.open_tensors(names) as handles,
+            self.checkpoint.open_tensors(converted) as handles,
             quiet_transformers(),
             heap_kept_while_loading(),
             tensors_read_when_converted(),
         ):
             info, _ = convert_and_load_state_dict_in_model(self.model, handles, self.load_config)
+        self._refuse_problems(info)
+
+    def _load_renamed(self, names: list[str]) -> None:
+        """Tensors that no converter takes, each read as Transformers materialises it (`_materialize_copy`:
+        on the device, cast to `_read_dtype`'s dtype) and set by its `set_param_for_module`.
+
+        Why not through `convert_and_load_state_dict_in_model`: for each tensor it builds a `WeightRenaming`
+        whose patterns are compiled regular expressions of the tensor's own name, and Python keeps the 512
+        latest. A streamed pass reads each layer's tensors again at every forward: the SmolLM2 pair's W4A8
+        copy (19 tensors a layer, 570 in all) missed that cache on every tensor, 0.5 ms each, where its BF16
+        source (270) hit it. The function also takes the whole model's state dict at each call."""
+        from transformers.core_model_loading import _materialize_copy, set_param_for_module
+        from transformers.utils.loading_report import LoadStateDictInfo
+
+        info = LoadStateDictInfo(
+            missing_keys=set(), unexpected_keys=set(), mismatched_keys=set(), conversion_errors={},
+            error_msgs=[], skipped_pp_keys=set(),
+        )  # fmt: skip
+        with self.checkpoint.open_tensors(names) as handles, heap_kept_while_loading():
+            for name in names:
+                target = self._targets[name][0]
+                handle = handles[name]
+                dtype = self._read_dtype(target, handle.get_dtype().startswith(("F", "BF")))
+                value = _materialize_copy(handle, self.load_config.device_map[""], dtype)
+                set_param_for_module(self.model, target, value, info, self.quantizer)
+        self._refuse_problems(info)
+
+    def _refuse_problems(self, info: Any) -> None:
+        """A tensor whose shape is not the model's, or a conversion that failed: one line naming it."""
         errors = list(info.conversion_errors.values()) + list(info.error_msgs)
         if info.mismatched_keys or errors:
             what = next(iter(info.mismatched_keys), None) or first_line(Exception(str(errors[0])))
@@ -250,123 +266,73 @@ class TransformersLayers:
 
     def load_layer(self, index: int) -> None:
         """Decoder layer `index`, as a loaded model holds it."""
-        # The meta layer as built: compressed-tensors decompression rewrites a layer's parameters, so the
-        # next pass over this layer loads into a fresh copy of the skeleton's.
-        self._pristine = self._skeleton_copy(index)
+        self._remember_compressed(index)
         self._load(self.units.get(index, []))
         modules = list(self.layers[index].modules())
         self._initialise_buffers(modules)
         self._decompress(modules)
 
-    def load_layer_routed(self, index: int, read: list[int]) -> None:
-        """Decoder layer `index` as `load_layer` makes it, but for its routed experts where the files store
-        each apart: those are read when the layer's experts are first called, and only the experts the call's
-        tokens route to (`RoutedExperts`), or taken from the cache. Each tensor's bytes read are added to
-        `read` (one element)."""
-        layout = self._routed_layout(index)
-        if layout is None:
-            self.load_layer(index)
-            read[0] += sum(self.checkpoint.tensors[n].nbytes for n in self.units.get(index, []))
-            return
-        rest = [n for n in self.units.get(index, []) if n not in layout.expert_names]
-        self._pristine = self._skeleton_copy(index)
-        self._load(rest)
-        read[0] += sum(self.checkpoint.tensors[n].nbytes for n in rest)
-        modules = list(self.layers[index].modules())
-        self._initialise_buffers(modules)
-        self._decompress(modules)
-        module = self.layers[index].get_submodule(layout.module)
-        if layout.reader is not None:
-            reader = layout.reader
-            read_rows = functools.partial(reader.read, device=self.device)
-        else:
-            read_rows = functools.partial(self._read_experts, module, layout.by_expert)
-        routed = RoutedExperts(module, index, read_rows, layout.file_bytes, self.expert_cache, read)
-        self._routed = (routed, module.register_forward_pre_hook(routed))
-
-    def _routed_layout(self, index: int) -> _RoutedLayout | None:
-        """How layer `index` stores its routed experts and how they are read: by `FusedReader` where the
-        model's conversion of them is the plain one, else by Transformers' loading; None where they are not
-        stored apart (the layer is read whole)."""
-        if index in self._layouts:
-            return self._layouts[index]
-        names = self.units.get(index, [])
-        found = routed_experts(self.layers[index], names)
-        layout = None
-        if found is not None:
-            module, by_expert = found
-            full = f"{self.prefix}.{index}.{module}"
-            plan = fused_plan(
-                self._converters, self._targets.__getitem__, self._read_dtype, full,
-                self.layers[index].get_submodule(module), by_expert[min(by_expert)],
-            )  # fmt: skip
-            reader = None if plan is None else FusedReader(self.checkpoint, plan, by_expert)
-            file_bytes = {
-                e: sum(self.checkpoint.tensors[n].nbytes for n in tensors) for e, tensors in by_expert.items()
-            }
-            expert_names = {n for tensors in by_expert.values() for n in tensors}
-            layout = _RoutedLayout(module, by_expert, reader, file_bytes, expert_names)
-        self._layouts[index] = layout
-        return layout
-
-    def _read_dtype(self, target: str) -> Any:
-        """The dtype Transformers' loading casts a float tensor of `target` to when it reads it (the load's
-        dtype, a dtype plan's where one matches, else the skeleton parameter's where it differs)."""
+    def _read_dtype(self, target: str, floating: bool = True) -> Any:
+        """The dtype Transformers' loading casts a tensor of `target` to when it reads it, where no converter
+        takes it: the load's dtype, a dtype plan's where one matches, else the skeleton's where it differs; a
+        pre-quantized model's quantizer has the last word (none for a tensor that is not floating point)."""
         from transformers.core_model_loading import build_glob_alternation
 
         dtype, plan = self.load_config.dtype, self.load_config.dtype_plan or {}
-        if plan:
-            alternation, by_group, _ = build_glob_alternation(list(plan))
-            match = alternation.search(target)
-            if match is not None:
-                return plan[by_group[match.lastgroup]]
-        empty = self.model.get_parameter(target)
-        return empty.dtype if empty.dtype != dtype else dtype
-
-    def _read_experts(
-        self, module: nn.Module, by_expert: dict[int, list[str]], experts: list[int]
-    ) -> dict[str, torch.Tensor]:
-        """The fused rows of `experts`, read and converted by Transformers' own loading into the module,
-        which holds them after (`RoutedExperts` had kept what it held before)."""
-        for key, value in list(module.named_parameters(recurse=False)):
-            rows = torch.empty((len(experts), *value.shape[1:]), device="meta", dtype=value.dtype)
-            setattr(module, key, nn.Parameter(rows, requires_grad=False))
-        self._load([n for e in experts for n in by_expert[e]])
-        return {key: value.data for key, value in module.named_parameters(recurse=False)}
+        if plan and self._dtype_plan is None:
+            self._dtype_plan = build_glob_alternation(list(plan))[:2]
+        match = self._dtype_plan[0].search(target) if plan and self._dtype_plan else None
+        if match is not None and self._dtype_plan is not None:
+            dtype = plan[self._dtype_plan[1][match.lastgroup]]
+        else:
+            module, _, leaf = target.rpartition(".")
+            empty = getattr(self.model.get_submodule(module), leaf)
+            if empty is not None and empty.dtype != dtype:
+                dtype = empty.dtype
+        if self.quantizer is not None and self.quantizer.pre_quantized:
+            return dtype if floating else None
+        return dtype
 
     def free_layer(self, index: int) -> None:
-        if self._routed is not None:
-            # The same module serves the next read of this layer (a model without a compressor): its hook
-            # goes with this read, and its experts take their full shape and count again.
-            routed, handle = self._routed
-            handle.remove()
-            routed.restore()
-            self.routed_read_seconds += routed.read_seconds
-            self._routed = None
+        self.free_routed()
         # The layer's tensors go now, whatever holds the module (compressed-tensors binds each quantized
         # module's forward to the module: a reference cycle only the garbage collector would break).
-        _release_tensors(self.layers[index], keep_computed=False)
-        if self._pristine is not None:
-            self.layers[index] = self._pristine
-            self._pristine = None
-
-    def _skeleton_copy(self, index: int) -> nn.Module | None:
-        """A copy of decoder layer `index` as built (meta tensors), for the next read of it, where
-        compressed-tensors' decompression will rewrite this one; None without a compressor. Each module's
-        quantization scheme and other pydantic settings are shared with the copy rather than copied: they
-        are read, never written, and copying them was most of the time a decoding step spent here."""
-        if self.compressor is None:
-            return None
-        from pydantic import BaseModel
-
         layer = self.layers[index]
-        shared = {
-            id(value): value
-            for module in layer.modules()
-            for value in module.__dict__.values()
-            if isinstance(value, BaseModel)
-        }
-        return copy.deepcopy(layer, shared)
+        _release_tensors(layer, keep_computed=False)
+        if index in self._built:
+            from compressed_tensors.utils import replace_direct_state_dict
+
+            for name, (params, status) in self._built[index].items():
+                module = layer.get_submodule(name)
+                built = {
+                    k: None if v is None else torch.empty(v[0], dtype=v[1], device="meta")
+                    for k, v in params.items()
+                }
+                replace_direct_state_dict(module, built)
+                module.quantization_status = status
+
+    def _remember_compressed(self, index: int) -> None:
+        """Before decoder layer `index` is first read: each compressed-tensors module's parameters as built
+        (on the meta device) and its status. Its decompression rewrites them (the packed weight replaced by
+        the decompressed one), and `free_layer` gives them back, so that the next read of the layer loads
+        into the layer as built, as the first did.
+
+        Why not a copy of the layer as built, swapped in at each free: deep-copying a layer's modules, at
+        every read of every layer, was most of what a W4A8 decoding step spent outside the decompression
+        (the SmolLM2 pair: 5 ms a layer, more than the BF16 side's whole read of it)."""
+        if self.compressor is None or index in self._built:
+            return
+        from compressed_tensors.quantization.utils import is_module_quantized
+        from compressed_tensors.utils import get_direct_state_dict
+
+        self._built[index] = {
+            name: (
+                {k: v if v is None else (v.shape, v.dtype) for k, v in get_direct_state_dict(module).items()},
+                module.quantization_status,
+            )
+            for name, module in self.layers[index].named_modules()
+            if is_module_quantized(module)
+        }  # fmt: skip
 
 
 class IntegerLayers:

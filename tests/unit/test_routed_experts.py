@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from evalsuite.backends import load_backend
+from evalsuite.backends.decoded_cache import DecodedCache
 from evalsuite.backends.options import BackendOptions
-from evalsuite.backends.routed_experts import ExpertCache
 from evalsuite.backends.streamed import StreamedBackend
 from evalsuite.backends.streamed_layers import TransformersLayers
 from evalsuite.checkpoint import Checkpoint
@@ -28,7 +28,7 @@ def every_expert_both_ways(checkpoint: Checkpoint, layers: range | None = None) 
         layout = loader._routed_layout(index)
         assert layout is not None and layout.reader is not None  # the plain conversion: read by evalsuite
         experts = sorted(layout.by_expert)
-        loader._pristine = loader._skeleton_copy(index)
+        loader._remember_compressed(index)
         module = loader.layers[index].get_submodule(layout.module)
         ours = layout.reader.read(experts, loader.device)
         theirs = loader._read_experts(module, layout.by_expert, experts)
@@ -55,7 +55,7 @@ def test_the_narrow_real_depth_packs_experts_read_by_evalsuite_are_transformers_
 
 def test_the_cache_keeps_the_least_recently_used_out_first_and_what_fits_only():
     rows = {"w": torch.zeros(4, dtype=torch.bfloat16)}  # 8 bytes
-    cache = ExpertCache(budget=20)
+    cache = DecodedCache(budget=20)
     cache.keep(0, 1, rows, file_bytes=3)
     cache.keep(0, 2, rows, file_bytes=3)
     assert cache.take(0, 1) is not None  # expert 2 is now the least recently used
@@ -81,9 +81,9 @@ def test_a_decoding_with_its_experts_kept_answers_as_without_and_as_loaded(tiny_
     for budget in (0, None):
         backend = StreamedBackend(checkpoint, BackendOptions(stream=True))
         if budget is not None:
-            backend.loader.expert_cache = ExpertCache(budget)
+            backend.loader.decoded_cache = DecodedCache(budget)
         answers.append([g.tokens for g in backend.generate_greedy_batch(prompts, [6, 6], 5, 0)])
-        figures.append(backend.loader.expert_cache.figures())
+        figures.append(backend.loader.decoded_cache.figures())
         read.append(backend.generation_bytes)
         backend.close()
     without, kept = figures
