@@ -10,6 +10,9 @@ pair (`--quick`: the tiny MiniCPM-V 4.7 pair), each the fastest of `--repeats`:
 - `routed experts`: `--experts` experts of a MoE layer (a decoding step's share) read and fused by
   Transformers' loading (a converter copied per tensor, one `decompress_module` per expert projection) against
   evalsuite's `FusedReader`, which holds both equal bit for bit (tests/unit/test_routed_experts.py);
+- `intref pass`: a streamed `intref` pass over two windows with each packed weight unpacked at every forward
+  (as before) against once for the layer's residency, a MoE layer's experts together
+  (`IntExperts.unpack_together`): the same logits, bit for bit (tests/e2e/test_streamed.py);
 - `decoding forward`: the seconds per forward of a streamed greedy decoding of `--prompts` prompts, the W4A8
   side over its BF16 source (goal <= 1 on the SmolLM2 pair), with what a step converted kept across steps
   (`DecodedCache`) and without (a budget of 0).
@@ -24,16 +27,20 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from figures import add_arguments, fastest, recorded
+from torch import nn
 
+from evalsuite.backends._intlinear import IntLinear
 from evalsuite.backends.decoded_cache import DecodedCache
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed import StreamedBackend
-from evalsuite.backends.streamed_layers import TransformersLayers
+from evalsuite.backends.streamed_layers import IntegerLayers, TransformersLayers
 from evalsuite.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8, build_fixtures
 from evalsuite.fixtures.names import REAL_NARROW_W4A8, SMOLLM2_BF16, SMOLLM2_W4A8
@@ -43,7 +50,8 @@ FIXTURES = Path.home() / ".cache" / "evalsuite" / "test-fixtures"
 
 
 def layer_modules(loader: TransformersLayers, index: int, repeats: int) -> tuple[float, float]:
-    """(seconds one `decompress_module` per module, seconds together) for layer `index`'s modules."""
+    """(seconds one `decompress_module` per module, seconds together) for layer `index`'s modules, each the
+    fastest of `repeats` decompressions of a fresh copy of the layer as read (the copies made beforehand)."""
     from compressed_tensors.compressors import decompress_module
     from compressed_tensors.quantization.utils import is_module_quantized
 
@@ -53,17 +61,14 @@ def layer_modules(loader: TransformersLayers, index: int, repeats: int) -> tuple
     read = loader.layers[index]
     loader.layers[index] = built
 
-    def each() -> None:
-        layer = copy.deepcopy(read)
-        for module in [m for m in layer.modules() if is_module_quantized(m)]:
-            decompress_module(module, fmt)
+    def best(decompress: Callable[[list[nn.Module]], object]) -> float:
+        copies = [copy.deepcopy(read) for _ in range(repeats + 1)]
+        quantized = [[m for m in layer.modules() if is_module_quantized(m)] for layer in copies]
+        return fastest(lambda: decompress(quantized.pop()), repeats)
 
-    def together() -> None:
-        layer = copy.deepcopy(read)
-        decompress_modules([m for m in layer.modules() if is_module_quantized(m)], fmt)
-
-    copying = fastest(lambda: copy.deepcopy(read), repeats)  # what both pay before decompressing
-    return fastest(each, repeats) - copying, fastest(together, repeats) - copying
+    return best(lambda modules: [decompress_module(m, fmt) for m in modules]), best(
+        lambda modules: decompress_modules(modules, fmt)
+    )
 
 
 def routed_experts(loader: TransformersLayers, index: int, experts: int, repeats: int) -> tuple[float, float]:
@@ -77,6 +82,30 @@ def routed_experts(loader: TransformersLayers, index: int, experts: int, repeats
     ours = fastest(lambda: layout.reader.read(chosen, loader.device), repeats)
     loader.free_layer(index)
     return transformers, ours
+
+
+def intref_pass(folder: Path, windows: int, once: bool) -> float:
+    """Seconds of a streamed `intref` pass over `windows` windows of 128 tokens, each packed weight unpacked
+    once for the layer's residency (`once`, as `IntegerLayers` reads a layer) or at every forward."""
+    load = IntegerLayers.load_layer
+
+    def per_forward_unpacking(self: IntegerLayers, index: int) -> None:
+        load(self, index)
+        for module in self.layers[index].modules():
+            if isinstance(module, IntLinear):
+                module.keep_unpacked = False
+                module.drop_unpacked()
+
+    backend = StreamedBackend(Checkpoint.open(folder), BackendOptions(stream=True, backend="intref"))
+    if not once:
+        backend.loader.load_layer = functools.partial(per_forward_unpacking, backend.loader)
+    tokens = torch.randint(5, 400, (windows, 128), generator=torch.Generator().manual_seed(0))
+    started = time.perf_counter()
+    for _ in backend.window_logits(tokens, torch.arange(64, 127)):
+        pass
+    seconds = time.perf_counter() - started
+    backend.close()
+    return seconds
 
 
 def per_forward(folder: Path, prompts: int, tokens: int, keep: bool) -> float:
@@ -121,6 +150,10 @@ def main() -> None:
         figures.add(
             f"{moe}: {args.experts} experts, Transformers' loading / evalsuite's", transformers / ours, "x"
         )
+        each, once = (min(intref_pass(built[moe], 2, o) for _ in range(args.repeats)) for o in (False, True))
+        print(f"{moe}, a streamed intref pass over 2 windows: unpacking at every forward {each:.2f} s, "
+              f"once a layer (experts together) {once:.2f} s")  # fmt: skip
+        figures.add(f"{moe}: intref pass, unpacking at every forward / once a layer", each / once, "x")
         reference, candidate = (built[name] for name in pair)
         ref = per_forward(reference, args.prompts, args.tokens, keep=True)
         for keep in (False, True):

@@ -371,13 +371,27 @@ class IntegerLayers:
         _move_outside_layers(self.model, self.layers, self.device)
 
     def load_layer(self, index: int) -> None:
+        from evalsuite.backends._intlinear import IntExperts, IntLinear
+
         self._load(self.units.get(index, []))
         if self.device.type != "cpu":
             self.layers[index].to(self.device)
+        # Resident for one pass over every window: each packed weight unpacked once for all of them, a
+        # layer's routed experts together (`IntExperts.unpack_together`).
+        for module in self.layers[index].modules():
+            if isinstance(module, IntLinear):
+                module.keep_unpacked = True
+            elif isinstance(module, IntExperts):
+                module.unpack_together()
 
     def free_layer(self, index: int) -> None:
+        from evalsuite.backends._intlinear import IntLinear
+
         # The same modules stay (their integer-path counters with them); the tensors read from the files go
         # back to meta, computed buffers (rotary frequencies) stay.
+        for module in self.layers[index].modules():
+            if isinstance(module, IntLinear):
+                module.drop_unpacked()
         _release_tensors(self.layers[index], keep_computed=True)
 
 
