@@ -15,8 +15,10 @@ from torch import nn
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed_layers import TransformersLayers
 from evalsuite.checkpoint import Checkpoint
-from evalsuite.fixtures import TINY_W4A8
+from evalsuite.fixtures import TINY_W4A8, build_fixtures
+from evalsuite.fixtures.names import REAL_NARROW_W4A8
 from evalsuite.formats.ct_batch import decompress_modules, decompress_together
+from tests.conftest import FIXTURES
 
 LLMC_SCHEMES = [
     "w4a8-gptq",
@@ -47,16 +49,16 @@ def assert_same_parameters(ours: nn.Module, theirs: nn.Module) -> None:
         )
 
 
-def each_layer_both_ways(checkpoint: Checkpoint) -> int:
-    """Each decoder layer read compressed, as the streamed loader reads it, then decompressed both ways and
-    compared; the count of quantized modules seen."""
+def each_layer_both_ways(checkpoint: Checkpoint, layers: range | None = None) -> int:
+    """Each decoder layer (of `layers`) read compressed, as the streamed loader reads it, then decompressed
+    both ways and compared; the count of quantized modules seen."""
     from compressed_tensors.compressors import decompress_module
     from compressed_tensors.quantization.utils import is_module_quantized
 
     loader = TransformersLayers(checkpoint, BackendOptions(stream=True))
     fmt = loader.compressor.force_compression_format
     seen = 0
-    for index in range(len(loader.layers)):
+    for index in layers or range(len(loader.layers)):
         skeleton = copy.deepcopy(loader.layers[index])
         loader._load(loader.units[index])
         ours = loader.layers[index]
@@ -80,6 +82,14 @@ def test_the_seed_layout_decompresses_together_as_the_library_does_module_by_mod
     # INT4 pack-quantized attention and INT8 int-quantized shared experts (the routed ones are fused experts,
     # `tests/unit/test_routed_experts.py`).
     assert each_layer_both_ways(Checkpoint.open(tiny_pair[TINY_W4A8])) > 0
+
+
+@pytest.mark.slow
+def test_the_narrow_real_depth_pack_decompresses_together_as_the_library_does_module_by_module():
+    """Gated DeltaNet and full-attention layers at the seed's depth: layers 0, 13, 26 and 39."""
+    built = build_fixtures(FIXTURES, [REAL_NARROW_W4A8])
+    # INT4 in_proj_qkv / in_proj_z / out_proj or q / k / v / o, INT8 shared experts: 6 or 7 a layer.
+    assert each_layer_both_ways(Checkpoint.open(built[REAL_NARROW_W4A8]), range(0, 40, 13)) >= 4 * 6
 
 
 def written(
