@@ -41,7 +41,7 @@ from evalsuite.backends.decoded_cache import DecodedCache
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed import StreamedBackend
 from evalsuite.backends.streamed_layers import IntegerLayers, TransformersLayers
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8, build_fixtures
 from evalsuite.fixtures.names import REAL_NARROW_W4A8, SMOLLM2_BF16, SMOLLM2_W4A8
 from evalsuite.formats.ct_batch import decompress_modules

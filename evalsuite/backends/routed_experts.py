@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from evalsuite.backends.decoded_cache import DecodedCache
-from evalsuite.checkpoint import Checkpoint
 from evalsuite.errors import InputError
+from evalsuite.files.checkpoint import Checkpoint
 
 # A routed expert's tensor as the files store it: `…mlp.experts.<index>.<projection>.<tensor>`.
 EXPERT = re.compile(r"\.experts\.(\d+)\.([^.]+)\.([^.]+)$")

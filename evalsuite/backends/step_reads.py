@@ -20,7 +20,7 @@ from torch import nn
 
 from evalsuite.backends.decoded_cache import DecodedCache
 from evalsuite.backends.routed_experts import FusedReader, RoutedExperts, fused_plan, routed_experts
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from torch import nn
 
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed_layers import TransformersLayers
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_W4A8, build_fixtures
 from evalsuite.fixtures.names import REAL_NARROW_W4A8
 from evalsuite.formats.ct_batch import decompress_modules, decompress_together

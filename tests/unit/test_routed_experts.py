@@ -13,7 +13,7 @@ from evalsuite.backends.decoded_cache import DecodedCache
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.streamed import StreamedBackend
 from evalsuite.backends.streamed_layers import TransformersLayers
-from evalsuite.checkpoint import Checkpoint
+from evalsuite.files.checkpoint import Checkpoint
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8, build_fixtures
 from evalsuite.fixtures.names import REAL_NARROW_W4A8
 from tests.conftest import FIXTURES
