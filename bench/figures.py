@@ -30,7 +30,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -84,6 +85,18 @@ def launched_pid(launcher_pid: int) -> int | None:
     except OSError:
         return None
     return int(children[0]) if children else None
+
+
+def fastest(run: Callable[[], object], repeats: int, warm_up: bool = True) -> float:
+    """Wall seconds of the fastest of `repeats` calls of `run`, after one call not counted (`warm_up`)."""
+    if warm_up:
+        run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,22 +18,12 @@ import argparse
 import os
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-from figures import add_arguments, recorded
+from figures import add_arguments, fastest, recorded
 
 from evalsuite.files.digest import DigestCache
 from evalsuite.files.manifest import read_manifest, verify_manifest, write_sha256sums
-
-
-def fastest(repeats: int, run) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -66,9 +56,11 @@ def main() -> None:
         verify_manifest(manifest, cache)
         times: dict[str, list[float]] = {"cold": [], "sha256sum": []}
         for _ in range(args.repeats):  # alternating, so that both see the same page cache and load
-            times["cold"].append(fastest(1, cold))
-            times["sha256sum"].append(fastest(1, coreutils))
-        warm = fastest(args.repeats, lambda: verify_manifest(manifest, DigestCache(Path(tmp) / "digests")))
+            times["cold"].append(fastest(cold, 1, warm_up=False))
+            times["sha256sum"].append(fastest(coreutils, 1, warm_up=False))
+        warm = fastest(
+            lambda: verify_manifest(manifest, DigestCache(Path(tmp) / "digests")), args.repeats, warm_up=False
+        )
         total = size * args.shards
         best_cold, best_core = min(times["cold"]), min(times["sha256sum"])
         with recorded("manifest", __doc__, args) as figures:

@@ -43,6 +43,7 @@ BENCHES = (
     "stream",
     "stream_exl3",
     "tensors",
+    "unpack",
 )
 HEADER = """# Benchmarks
 

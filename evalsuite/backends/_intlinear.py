@@ -208,6 +208,12 @@ class IntLinear(nn.Module):
         self._column_order: torch.Tensor | None = None
         self.bias = nn.Parameter(torch.empty(out_features, **meta), requires_grad=False) if bias else None
         self.calls = 0
+        # While `keep_unpacked` (a streamed layer, resident for one pass over every window): the packed words
+        # unpacked once, at the first forward or by its experts module's `unpack_together`, and reused by
+        # every later window until the layer is freed (`drop_unpacked`). A loaded model keeps its weights
+        # packed, as the file stores them, and unpacks at each forward.
+        self.keep_unpacked = False
+        self._unpacked: torch.Tensor | None = None
 
     def __getattr__(self, name: str) -> torch.Tensor | nn.Module:
         # Code that only reads `lm_head.weight.shape` (Transformers, HFBackend's vocabulary size) sees the
@@ -217,10 +223,20 @@ class IntLinear(nn.Module):
         return super().__getattr__(name)
 
     def int8_weight(self) -> torch.Tensor:
-        """The weights as int8 (out, in): unpacked now for packed storage (transient), else as stored."""
-        if self.storage == "packed":
-            return unpack_words(self._buffers["weight_packed"], self.bits, self.in_features)
-        return self._buffers["weight"]
+        """The weights as int8 (out, in): for packed storage unpacked now (transient) or, while
+        `keep_unpacked`, once for the layer's residency; else as stored."""
+        if self.storage != "packed":
+            return self._buffers["weight"]
+        if self._unpacked is not None:
+            return self._unpacked
+        unpacked = unpack_words(self._buffers["weight_packed"], self.bits, self.in_features)
+        if self.keep_unpacked:
+            self._unpacked = unpacked
+        return unpacked
+
+    def drop_unpacked(self) -> None:
+        """Forget the weights unpacked for the layer's residency (the layer is being freed)."""
+        self._unpacked = None
 
     def zero_points(self) -> torch.Tensor | None:
         """The integer zero points (out, groups), unpacked from along the rows for packed storage."""
@@ -330,6 +346,26 @@ class IntExperts(nn.Module):
     def experts(self) -> list[IntExpert]:
         """The experts in their fixed order."""
         return [self._modules[str(e)] for e in range(self.num_experts)]  # type: ignore[misc]
+
+    def unpack_together(self) -> None:
+        """Each projection's packed words of every expert unpacked in one step, kept by each expert's
+        `IntLinear` for the layer's residency (`keep_unpacked`): a pass runs every window through hundreds of
+        experts, and unpacking them one module at a time and once per window was most of its integer
+        arithmetic. Unpacking is row-local (`unpack_words`), so the stacked rows give each expert's own."""
+        for projection in ("gate_proj", "up_proj", "down_proj"):
+            linears = [getattr(expert, projection) for expert in self.experts()]
+            first = linears[0]
+            if first.storage != "packed" or any(
+                m.storage != "packed" or m.bits != first.bits or m.in_features != first.in_features
+                or m._buffers["weight_packed"].shape != first._buffers["weight_packed"].shape
+                for m in linears
+            ):  # fmt: skip
+                continue
+            words = torch.stack([m._buffers["weight_packed"] for m in linears])
+            unpacked = unpack_words(words.reshape(-1, words.shape[-1]), first.bits, first.in_features)
+            for m, weight in zip(linears, unpacked.reshape(len(linears), -1, first.in_features), strict=True):
+                m.keep_unpacked = True
+                m._unpacked = weight
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

@@ -365,6 +365,9 @@ class HFBackend:
             if output_embeddings is not None
             else int(self.config.get_text_config().vocab_size)
         )
+        # Forwards of the greedy decodings (one per new token for a batch of prompts), as a streamed side
+        # counts them: results.json's `model_loads` divides a decoding's seconds by them.
+        self.generation_forwards = 0
 
     @functools.cached_property
     def tokenizer(self) -> Any:
@@ -473,7 +476,7 @@ class HFBackend:
         self, inputs: dict[str, torch.Tensor], max_new_tokens: int, top_k: int = 5, full_steps: int = 0
     ) -> Generation:
         """Greedy decoding of one prompt, with the top-k log-probs of every step (`greedy.greedy_batch`)."""
-        return greedy_batch(self.model, self.device, [inputs], [max_new_tokens], top_k, full_steps)[0]
+        return self.generate_greedy_batch([inputs], [max_new_tokens], top_k, full_steps)[0]
 
     def generate_greedy_batch(
         self,
@@ -483,7 +486,14 @@ class HFBackend:
         full_steps: int = 0,
     ) -> list[Generation]:
         """Greedy decoding of `prompts` as one batch (`greedy.greedy_batch`), each up to its own length."""
-        return greedy_batch(self.model, self.device, prompts, max_new_tokens, top_k, full_steps)
+        handle = self.model.register_forward_pre_hook(self._count_forward)
+        try:
+            return greedy_batch(self.model, self.device, prompts, max_new_tokens, top_k, full_steps)
+        finally:
+            handle.remove()
+
+    def _count_forward(self, *_: Any) -> None:
+        self.generation_forwards += 1
 
     def generate_drafted(
         self, inputs: dict[str, torch.Tensor], max_new_tokens: int, drafting: Drafting, top_k: int = 5

@@ -145,16 +145,42 @@ def loaded_peak_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
     """What loading the side whole peaks at: `loaded_bytes` plus its largest decoder layer's share of them
     (module docstring)."""
     total = loaded_bytes(checkpoint, options)
+    layers = _loaded_layer_bytes(checkpoint, total)
+    return total + max(layers) if layers else total
+
+
+def _loaded_layer_bytes(checkpoint: Checkpoint, total: int) -> list[int]:
+    """Each decoder layer's share of the model's `total` loaded bytes: its stored bytes, in the proportion of
+    the whole model's loaded bytes to its stored bytes; empty where the files hold no decoder layer."""
     layers: dict[str, int] = {}
     for name, info in checkpoint.tensors.items():
         match = _DECODER_LAYER.search(name)
         if match is not None and "vision" not in name:
             layers[match.group(0)] = layers.get(match.group(0), 0) + info.nbytes
     stored = sum(info.nbytes for info in checkpoint.tensors.values())
-    if not layers or stored == 0:
-        return total
-    # The layer's loaded bytes, in the proportion of the whole model's loaded bytes to its stored bytes.
-    return total + round(max(layers.values()) * total / stored)
+    if stored == 0:
+        return []
+    return [round(n * total / stored) for n in layers.values()]
+
+
+def streamed_peak_bytes(checkpoint: Checkpoint, options: BackendOptions) -> int:
+    """What a streamed side holds at its peak, estimated from the headers as `loaded_peak_bytes` is: what lies
+    outside the decoder layers, loaded, and its largest decoder layer twice (the layer as run, and its files'
+    tensors or Transformers' fusing of them beside it)."""
+    total = loaded_bytes(checkpoint, options)
+    layers = _loaded_layer_bytes(checkpoint, total)
+    return total - sum(layers) + 2 * max(layers) if layers else total
+
+
+def decoded_cache_budget(checkpoint: Checkpoint, options: BackendOptions) -> int:
+    """The bytes a streamed side may keep converted weights in across a decoding's steps
+    (`evalsuite.backends.decoded_cache.DecodedCache`): what the side's budget (`--max-memory`, else the
+    device's free memory when the side is set up) leaves, at `FIT_FRACTION`, beside its streamed peak; none
+    on `--device auto`."""
+    budget = memory_budget(options)
+    if budget is None:
+        return 0
+    return max(0, int(FIT_FRACTION * budget[0]) - streamed_peak_bytes(checkpoint, options))
 
 
 def memory_budget(options: BackendOptions) -> tuple[int, str] | None:

@@ -229,6 +229,12 @@ class StreamedBackend:
         ]
 
     @property
+    def decoded_cache(self) -> Any:
+        """The converted weights kept across a decoding's steps (`decoded_cache.DecodedCache`), where the
+        loader keeps them (backend `hf`); else None."""
+        return getattr(self.loader, "decoded_cache", None)
+
+    @property
     def n_layers(self) -> int:
         """How many decoder layers the model has."""
         return len(self.layers)

@@ -6,10 +6,7 @@ and freed again. How a streamed pass uses them, and why it is bit-identical to a
 
 from __future__ import annotations
 
-import copy
 import functools
-import re
-import time
 from typing import Any
 
 import torch
@@ -25,8 +22,10 @@ from evalsuite.backends.hf import (
     transformers_config,
 )
 from evalsuite.backends.load_lock import tensors_read_when_converted
+from evalsuite.backends.memory import decoded_cache_budget
 from evalsuite.backends.options import BackendOptions
 from evalsuite.backends.skeleton import refuse_mismatch, set_generation_config, tie_weights
+from evalsuite.backends.step_reads import DecodingReads
 from evalsuite.backends.stream_units import (
     REST,
     VISION,
@@ -82,12 +81,13 @@ def _itself(obj: Any, memo: dict[int, Any]) -> Any:
     return obj
 
 
-class TransformersLayers:
+class TransformersLayers(DecodingReads):
     """Backend `hf`, streamed: the skeleton `from_pretrained` builds on the meta device (quantizer applied,
     no tensor data read), its units materialised by Transformers' own loading code (module docstring)."""
 
     def __init__(self, checkpoint: Checkpoint, options: BackendOptions) -> None:
         from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
         from transformers.modeling_utils import LoadStateDictConfig
 
         if checkpoint.format == "gguf":
@@ -119,13 +119,22 @@ class TransformersLayers:
             hf_quantizer=self.quantizer,
             weight_mapping=mapping,
         )
+        # Each file tensor's target in the model and the source pattern of the converter that takes it, as
+        # Transformers renames it (`_plan_units`), and the converters by source pattern.
+        self._targets: dict[str, tuple[str, str | None]] = {}
+        self._converters = {
+            p: c for c in mapping if isinstance(c, WeightConverter) for p in c.source_patterns
+        }
         self.units = self._plan_units(mapping)
         refuse_partial_load(checkpoint, report)
-        self._pristine: nn.Module | None = None
-        # The routed-experts hook of the layer read for a decoding step, and its handle, until it is freed.
-        self._routed: tuple[_RoutedExperts, Any] | None = None
-        # Wall seconds of routed experts read during decoding forwards (`_RoutedExperts`), all layers.
-        self.routed_read_seconds = 0.0
+        # Per decoder layer, its compressed-tensors modules' parameters as built (`_remember_compressed`).
+        self._built: dict[int, dict[str, tuple[dict[str, Any], Any]]] = {}
+        # The dtype plan's patterns, compiled once (`_read_dtype`); whether tensors no converter takes are set
+        # by `_load_renamed` (not where a quantizer quantizes what it reads: Transformers' loop does that).
+        self._dtype_plan: tuple[Any, dict[str, str]] | None = None
+        self._renamed_apart = self.quantizer is None or bool(self.quantizer.pre_quantized)
+        # A decoding's reads (`DecodingReads`): what they convert is kept within what the budget leaves.
+        self._start_decoding_reads(decoded_cache_budget(checkpoint, options))
 
     def _plan_units(self, mapping: list[Any]) -> dict[Unit, list[str]]:
         """The files' tensor names by unit, placed by the names Transformers' own renaming gives them; a layer
@@ -140,7 +149,8 @@ class TransformersLayers:
         provided: set[str] = set()
         unexpected: list[str] = []
         for name in self.checkpoint.tensors:
-            target, _ = rename_source_key(name, renamings, converters, prefix_name, expected)
+            target, pattern = rename_source_key(name, renamings, converters, prefix_name, expected)
+            self._targets[name] = (target, pattern)
             units.setdefault(unit_of(target, self.prefix, self.text), []).append(name)
             provided.add(target)
             if target not in expected:
@@ -150,15 +160,53 @@ class TransformersLayers:
         return units
 
     def _load(self, names: list[str]) -> None:
+        """The tensors `names` into the model, as Transformers' loading puts them there: those a converter
+        takes (fused experts, a dequantization) by `convert_and_load_state_dict_in_model`; those only renamed
+        by `_load_renamed`, which does for them what that function does, without its per-tensor machinery."""
+        renamed = [n for n in names if self._targets[n][1] is None] if self._renamed_apart else []
+        converted = [n for n in names if self._targets[n][1] is not None] if renamed else names
+        if renamed:
+            self._load_renamed(renamed)
+        if not converted:
+            return
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
         with (
-            self.checkpoint.open_tensors(names) as handles,
+            self.checkpoint.open_tensors(converted) as handles,
             quiet_transformers(),
             heap_kept_while_loading(),
             tensors_read_when_converted(),
         ):
             info, _ = convert_and_load_state_dict_in_model(self.model, handles, self.load_config)
+        self._refuse_problems(info)
+
+    def _load_renamed(self, names: list[str]) -> None:
+        """Tensors that no converter takes, each read as Transformers materialises it (`_materialize_copy`:
+        on the device, cast to `_read_dtype`'s dtype) and set by its `set_param_for_module`.
+
+        Why not through `convert_and_load_state_dict_in_model`: for each tensor it builds a `WeightRenaming`
+        whose patterns are compiled regular expressions of the tensor's own name, and Python keeps the 512
+        latest. A streamed pass reads each layer's tensors again at every forward: the SmolLM2 pair's W4A8
+        copy (19 tensors a layer, 570 in all) missed that cache on every tensor, 0.5 ms each, where its BF16
+        source (270) hit it. The function also takes the whole model's state dict at each call."""
+        from transformers.core_model_loading import _materialize_copy, set_param_for_module
+        from transformers.utils.loading_report import LoadStateDictInfo
+
+        info = LoadStateDictInfo(
+            missing_keys=set(), unexpected_keys=set(), mismatched_keys=set(), conversion_errors={},
+            error_msgs=[], skipped_pp_keys=set(),
+        )  # fmt: skip
+        with self.checkpoint.open_tensors(names) as handles, heap_kept_while_loading():
+            for name in names:
+                target = self._targets[name][0]
+                handle = handles[name]
+                dtype = self._read_dtype(target, handle.get_dtype().startswith(("F", "BF")))
+                value = _materialize_copy(handle, self.load_config.device_map[""], dtype)
+                set_param_for_module(self.model, target, value, info, self.quantizer)
+        self._refuse_problems(info)
+
+    def _refuse_problems(self, info: Any) -> None:
+        """A tensor whose shape is not the model's, or a conversion that failed: one line naming it."""
         errors = list(info.conversion_errors.values()) + list(info.error_msgs)
         if info.mismatched_keys or errors:
             what = next(iter(info.mismatched_keys), None) or first_line(Exception(str(errors[0])))
@@ -175,15 +223,17 @@ class TransformersLayers:
         self.model.initialize_weights()
 
     def _decompress(self, modules: list[nn.Module]) -> None:
+        """What compressed-tensors' `decompress_module` does to each quantized module, the modules stored
+        alike decompressed together (`evalsuite.formats.ct_batch`)."""
         if self.compressor is None:
             return
-        from compressed_tensors.compressors import decompress_module
         from compressed_tensors.quantization.utils import is_module_quantized
 
+        from evalsuite.formats.ct_batch import decompress_modules
+
         with quiet_transformers():
-            for module in modules:
-                if is_module_quantized(module):
-                    decompress_module(module, self.compressor.force_compression_format)
+            quantized = [m for m in modules if is_module_quantized(m)]
+            decompress_modules(quantized, self.compressor.force_compression_format)
 
     def load_rest(self) -> None:
         """The text path outside the decoder layers, tied weights tied."""
@@ -216,67 +266,73 @@ class TransformersLayers:
 
     def load_layer(self, index: int) -> None:
         """Decoder layer `index`, as a loaded model holds it."""
-        # The meta layer as built: compressed-tensors decompression rewrites a layer's parameters, so the
-        # next pass over this layer loads into a fresh copy of the skeleton's.
-        self._pristine = self._skeleton_copy(index)
+        self._remember_compressed(index)
         self._load(self.units.get(index, []))
         modules = list(self.layers[index].modules())
         self._initialise_buffers(modules)
         self._decompress(modules)
 
-    def load_layer_routed(self, index: int, read: list[int]) -> None:
-        """Decoder layer `index` as `load_layer` makes it, but for its routed experts where the files store
-        each apart: those are read when the layer's experts are first called, and only the experts the call's
-        tokens route to (`_RoutedExperts`). Each tensor's bytes read are added to `read` (one element)."""
-        experts = _routed_experts(self.layers[index], self.units.get(index, []))
-        if experts is None:
-            self.load_layer(index)
-            read[0] += sum(self.checkpoint.tensors[n].nbytes for n in self.units.get(index, []))
-            return
-        module, by_expert = experts
-        rest = [n for n in self.units.get(index, []) if not any(n in names for names in by_expert.values())]
-        self._pristine = self._skeleton_copy(index)
-        self._load(rest)
-        read[0] += sum(self.checkpoint.tensors[n].nbytes for n in rest)
-        modules = list(self.layers[index].modules())
-        self._initialise_buffers(modules)
-        self._decompress(modules)
-        module = self.layers[index].get_submodule(module)
-        routed = _RoutedExperts(self, module, by_expert, read)
-        self._routed = (routed, module.register_forward_pre_hook(routed))
+    def _read_dtype(self, target: str, floating: bool = True) -> Any:
+        """The dtype Transformers' loading casts a tensor of `target` to when it reads it, where no converter
+        takes it: the load's dtype, a dtype plan's where one matches, else the skeleton's where it differs; a
+        pre-quantized model's quantizer has the last word (none for a tensor that is not floating point)."""
+        from transformers.core_model_loading import build_glob_alternation
+
+        dtype, plan = self.load_config.dtype, self.load_config.dtype_plan or {}
+        if plan and self._dtype_plan is None:
+            self._dtype_plan = build_glob_alternation(list(plan))[:2]
+        match = self._dtype_plan[0].search(target) if plan and self._dtype_plan else None
+        if match is not None and self._dtype_plan is not None:
+            dtype = plan[self._dtype_plan[1][match.lastgroup]]
+        else:
+            module, _, leaf = target.rpartition(".")
+            empty = getattr(self.model.get_submodule(module), leaf)
+            if empty is not None and empty.dtype != dtype:
+                dtype = empty.dtype
+        if self.quantizer is not None and self.quantizer.pre_quantized:
+            return dtype if floating else None
+        return dtype
 
     def free_layer(self, index: int) -> None:
-        if self._routed is not None:
-            # The same module serves the next read of this layer (a model without a compressor): its hook
-            # goes with this read, and its experts take their full shape and count again.
-            routed, handle = self._routed
-            handle.remove()
-            routed.restore()
-            self._routed = None
+        self.free_routed()
         # The layer's tensors go now, whatever holds the module (compressed-tensors binds each quantized
         # module's forward to the module: a reference cycle only the garbage collector would break).
-        _release_tensors(self.layers[index], keep_computed=False)
-        if self._pristine is not None:
-            self.layers[index] = self._pristine
-            self._pristine = None
-
-    def _skeleton_copy(self, index: int) -> nn.Module | None:
-        """A copy of decoder layer `index` as built (meta tensors), for the next read of it, where
-        compressed-tensors' decompression will rewrite this one; None without a compressor. Each module's
-        quantization scheme and other pydantic settings are shared with the copy rather than copied: they
-        are read, never written, and copying them was most of the time a decoding step spent here."""
-        if self.compressor is None:
-            return None
-        from pydantic import BaseModel
-
         layer = self.layers[index]
-        shared = {
-            id(value): value
-            for module in layer.modules()
-            for value in module.__dict__.values()
-            if isinstance(value, BaseModel)
-        }
-        return copy.deepcopy(layer, shared)
+        _release_tensors(layer, keep_computed=False)
+        if index in self._built:
+            from compressed_tensors.utils import replace_direct_state_dict
+
+            for name, (params, status) in self._built[index].items():
+                module = layer.get_submodule(name)
+                built = {
+                    k: None if v is None else torch.empty(v[0], dtype=v[1], device="meta")
+                    for k, v in params.items()
+                }
+                replace_direct_state_dict(module, built)
+                module.quantization_status = status
+
+    def _remember_compressed(self, index: int) -> None:
+        """Before decoder layer `index` is first read: each compressed-tensors module's parameters as built
+        (on the meta device) and its status. Its decompression rewrites them (the packed weight replaced by
+        the decompressed one), and `free_layer` gives them back, so that the next read of the layer loads
+        into the layer as built, as the first did.
+
+        Why not a copy of the layer as built, swapped in at each free: deep-copying a layer's modules, at
+        every read of every layer, was most of what a W4A8 decoding step spent outside the decompression
+        (the SmolLM2 pair: 5 ms a layer, more than the BF16 side's whole read of it)."""
+        if self.compressor is None or index in self._built:
+            return
+        from compressed_tensors.quantization.utils import is_module_quantized
+        from compressed_tensors.utils import get_direct_state_dict
+
+        self._built[index] = {
+            name: (
+                {k: v if v is None else (v.shape, v.dtype) for k, v in get_direct_state_dict(module).items()},
+                module.quantization_status,
+            )
+            for name, module in self.layers[index].named_modules()
+            if is_module_quantized(module)
+        }  # fmt: skip
 
 
 class IntegerLayers:
@@ -315,13 +371,27 @@ class IntegerLayers:
         _move_outside_layers(self.model, self.layers, self.device)
 
     def load_layer(self, index: int) -> None:
+        from evalsuite.backends._intlinear import IntExperts, IntLinear
+
         self._load(self.units.get(index, []))
         if self.device.type != "cpu":
             self.layers[index].to(self.device)
+        # Resident for one pass over every window: each packed weight unpacked once for all of them, a
+        # layer's routed experts together (`IntExperts.unpack_together`).
+        for module in self.layers[index].modules():
+            if isinstance(module, IntLinear):
+                module.keep_unpacked = True
+            elif isinstance(module, IntExperts):
+                module.unpack_together()
 
     def free_layer(self, index: int) -> None:
+        from evalsuite.backends._intlinear import IntLinear
+
         # The same modules stay (their integer-path counters with them); the tensors read from the files go
         # back to meta, computed buffers (rotary frequencies) stay.
+        for module in self.layers[index].modules():
+            if isinstance(module, IntLinear):
+                module.drop_unpacked()
         _release_tensors(self.layers[index], keep_computed=True)
 
 
@@ -365,103 +435,6 @@ class DecodedExl3Layers:
     def free_layer(self, index: int) -> None:
         # Decoded weights go back to meta; computed buffers (rotary frequencies) stay.
         _release_tensors(self.layers[index], keep_computed=True)
-
-
-# A routed expert's tensor as the files store it: `…mlp.experts.<index>.<projection>…`.
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
-
-
-def _routed_experts(layer: nn.Module, names: list[str]) -> tuple[str, dict[int, list[str]]] | None:
-    """The layer's module of fused routed experts (its name in the layer) and the files' tensors of each
-    expert, where the files store the experts apart and the module is one whose forward takes the tokens'
-    routing (`(hidden_states, top_k_index, top_k_weights)`, as Transformers' MoE experts do); else None."""
-    found = [
-        (name, module)
-        for name, module in layer.named_modules()
-        if name.endswith("experts")
-        and isinstance(getattr(module, "num_experts", None), int)
-        and hasattr(module, "gate_up_proj")
-    ]
-    if len(found) != 1:
-        return None
-    name, module = found[0]
-    by_expert: dict[int, list[str]] = {}
-    for tensor in names:  # the layer's own tensors (`units`): an expert's carries its index after `experts.`
-        match = _EXPERT.search(tensor)
-        if match:
-            by_expert.setdefault(int(match.group(1)), []).append(tensor)
-    if len(by_expert) != module.num_experts:
-        return None
-    return name, by_expert
-
-
-class _RoutedExperts:
-    """A forward pre-hook on a layer's fused experts, for a decoding step: at each call, the experts the
-    call's tokens route to that are not yet read are read from the files and converted by Transformers' own
-    loading, and the module holds those experts only, in the order of their indices (a row per expert
-    read, not one per expert of the model). The call's routing is renumbered to those rows and the module's
-    expert count set to theirs: the forward runs each token through the same experts' weights, grouped in
-    the same order, as with every expert present, and no tensor of the model's full expert count is made or
-    filled. `restore` gives the module back its full shape (on the meta device) and count."""
-
-    def __init__(
-        self, loader: TransformersLayers, module: nn.Module, by_expert: dict[int, list[str]], read: list[int]
-    ) -> None:
-        self.loader, self.module, self.by_expert, self.read = loader, module, by_expert, read
-        self.num_experts = int(module.num_experts)
-        self.shapes = {k: v.shape for k, v in module.named_parameters(recurse=False)}
-        self.dtypes = {k: v.dtype for k, v in module.named_parameters(recurse=False)}
-        self.rows: list[int] = []  # the experts read, ascending: row i holds expert rows[i]
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        routed = args[1] if len(args) > 1 else None
-        if not isinstance(routed, torch.Tensor):
-            raise InputError(
-                "the experts' forward did not get the tokens' routing: it cannot be read sparsely"
-            )
-        wanted = {int(e) for e in routed.reshape(-1).tolist() if 0 <= int(e) < self.num_experts}
-        todo = sorted(wanted - set(self.rows))
-        if todo:
-            self._read(module, todo)
-        # Expert e → its row; an index outside the model's experts (a sentinel) stays past the last row.
-        table = torch.full((self.num_experts + 1,), len(self.rows), dtype=routed.dtype)
-        table[torch.tensor(self.rows, dtype=torch.long)] = torch.arange(len(self.rows), dtype=routed.dtype)
-        renumbered = table.to(routed.device)[routed.clamp(0, self.num_experts)]
-        module.num_experts = len(self.rows)
-        return (args[0], renumbered, *args[2:])
-
-    def _read(self, module: nn.Module, todo: list[int]) -> None:
-        before = {k: v for k, v in module.named_parameters(recurse=False)}
-        for key in before:
-            rows = torch.empty((len(todo), *self.shapes[key][1:]), device="meta", dtype=self.dtypes[key])
-            setattr(module, key, nn.Parameter(rows, requires_grad=False))
-        names = [n for e in todo for n in self.by_expert[e]]
-        started = time.perf_counter()
-        self.loader._load(names)
-        self.loader.routed_read_seconds += time.perf_counter() - started
-        self.read[0] += sum(self.loader.checkpoint.tensors[n].nbytes for n in names)
-        if not self.rows:
-            self.rows = todo
-            return
-        # A later call of the same read (a prompt's forward after another's) routes to more experts: the
-        # rows are merged in the order of their indices.
-        merged = sorted([*self.rows, *todo])
-        old_at = torch.tensor([merged.index(e) for e in self.rows], dtype=torch.long)
-        new_at = torch.tensor([merged.index(e) for e in todo], dtype=torch.long)
-        for key, old in before.items():
-            new = getattr(module, key).data
-            whole = torch.empty((len(merged), *old.shape[1:]), dtype=new.dtype, device=new.device)
-            whole[old_at.to(new.device)] = old.data
-            whole[new_at.to(new.device)] = new
-            setattr(module, key, nn.Parameter(whole, requires_grad=False))
-        self.rows = merged
-
-    def restore(self) -> None:
-        """The module's full expert count, and its experts' parameters on the meta device in full shape."""
-        self.module.num_experts = self.num_experts
-        for key, shape in self.shapes.items():
-            empty = torch.empty(shape, device="meta", dtype=self.dtypes[key])
-            setattr(self.module, key, nn.Parameter(empty, requires_grad=False))
 
 
 def _release_tensors(layer: nn.Module, keep_computed: bool) -> None:

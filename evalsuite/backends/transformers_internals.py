@@ -34,6 +34,12 @@ STREAMED_INTERNALS = (
     ("transformers.core_model_loading", "WeightRenaming"),
     ("transformers.core_model_loading", "rename_source_key"),
     ("transformers.core_model_loading", "convert_and_load_state_dict_in_model"),
+    # A layer's tensors that are only renamed, and a step's routed experts, set without the loop above.
+    ("transformers.core_model_loading", "set_param_for_module"),
+    ("transformers.core_model_loading", "build_glob_alternation"),
+    ("transformers.core_model_loading", "MergeModulelist"),
+    ("transformers.core_model_loading", "Concatenate"),
+    ("transformers.utils.loading_report", "LoadStateDictInfo"),
     # Left out for a streamed decoding on the CPU, as a loaded model's own device leaves it out.
     ("transformers.generation.utils", "GenerationMixin._optimize_model_for_decode"),
 )
@@ -42,6 +48,13 @@ STREAMED_COMPRESSED_INTERNALS = (
     ("compressed_tensors.compressors", "ModelCompressor.remove_decompression_hook"),
     ("compressed_tensors.compressors", "decompress_module"),
     ("compressed_tensors.quantization.utils", "is_module_quantized"),
+    # The same decompression, of several modules' rows in one call (`evalsuite.formats.ct_batch`).
+    ("compressed_tensors.compressors", "BaseCompressor.decompress"),
+    ("compressed_tensors.compressors.format", "infer_module_format"),
+    ("compressed_tensors.utils", "get_direct_state_dict"),
+    ("compressed_tensors.utils", "replace_direct_state_dict"),
+    ("transformers.integrations.compressed_tensors", "CompressedTensorsDequantize"),
+    ("transformers.integrations.compressed_tensors", "get_experts_scheme"),
 )
 
 

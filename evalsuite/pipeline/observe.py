@@ -251,18 +251,26 @@ def _load_entry(
         "streamed": loads_before is not None,
         "observations": [p.need.observer.name for p in todo],
     }
+    forwards_before, bytes_before = before
+    forwards = getattr(backend, "generation_forwards", 0) - forwards_before
+    if hasattr(backend, "generation_forwards"):
+        # A decoding's forwards (one per new token for a batch of prompts), loaded or streamed: what a
+        # decoding's `seconds` divide by.
+        entry["generation_forwards"] = forwards
     if loads_before is not None:
         loads = backend.layer_loads - loads_before
-        forwards_before, bytes_before = before
-        forwards = backend.generation_forwards - forwards_before
         entry["n_layers"] = backend.n_layers
         entry["decoder_layer_loads"] = loads
-        # What each read was for: a decoding's forwards (one per new token for a batch of prompts), and the
-        # passes that forward windows and forced answers.
-        entry["generation_forwards"] = forwards
+        # What each read was for: the decoding's forwards and the passes that forward windows and forced
+        # answers.
         entry["pass_layer_loads"] = loads - forwards * backend.n_layers
         # Bytes of the files read for the decoder layers: a decoding step reads, of a layer's routed experts,
         # only those its tokens route to; the whole layers' bytes beside it for scale.
         entry["generation_bytes"] = backend.generation_bytes - bytes_before
         entry["decoder_layers_bytes"] = sum(backend.layer_bytes)
+        cache = getattr(backend, "decoded_cache", None)
+        if cache is not None and cache.hits + cache.misses:
+            # Converted weights (routed experts, decompressed projections) kept across a decoding's steps:
+            # how often a step found what it needed, the bytes of the files it did not read again.
+            entry["decoded_cache"] = cache.figures()
     return entry

@@ -25,10 +25,10 @@ from evalsuite.fixtures.names import REAL_WIDE_BF16
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["digest", "manifest", "exl3_decode", "exl3_tiles", "tensors", "intref", "outliers"]
 # Half a minute or more each even in quick mode (moe and stream run whole passes of the tiny models under
-# their own measurement; gpu_check rehearses five CLI runs).
+# their own measurement; gpu_check rehearses five CLI runs; unpack decodes with three streamed models).
 SLOW = [
     *("ppl", "record", "drift", "compare", "lmeval", "long_context", "real_shape"),
-    *("gpu_check", "moe", "stream"),
+    *("gpu_check", "moe", "stream", "unpack"),
 ]
 
 
