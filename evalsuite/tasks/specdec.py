@@ -126,6 +126,10 @@ class SpeculativeDecoding:
         "ckpt_lossless": "every candidate answer drafted equals its plain answer token for token",
         "ref_drafting_changed": "prompts whose reference answer drafting changed",
         "ckpt_drafting_changed": "prompts whose candidate answer drafting changed",
+        "ref_drafting_changed_beyond_near_tie": "prompts whose reference answer drafting changed at a step "
+        "where the plain decoding preferred its own token by at least `near_tie` (the check)",
+        "ckpt_drafting_changed_beyond_near_tie": "prompts whose candidate answer drafting changed at a step "
+        "where the plain decoding preferred its own token by at least `near_tie` (the check)",
         "ref_accept_mean": "the reference's mean accepted length (new tokens per verification round, the "
         "bonus token included), its mean over prompts, with a 95% t interval",
         "ckpt_accept_mean": "the candidate's mean accepted length, its mean over prompts, with a 95% t "
@@ -232,6 +236,9 @@ class SpeculativeDecoding:
             values[f"{side}_lossless"] = not any(changes[side])
             values[f"{side}_drafting_changed"] = sum(bool(found) for found in changes[side])
             values[f"{side}_drafting_near_ties"] = sum(bool(found.get("near_tie")) for found in changes[side])
+            values[f"{side}_drafting_changed_beyond_near_tie"] = (
+                values[f"{side}_drafting_changed"] - values[f"{side}_drafting_near_ties"]
+            )
             values.update(interval_values(f"{side}_accept_mean", claims.mean_interval(accepted[side])))
             values[f"{side}_rounds"] = int(drafted[side].arrays["rounds"].sum())
             values[f"{side}_drafted_tokens"] = int(drafted[side].arrays[DRAFTED].sum())
@@ -303,6 +310,7 @@ class SpeculativeDecoding:
                 row[f"{side}_drafted_answer"] = marked(pair.ckpt.texts[i], pair.ckpt.char_ends[i], step)
                 row[f"{side}_change"] = change_words(found, self.spec.generation.top_k)
                 row[f"{side}_plain_gap"] = found.get("ref_logp_gap")
+                row[f"{side}_change_near_tie"] = bool(found.get("near_tie"))
         row["accept_diff"] = float(accepted["ckpt"][i] - accepted["ref"][i])
         return row
 

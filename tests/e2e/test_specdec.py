@@ -126,6 +126,9 @@ def test_a_candidate_whose_forward_depends_on_the_tokens_in_a_call_fails_ckpt_lo
     assert m["ref_lossless"] is True and m["ckpt_lossless"] is False and m["ckpt_drafting_changed"] >= 1
     failed = {c["name"] for c in task["checks"] if not c["passed"]}
     assert {"ckpt_lossless", "ckpt_drafting_changed_vs_baseline"} <= failed, task["checks"]
+    # Its changes split into near ties of the plain decoding and the rest.
+    near, beyond = m["ckpt_drafting_near_ties"], m["ckpt_drafting_changed_beyond_near_tie"]
+    assert near + beyond == m["ckpt_drafting_changed"]
     assert not {name for name in failed if name.startswith("ref_")}
     changed = [r for r in prompt_rows(run) if not r["ckpt_lossless"]]
     assert len(changed) == m["ckpt_drafting_changed"]

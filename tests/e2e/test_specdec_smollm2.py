@@ -37,6 +37,8 @@ def test_on_smollm2_the_whole_set_gives_each_workloads_acceptance_with_intervals
         assert m[f"{side}_lossless"] is (not changed)
         check = next(c for c in task["checks"] if c["name"] == f"{side}_lossless")
         assert check["passed"] is (not changed)
+        beyond = [r for r in changed if not r[f"{side}_change_near_tie"]]
+        assert m[f"{side}_drafting_changed_beyond_near_tie"] == len(beyond)
     for category in CATEGORIES:
         assert m[f"n_prompts_{category}"] >= 5
         for name in (f"ref_accept_{category}", f"ckpt_accept_{category}", f"accept_diff_{category}"):
