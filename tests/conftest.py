@@ -326,7 +326,7 @@ TINY_TASKS = "ppl,smoke,vision,tensors,intref"
 # The smoke prompts the tiny pair's shared runs answer: the random model's answers mean nothing, so the
 # mechanism is checked on a subset (each side decodes every prompt alone and in batches); the whole shipped
 # set is answered by SmolLM2 in the slow tier.
-TINY_SMOKE_PROMPTS = 24
+TINY_SMOKE_PROMPTS = 12
 
 
 def smoke_subset_spec(folder: Path, count: int = 12) -> Path:

@@ -23,12 +23,13 @@ import pytest
 from evalsuite.fixtures.names import REAL_WIDE_BF16
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = ["digest", "manifest", "exl3_decode", "exl3_tiles", "tensors", "intref", "outliers"]
-# Half a minute or more each even in quick mode (moe and stream run whole passes of the tiny models under
-# their own measurement; gpu_check rehearses five CLI runs; unpack decodes with three streamed models).
+FAST = ["digest", "manifest", "exl3_decode", "exl3_tiles"]
+# Ten seconds or more each even in quick mode (moe and stream run whole passes of the tiny models under
+# their own measurement; gpu_check rehearses five CLI runs; unpack decodes with three streamed models;
+# tensors, intref and outliers verify or run a pack in child processes of their own).
 SLOW = [
     *("ppl", "record", "drift", "compare", "lmeval", "long_context", "real_shape"),
-    *("gpu_check", "moe", "stream", "unpack"),
+    *("gpu_check", "moe", "stream", "unpack", "tensors", "intref", "outliers"),
 ]
 
 
