@@ -83,9 +83,8 @@ def test_an_exl3_pack_runs_on_the_decoded_cpu_path_by_default(tiny_run):
     smoke = doc["tasks"]["smoke"]["metrics"]
     outside = {("smoke", "diverged_outside_top5")} if smoke["diverged_outside_top5"] else set()
     assert failed == {("vision", "ref_pass"), ("vision", "ckpt_pass")} | outside
-    assert (
-        smoke["identical"] < smoke["n_prompts"]
-        and smoke["diverged_outside_top5"] <= max(1, 0.05 * smoke["n_prompts"])
+    assert smoke["identical"] < smoke["n_prompts"] and smoke["diverged_outside_top5"] <= max(
+        1, 0.05 * smoke["n_prompts"]
     )
     assert smoke["near_ties"] >= 0.8 * (smoke["n_prompts"] - smoke["identical"])
     for row in doc["tasks"]["smoke"]["details"]:

@@ -1,8 +1,8 @@
 """`specdec` on real tiny models: drafting (Transformers' assisted generation) leaves each side's greedy
 answers as they are, counted rounds are the target's forwards, a candidate whose forward depends on the
-number of tokens in the call fails `ckpt_lossless`, a draft checkpoint drafts (and one of another tokenizer is
-refused), a streamed side and a recorded reference give the loaded run's results, and the tiny MiniCPM-V
-pair, a stateful model Transformers will not draft for, is skipped with the reason.
+number of tokens in the call fails the drafting check, a draft checkpoint drafts (and one of another
+tokenizer is refused), a streamed side and a recorded reference give the loaded run's results, and the tiny
+MiniCPM-V pair, a stateful model Transformers will not draft for, is skipped with the reason.
 
 The mechanism runs on the tiny random Llama (`tiny-llama-bf16`) and a W4A8 copy of it written here with the
 SmolLM2 policy, in float32 (a random model's near ties would otherwise be BF16's); the whole shipped prompt
@@ -45,6 +45,9 @@ def specdec_subset_spec(folder: Path, tokens: int = TOKENS) -> Path:
         if category not in seen:
             seen.add(category)
             chosen.append(re.sub(r"max_new_tokens = \d+", f"max_new_tokens = {tokens}", block))
+    # The tiny random Llama's next-token distributions are nearly flat: there a near tie is a hundredth of a
+    # nat, not the shipped nat a trained model's answers are judged by.
+    head = re.sub(r"near_tie = [0-9.]+", "near_tie = 0.01", head)
     path = folder / "specdec-subset.toml"
     path.write_text(head + "".join("\n[[prompts]]" + b for b in chosen), encoding="utf-8")
     return path
@@ -113,11 +116,11 @@ def test_drafting_leaves_both_sides_answers_as_they_are_and_counts_rounds(loaded
     assert "| trivial repetition | 1 |" in card and "| all | 8 |" in card
 
 
-def test_a_candidate_whose_forward_depends_on_the_tokens_in_a_call_fails_ckpt_lossless(
+def test_a_candidate_whose_forward_depends_on_the_tokens_in_a_call_fails_the_drafting_check(
     llama_pair, loaded_run, tmp_path
 ):
-    """The per-call candidate fails `ckpt_lossless` (the reference still passes), and against the W4A8 copy's
-    run as `--baseline` its changed answers are a regression too."""
+    """The per-call candidate is not lossless and fails the drafting check (the reference passes), and against
+    the W4A8 copy's run as `--baseline` its changed answers are a regression too."""
     pair, baseline = llama_pair, ("--baseline", loaded_run.out / "results.json")
     run = run_pair(pair["per_call"], pair["ref"], tmp_path / "run", "specdec", *spec_args(pair), *baseline)
     assert run.cli.returncode == 1, run.cli.stderr
@@ -125,10 +128,12 @@ def test_a_candidate_whose_forward_depends_on_the_tokens_in_a_call_fails_ckpt_lo
     m = task["metrics"]
     assert m["ref_lossless"] is True and m["ckpt_lossless"] is False and m["ckpt_drafting_changed"] >= 1
     failed = {c["name"] for c in task["checks"] if not c["passed"]}
-    assert {"ckpt_lossless", "ckpt_drafting_changed_vs_baseline"} <= failed, task["checks"]
-    # Its changes split into near ties of the plain decoding and the rest.
+    # The default check: a change where the plain decoding was no near tie (its 3-bit activations part the
+    # candidate from its own plain answer by more than the rounding of a flat distribution).
     near, beyond = m["ckpt_drafting_near_ties"], m["ckpt_drafting_changed_beyond_near_tie"]
-    assert near + beyond == m["ckpt_drafting_changed"]
+    assert near + beyond == m["ckpt_drafting_changed"] and beyond >= 1, m
+    expected = {"ckpt_drafting_changed_beyond_near_tie", "ckpt_drafting_changed_vs_baseline"}
+    assert expected <= failed, task["checks"]
     assert not {name for name in failed if name.startswith("ref_")}
     changed = [r for r in prompt_rows(run) if not r["ckpt_lossless"]]
     assert len(changed) == m["ckpt_drafting_changed"]
