@@ -146,14 +146,14 @@ class Interval:
 Direction = Literal["higher", "lower", "same", "undetermined"]
 
 
-def mean_interval(x: Any) -> Interval:
+def mean_interval(x: Any, level: float = LEVEL) -> Interval:
     """The mean of `x`, one value per independent unit (a prompt, or a paired difference of one), with its
-    two-sided 95% interval mean ± t_{0.975, n−1} · stderr (`metrics.mean_with_stderr`); NaN bounds below
-    `MIN_CLUSTERS` units."""
+    two-sided interval (95% by default) mean ± t_{(1+level)/2, n−1} · stderr (`metrics.mean_with_stderr`); NaN
+    bounds below `MIN_CLUSTERS` units. A lower `1 − (1 − LEVEL) / k` level is Bonferroni's for k claims."""
     estimate = metrics.mean_with_stderr(x)
     if not enough_clusters(estimate.n, estimate.stderr):
         return Interval(estimate.value, float("nan"), float("nan"), estimate.n)
-    half = t_quantile(0.5 + LEVEL / 2, estimate.n - 1) * estimate.stderr
+    half = t_quantile(0.5 + level / 2, estimate.n - 1) * estimate.stderr
     return Interval(estimate.value, estimate.value - half, estimate.value + half, estimate.n)
 
 

@@ -48,8 +48,8 @@ def test_on_smollm2_the_whole_set_gives_each_workloads_acceptance_with_intervals
         # What the report says of the difference is what its interval shows.
         said = m[f"accept_diff_{category}_direction"]
         low, high = m[f"accept_diff_{category}_lower95"], m[f"accept_diff_{category}_upper95"]
-        assert said == ("higher" if low > 0 else "lower" if high < 0 else said)
-        assert said in ("higher", "lower") or low <= 0 <= high
+        # A workload's direction is said by the Bonferroni interval over the workloads: within the 95% one.
+        assert said in ("undetermined", "same") or (low > 0 if said == "higher" else high < 0)
     # Answers that copy the prompt are where prompt lookup drafts well, better than where code is written
     # anew. A point estimate: a t interval over a workload's five prompts is too wide to order them.
     assert m["ref_accept_trivial_repetition"] > m["ref_accept_coding"]

@@ -56,3 +56,20 @@ def test_a_paired_difference_is_called_higher_or_lower_only_where_its_interval_e
     differences, said
 ):
     assert claims.direction(claims.mean_interval(np.asarray(differences))) == said
+
+
+def test_a_workloads_direction_needs_the_bonferroni_interval_over_the_workloads():
+    # Five paired differences 0.4, 0.6, 0.5, 0.7, 0.3: mean 0.5, sample sd sqrt(0.025), stderr sqrt(0.005).
+    # At 95% (t_{0.975, 4} = 2.7764) the interval is 0.5 ± 0.1963: higher. Over eight workloads the level is
+    # 1 − 0.05 / 8 = 0.99375 (t_{0.996875, 4} = 5.2611): 0.5 ± 0.3720, still higher; shifted down by 0.3 the
+    # same spread gives 0.2 ± 0.3720, undetermined there, and 0.2 ± 0.1963 at 95%: higher.
+    x = np.asarray([0.4, 0.6, 0.5, 0.7, 0.3])
+    ninety_five = claims.mean_interval(x)
+    assert ninety_five.lower == pytest.approx(0.5 - 2.7764 * math.sqrt(0.005), abs=1e-4)
+    family = claims.mean_interval(x, 1 - 0.05 / 8)
+    half = 5.2611 * math.sqrt(0.005)
+    assert (family.lower, family.upper) == pytest.approx((0.5 - half, 0.5 + half), abs=1e-4)
+    assert family.lower < ninety_five.lower and claims.direction(family) == "higher"
+    shifted = x - 0.3
+    assert claims.direction(claims.mean_interval(shifted)) == "higher"
+    assert claims.direction(claims.mean_interval(shifted, 1 - 0.05 / 8)) == "undetermined"
