@@ -84,6 +84,12 @@ def service_on_port_8080() -> Iterator[None]:
         yield
 
 
+# The two whole SmolLM2 runs below are the slow tier's (a model through llama.cpp and through Transformers'
+# GGUF dequantization, twice, is most of a minute and a half on two cores); what this backend refuses before
+# loading stays in the default tier.
+ON_SMOLLM2_RUNS = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def runs(q4_1, smollm2_pair, tmp_path_factory) -> dict[str, dict]:
     """Two runs at once, behind a dead proxy and beside a service on port 8080: the Q4_1 file through
@@ -99,6 +105,7 @@ def runs(q4_1, smollm2_pair, tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.format_evidence(format="gguf", claim="ppl", writer="llama.cpp (SmolLM2's published GGUF)")
+@ON_SMOLLM2_RUNS
 def test_one_gguf_through_llamacpp_and_transformers_reports_the_kld_between_the_executions(runs):
     ppl = runs["executions"]["tasks"]["ppl"]
     m = ppl["metrics"]
@@ -112,6 +119,7 @@ def test_one_gguf_through_llamacpp_and_transformers_reports_the_kld_between_the_
     assert m["same_top_p"] > 0.95
 
 
+@ON_SMOLLM2_RUNS
 def test_both_executions_of_the_gguf_score_the_text_alike(runs):
     both = runs["executions"]["tasks"]["ppl"]["metrics"]  # ref: Transformers, ckpt: llama.cpp
     against_bf16 = runs["llamacpp"]["tasks"]["ppl"]["metrics"]
@@ -122,6 +130,7 @@ def test_both_executions_of_the_gguf_score_the_text_alike(runs):
     assert against_bf16["kld_mean"] > 0
 
 
+@ON_SMOLLM2_RUNS
 def test_the_tasks_that_generate_are_skipped_on_llamacpp_with_the_reason(runs):
     smoke = runs["executions"]["tasks"]["smoke"]
     assert smoke["status"] == "skipped"
@@ -139,6 +148,7 @@ def test_what_llamacpp_cannot_run_is_refused_in_one_line_before_loading(case, q4
     assert_refused(code, lines, "runs GGUF files" if case == "safetensors" else "not streamed")
 
 
+@ON_SMOLLM2_RUNS
 def test_two_runs_at_once_behind_a_dead_proxy_and_beside_a_service_on_port_8080_each_score_on_their_own(runs):
     """The llama.cpp side's token ids go to its own server, not to a proxy nor to whatever listens on
     llama-server's default port, and two runs at once each have their own: both pass, and the llama.cpp side
