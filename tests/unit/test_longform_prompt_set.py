@@ -20,6 +20,7 @@ from evalsuite.contract.spec import load_spec
 from evalsuite.errors import InputError
 from evalsuite.tasks.longform import LongformSpec
 from tests.conftest import assert_refused, cli_in_process
+from tests.unit.test_smoke_prompt_set import by_id, drop, set_field
 
 SPEC = Path(__file__).resolve().parents[2] / "tasks" / "longform.toml"
 LICENSE_LINE = "written for evalsuite; Apache-2.0, the project's license"
@@ -109,25 +110,6 @@ def test_the_shipped_prompt_set_has_no_problems_and_the_task_reads_it():
     spec = load_spec(LongformSpec, SPEC)
     assert len(spec.prompts) >= 60 and spec.generation.max_new_tokens == 512
     assert {"ckpt_loops_not_ref", "ckpt_thought_loops_not_ref", "right_lost_shown"} <= spec.thresholds.keys()
-
-
-def by_id(document: dict[str, Any], pid: str) -> dict[str, Any]:
-    return next(p for p in document["prompts"] if p["id"] == pid)
-
-
-def drop(category: str, language: str | None = None):
-    def change(doc: dict[str, Any]) -> None:
-        doc["prompts"] = [
-            p
-            for p in doc["prompts"]
-            if p["category"] != category or (language is not None and p["language"] != language)
-        ]
-
-    return change
-
-
-def set_field(pid: str, **fields: Any):
-    return lambda doc: by_id(doc, pid).update(fields)
 
 
 MATHS, CODE, REPEAT = "leaking-tank", "python-gcd", "count-to-forty"
