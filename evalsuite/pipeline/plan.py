@@ -382,10 +382,10 @@ def plan_run(request: RunRequest, digests: DigestCache) -> RunPlan:
 
 
 def check_files_a_task_reads(tasks: list[Task], context: RunContext) -> None:
-    """Refuse `--chats`, `--calibration` and `--draft` in a run whose tasks would not read them: `ppl` scores
-    the chats; `ppl`'s windows and chats, `smoke`'s prompts and `vision`'s questions are checked against the
-    calibration set; `specdec` drafts with the draft. A run without them would ignore the file the user gave
-    and say nothing."""
+    """Refuse `--chats`, `--calibration`, `--draft` and `--execution-floor` in a run whose tasks would not
+    read them: `ppl` scores the chats; `ppl`'s windows and chats, `smoke`'s prompts and `vision`'s questions
+    are checked against the calibration set; `specdec` drafts with the draft; `ppl` runs the execution floor.
+    A run without them would ignore what the user asked for and say nothing."""
     names = {t.name for t in tasks}
     if context.chats_file is not None and "ppl" not in names:
         raise InputError(
@@ -405,6 +405,11 @@ def check_files_a_task_reads(tasks: list[Task], context: RunContext) -> None:
             "--draft is read by `specdec` only (the checkpoint it drafts with), which --tasks does not run: "
             "add specdec to --tasks",
             context.draft_path,
+        )
+    if context.execution_floor and "ppl" not in names:
+        raise InputError(
+            "--execution-floor runs the reference's `ppl` windows again, and --tasks does not run ppl: add "
+            "ppl to --tasks"
         )
 
 

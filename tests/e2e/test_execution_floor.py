@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from evalsuite.fixtures import TINY_BF16, TINY_W4A8
-from tests.conftest import cli_run_in_process, run_pair
+from tests.conftest import assert_refused, cli_in_process, cli_run_in_process, run_pair
 
 
 def test_the_reference_against_itself_batched_is_reported_beside_the_candidate(tiny_pair, tmp_path):
@@ -68,3 +68,12 @@ def test_a_recording_made_with_it_replays_it(tiny_pair, tmp_path):
         replayed["kld_mean"] - replayed["execution_floor_kld_mean"],
         abs_tol=1e-9,
     )
+
+
+def test_the_flag_without_ppl_is_refused_before_any_model_loads(tiny_pair, tmp_path):
+    code, lines, _ = cli_in_process(
+        "run", "--ckpt", tiny_pair[TINY_W4A8], "--ref", tiny_pair[TINY_BF16], "--tasks", "tensors",
+        "--execution-floor", "--out", tmp_path / "run", "--quiet",
+    )  # fmt: skip
+    assert_refused(code, lines, "--execution-floor", "add ppl to --tasks")
+    assert not (tmp_path / "run" / "observations").exists()
