@@ -54,6 +54,11 @@ spec's batches, ordered by budget, the same batches on both sides. Where only
 the observed validation was measured, the replayed one and the recording are derived from it by side (the
 reference's observations are the recording; the rest is what a replay still runs), and said so.
 
+The serving tasks (`longform`, `tools`, `specdec`) are not run on the wide pair: they only decode, so their
+forwards are counted from the shipped specs and priced at the observed validation's decoding forward, per
+side, at 40 layers, with what a side holds while it decodes against a 24 GB GPU (bench/serving_at_size.py;
+docs/scale.md's table is rendered from it).
+
 `--runs` runs only the named runs and keeps the others' figures from the bench's latest JSON file (its `data`:
 so that the benchmark can be run in pieces on a shared machine; the file is rewritten after each run, and the
 new one supersedes the old); `--quick` runs a few runs on the tiny pair (tens of seconds), to check the
@@ -88,6 +93,7 @@ from figures import (
     recorded,
     with_own_peak,
 )
+from serving_at_size import serving_at_size, serving_facts, serving_lines
 
 from evalsuite import tune_allocator
 from evalsuite.backends.memory import loaded_bytes
@@ -398,6 +404,9 @@ def extrapolate(doc: dict[str, Any], machine_bytes: int) -> dict[str, Any]:
                     },
                     "derived": why,
                 }
+    serving = serving_at_size(doc, out, cache_growth)
+    if serving is not None:
+        out["serving"] = serving
     return out
 
 
@@ -622,6 +631,8 @@ def report(doc: dict[str, Any]) -> None:
             f"bare streamed forward of both sides {floor}"
             + (f"; not measured: {', '.join(v['missing'])}" if v["missing"] else "")
         )
+    if "serving" in extrapolated:
+        print("\n" + "\n".join(serving_lines(extrapolated["serving"])))
 
 
 def summarise(doc: dict[str, Any]) -> None:
@@ -759,6 +770,17 @@ def add_figures(doc: dict[str, Any], figures: Figures) -> None:
             figures.add(what_floor, v["floor_seconds"] / 60, "min")
         if v["missing"]:
             figures.add(f"{at_40}, {what} validation: not measured", ", ".join(v["missing"]))
+    for task, t in extrapolated.get("serving", {}).get("tasks", {}).items():
+        figures.add(f"{at_40}, {task} streamed: decoding forwards a side (at most)", t["forwards"])
+        if "skipped" in t:
+            figures.add(f"{at_40}, {task}: skipped on this model", t["skipped"])
+            continue
+        for side, f in t["sides"].items():
+            what = f"{at_40}, {task} streamed, {side}"
+            figures.add(f"{what}: decoding time on this machine", f["seconds"] / 3600, "h")
+            figures.add(f"{what}: bytes read decoding", f["bytes_read"] / 1e12, "TB")
+        figures.add(f"{at_40}, {task} streamed: resident while decoding", t["resident_bytes"] / 1e9, "GB")
+        figures.add(f"{at_40}, {task} streamed: fits a 24 GB GPU", t["fits_gpu_24gb"])
 
 
 def main() -> int:
@@ -815,8 +837,10 @@ def main() -> int:
     needed = {"ref"} | {RUNS[r].candidate for r in wanted if r in RUNS}
     needed |= {r.removeprefix("bare-") for r in wanted if r in BARE}
     fixtures = TEST_FIXTURES if options.quick else options.fixtures
-    built = build_fixtures(fixtures, [names[s] for s in sorted(needed)], progress=print)
-    folders = {side: built[names[side]] for side in needed}
+    folders: dict[str, Path] = {}
+    if not options.no_measure:
+        built = build_fixtures(fixtures, [names[s] for s in sorted(needed)], progress=print)
+        folders = {side: built[names[side]] for side in needed}
     for folder in folders.values():  # digests cached: every run starts alike, none pays the first hashing
         Checkpoint.open(folder).content_sha256(DigestCache.default())
 
@@ -826,6 +850,8 @@ def main() -> int:
     doc: dict[str, Any] = {}
     if earlier is not None and earlier.get("data", {}).get("fixtures", {}).get("ref") == names["ref"]:
         doc = earlier["data"]
+    if options.no_measure and not doc.get("runs"):
+        parser.error(f"--no-measure derives the figures from the latest {bench} JSON, and there is none")
     commit, dirty = git_commit()
     doc.update(
         {
@@ -848,8 +874,15 @@ def main() -> int:
                 "commit": shallow_run.get("commit"),
             }
     doc["bytes"] = {**doc.get("bytes", {}), **{side: unit_bytes(f) for side, f in folders.items()}}
-    # What a decoding's caches grow with (`cache_growth`): the text model's widths and smoke's batch.
-    doc["text_config"] = Checkpoint.open(folders["ref"]).config.get("text_config", {})
+    # What a decoding's caches grow with (`cache_growth`): the text model's widths and smoke's batch. Without
+    # a measurement (--no-measure) the fixtures need not be built: the document's own are kept.
+    if "ref" in folders:
+        doc["text_config"] = Checkpoint.open(folders["ref"]).config.get("text_config", {})
+    if "ref" in folders or "chat_template_thinking" not in doc:
+        # The serving tasks' forwards depend on the model's template and on whether it can draft at all. The
+        # tiny MiniCPM-V is the same architecture, with the template the fixtures share.
+        source = folders.get("ref") or build_fixtures(TEST_FIXTURES, [TINY_BF16], progress=print)[TINY_BF16]
+        doc.update(serving_facts(source))
     doc["decoding_batch"] = load_spec(SmokeSpec, default_spec_path("smoke")).generation.batch
     # The kept runs' cut stays theirs: re-derived figures (--no-measure), or runs that do not decode (bare
     # forwards, tensors) measured beside them. A decoding run measured again sets its own (or none).

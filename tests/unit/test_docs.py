@@ -96,6 +96,17 @@ def test_the_committed_benchmarks_page_regenerates_byte_identical_from_the_commi
     )
 
 
+def test_the_scale_pages_serving_block_regenerates_from_the_committed_json() -> None:
+    render = script("render_benchmarks")
+    page = render.SCALE_PAGE.read_text(encoding="utf-8")
+    assert render.render_scale(page, ROOT / "bench" / "results") == page, (
+        "docs/scale.md is stale: run scripts/render_benchmarks.py"
+    )
+    # The block is there and says each serving task's forwards, or that none were measured.
+    block = page.partition(render.SERVING_START)[2].partition(render.SERVING_END)[0]
+    assert all(f"| `{task}` |" in block for task in ("longform", "tools", "specdec")), block
+
+
 def test_the_benchmarks_page_takes_each_benchs_latest_full_run(tmp_path: Path) -> None:
     render = script("render_benchmarks")
     machine = {"cpu_model": "Test CPU", "torch_cpu_capability": "AVX2", "cores": 2, "memory_bytes": 16e9}
