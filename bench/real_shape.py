@@ -35,6 +35,12 @@ memory, layer loads per side where the run reports them, and:
 - loaded peak RSS / the larger side's loaded bytes (goal <= 1.25);
 - at 8 layers, the streamed `ppl,moe,layers` run's peak RSS / its peak in the latest 4-layer JSON (goal
   <= 1.05: a streamed peak does not grow with depth);
+- the candidate's decoding forward / the reference's in the observed validation (goal <= 1.0: it reads a
+  quarter of the bytes), and EXL3's bare streamed forward / the BF16 one (goal <= 1.5);
+- the floor (bench/floor.py): this machine's page-cache read, BF16 write and BF16 matmul rates, measured in
+  the same call, and per decoding forward (by side) and per layer pass (each bare forward's mean layer) the
+  time its bytes read, its BF16 bytes unpacked and its tokens' matmuls take at those rates, with the measured
+  time over that floor;
 - the extrapolation to the real 40-layer model on this machine: the time and peak memory of a publisher's
   validation of the W4A8 pack (`tensors`, `ppl`, `smoke`, `vision`, `moe`, `intref`; each task by the fastest
   run that covers it and fits the machine, a run of several tasks counted once) and of the EXL3 pack
@@ -93,6 +99,7 @@ from figures import (
     recorded,
     with_own_peak,
 )
+from floor import active_parameters, floor_seconds, machine_rates
 from serving_at_size import serving_at_size, serving_facts, serving_lines
 
 from evalsuite import tune_allocator
@@ -114,6 +121,10 @@ STREAM_GOAL = 1.3
 LOADED_GOAL = 1.25
 DEPTH_GOAL = 1.05
 STREAMED_PEAK_GOAL_GB = 6.5
+# Issue 72's goals: the candidate's decoding forward against the reference's (it reads a quarter of the
+# bytes), and EXL3's bare streamed forward against the BF16 one.
+DECODING_GOAL = 1.0
+EXL3_BARE_GOAL = 1.5
 LOADED_RUNS = ("ppl-loaded", "intref-loaded", "smoke-loaded", "exl3-ppl-loaded")
 W4A8_VALIDATION = ("tensors", "ppl", "smoke", "vision", "moe", "intref")
 SEED_VALIDATION = ",".join(W4A8_VALIDATION)
@@ -583,6 +594,14 @@ def report(doc: dict[str, Any]) -> None:
         if f"{name}_peak_over_loaded_bytes" in ratios:
             value = ratios[f"{name}_peak_over_loaded_bytes"]
             print(f"{name}: peak RSS / larger side's loaded bytes = {value:.2f}  (goal <= {LOADED_GOAL})")
+    if "decoding_forward_ckpt_over_ref" in ratios:
+        value = ratios["decoding_forward_ckpt_over_ref"]
+        print(f"decoding forward, candidate / reference = {value:.2f}  (goal <= {DECODING_GOAL})")
+    if "bare_exl3_over_bare_ref" in ratios:
+        value = ratios["bare_exl3_over_bare_ref"]
+        print(f"bare streamed forward, EXL3 / BF16 = {value:.2f}  (goal <= {EXL3_BARE_GOAL})")
+    if doc.get("floors"):
+        print("\n".join(floor_lines(doc)))
     for name, run in doc["runs"].items():
         for side, d in (run.get("decoding") or {}).items():
             share = d["bytes_per_forward"] / d["layers_bytes"]
@@ -669,9 +688,80 @@ def summarise(doc: dict[str, Any]) -> None:
         if not spec.streamed and spec.tasks != "tensors":
             larger = max(sizes["ref"]["loaded"], sizes[spec.candidate]["loaded"])
             ratios[f"{name}_peak_over_loaded_bytes"] = run["peak_rss"] / larger
+    decoded = runs.get("validation-streamed", {}).get("decoding") or {}
+    if {"ref", "ckpt"} <= set(decoded):
+        ratios["decoding_forward_ckpt_over_ref"] = (
+            decoded["ckpt"]["seconds_per_forward"] / decoded["ref"]["seconds_per_forward"]
+        )
+    if {"bare-ref", "bare-exl3"} <= set(bare):
+        ratios["bare_exl3_over_bare_ref"] = bare["bare-exl3"]["seconds"] / bare["bare-ref"]["seconds"]
     doc["ratios"] = ratios
+    if doc.get("floor_rates"):
+        doc["floors"] = floors(doc)
     if "bare-ref" in bare and len(bare) > 1:
         doc["extrapolated"] = extrapolate(doc, doc["memory_bytes"])
+
+
+def floors(doc: dict[str, Any]) -> dict[str, Any]:
+    """Per decoding forward (the observed validation's, by side) and per layer pass (each bare forward's
+    layers), the floor its bytes and arithmetic set at the machine's measured rates (bench/floor.py), and the
+    measured time over it."""
+    rates, config, sizes = doc["floor_rates"], doc.get("text_config") or {}, doc["bytes"]
+    ref_layers = sizes["ref"]["layers"]
+    parameters = [active_parameters(b, config) for b in ref_layers]
+    side_of = {"ref": "ref", "ckpt": "w4a8"}
+    out: dict[str, Any] = {"decoding_forward": {}, "layer_pass": {}}
+    for side, d in (doc["runs"].get("validation-streamed", {}).get("decoding") or {}).items():
+        # A quantized side writes the BF16 its routed experts unpack to: its bytes read, grown as its layers'
+        # bytes grow to the reference's.
+        grown = sum(ref_layers) / sum(sizes[side_of[side]]["layers"])
+        written = d["bytes_per_forward"] * grown if side != "ref" else 0.0
+        floor = floor_seconds(
+            rates, d["bytes_per_forward"], written, rates["decoding_tokens"], sum(parameters), "decoding"
+        )
+        out["decoding_forward"][side] = {**floor, "measured": d["seconds_per_forward"]}
+    for name, bare in doc["bare"].items():
+        side = name.removeprefix("bare-")
+        if side not in sizes or len(sizes[side]["layers"]) != len(bare["layer_seconds"]):
+            continue
+        parts = [
+            floor_seconds(
+                rates,
+                read,
+                ref_bytes if side != "ref" else 0.0,
+                rates["window_tokens"],
+                n,
+                "window",
+            )
+            for read, ref_bytes, n in zip(sizes[side]["layers"], ref_layers, parameters, strict=True)
+        ]
+        floor = {key: sum(p[key] for p in parts) / len(parts) for key in parts[0]}
+        measured = sum(bare["layer_seconds"]) / len(bare["layer_seconds"])
+        out["layer_pass"][side] = {**floor, "measured": measured}
+    for entry in [*out["decoding_forward"].values(), *out["layer_pass"].values()]:
+        entry["ratio"] = entry["measured"] / entry["seconds"]
+    return out
+
+
+def floor_lines(doc: dict[str, Any]) -> list[str]:
+    """The floors as `report` prints them."""
+    rates = doc["floor_rates"]
+    matmul = rates["matmul_flops_per_second"]
+    lines = [
+        f"the floor, at this machine's rates (measured {rates.get('measured', 'with the runs')}, load "
+        f"{rates['load_average'][0]:.2f}): page-cache read {rates['read_bytes_per_second'] / 1e9:.1f} GB/s, "
+        f"BF16 write {rates['write_bytes_per_second'] / 1e9:.1f} GB/s, BF16 matmul "
+        f"{matmul['decoding'] / 1e9:.0f} GFLOP/s at {rates['decoding_tokens']} rows, "
+        f"{matmul['window'] / 1e9:.0f} at {rates['window_tokens']}"
+    ]
+    for what, by_side in (("decoding forward", "decoding_forward"), ("layer pass", "layer_pass")):
+        for side, f in doc["floors"][by_side].items():
+            lines.append(
+                f"  {what}, {side}: measured {f['measured']:.2f} s, floor {f['seconds']:.2f} s (read "
+                f"{f['read']:.2f}, write {f['write']:.2f}, matmul {f['matmul']:.2f}): "
+                f"{f['ratio']:.1f}x the floor"
+            )
+    return lines
 
 
 def add_figures(doc: dict[str, Any], figures: Figures) -> None:
@@ -702,6 +792,16 @@ def add_figures(doc: dict[str, Any], figures: Figures) -> None:
         if f"{name}_peak_over_loaded_bytes" in ratios:
             what = f"{name}: peak RSS / the larger side's loaded bytes"
             figures.add(what, ratios[f"{name}_peak_over_loaded_bytes"], goal=f"<= {LOADED_GOAL}")
+    if "decoding_forward_ckpt_over_ref" in ratios:
+        what = "validation-streamed: decoding forward, candidate / reference"
+        figures.add(what, ratios["decoding_forward_ckpt_over_ref"], goal=f"<= {DECODING_GOAL}")
+    if "bare_exl3_over_bare_ref" in ratios:
+        what = "bare streamed forward, EXL3 / BF16"
+        figures.add(what, ratios["bare_exl3_over_bare_ref"], goal=f"<= {EXL3_BARE_GOAL}")
+    for by_side, what in (("decoding_forward", "decoding forward"), ("layer_pass", "layer pass")):
+        for side, f in (doc.get("floors") or {}).get(by_side, {}).items():
+            figures.add(f"{what}, {side}: floor (read + write + matmul)", f["seconds"], "s")
+            figures.add(f"{what}, {side}: measured / floor", f["ratio"])
     extrapolated = doc.get("extrapolated")
     if not extrapolated:
         return
@@ -884,6 +984,15 @@ def main() -> int:
         source = folders.get("ref") or build_fixtures(TEST_FIXTURES, [TINY_BF16], progress=print)[TINY_BF16]
         doc.update(serving_facts(source))
     doc["decoding_batch"] = load_spec(SmokeSpec, default_spec_path("smoke")).generation.batch
+    # The floor's rates, measured in this call, next to its runs (a --no-measure call measures them now and
+    # says when: the runs it reads them against were measured earlier).
+    window = 512
+    doc["floor_rates"] = {
+        **machine_rates(doc.get("text_config") or {}, doc["decoding_batch"], window),
+        "measured": "with the runs"
+        if wanted
+        else f"at {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, after the runs",
+    }
     # The kept runs' cut stays theirs: re-derived figures (--no-measure), or runs that do not decode (bare
     # forwards, tensors) measured beside them. A decoding run measured again sets its own (or none).
     decoding = any(r in RUNS and {"smoke", "vision"} & set(RUNS[r].tasks.split(",")) for r in wanted)

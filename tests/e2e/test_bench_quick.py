@@ -110,6 +110,13 @@ def check_real_shape(doc: dict, section: str) -> None:
     assert w4a8["missing"] == ["smoke", "vision", "moe", "intref"] and w4a8["floor_seconds"] > 0
     assert "extrapolated to 40 layers" in "\n".join(doc["printed"])
     assert "| 40 layers (35B), w4a8 validation: time |" in section
+    # The floor's rates are measured in the same call, and each bare forward's layers are read against them.
+    rates = data["floor_rates"]
+    assert rates["measured"] == "with the runs" and rates["read_bytes_per_second"] > 0
+    passes = data["floors"]["layer_pass"]
+    assert set(passes) == {"ref", "w4a8", "exl3"}
+    assert all(f["seconds"] > 0 and f["ratio"] > 0 for f in passes.values())
+    assert "| layer pass, w4a8: measured / floor |" in section
     assert f"{doc['machine']['memory_bytes'] / 1e9:.1f} GB of memory" in section
 
 
@@ -127,7 +134,8 @@ def test_a_slower_bench_runs_quick_and_its_json_renders(bench, tiny_pair, tmp_pa
 
 
 def test_every_bench_is_tested_and_known_to_the_page() -> None:
-    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"figures"}
+    # Modules the benches import (their JSON, the floor's rates, the serving tasks' forwards): no bench each.
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"figures", "floor", "serving_at_size"}
     assert scripts == set(FAST) | set(SLOW)
     assert scripts <= set(render_module().BENCHES)
 
