@@ -22,26 +22,15 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from figures import fastest
 
 READ_BYTES = 256 * 2**20
 WRITE_BYTES = 256 * 2**20
 REPEATS = 5
-
-
-def _best(run: Any, repeats: int = REPEATS) -> float:
-    """The fastest of `repeats` timed calls, after one untimed call that warms caches and allocations."""
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def page_cache_read_rate(size: int = READ_BYTES, folder: Path | None = None) -> float:
@@ -56,7 +45,7 @@ def page_cache_read_rate(size: int = READ_BYTES, folder: Path | None = None) -> 
             with open(path, "rb", buffering=0) as f:
                 f.readinto(buffer)
 
-        return size / _best(read)
+        return size / fastest(read, REPEATS)
     finally:
         path.unlink()
 
@@ -64,7 +53,7 @@ def page_cache_read_rate(size: int = READ_BYTES, folder: Path | None = None) -> 
 def bf16_write_rate(size: int = WRITE_BYTES) -> float:
     """Bytes per second written into a BF16 tensor whose pages are already mapped."""
     tensor = torch.empty(size // 2, dtype=torch.bfloat16)
-    return size / _best(lambda: tensor.fill_(1.0))
+    return size / fastest(lambda: tensor.fill_(1.0), REPEATS)
 
 
 def matmul_rate(tokens: int, hidden: int, columns: int) -> float:
@@ -74,7 +63,7 @@ def matmul_rate(tokens: int, hidden: int, columns: int) -> float:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16)
     w = torch.randn(columns, hidden, generator=generator).to(torch.bfloat16)
-    return 2 * tokens * hidden * columns / _best(lambda: torch.nn.functional.linear(x, w))
+    return 2 * tokens * hidden * columns / fastest(lambda: torch.nn.functional.linear(x, w), REPEATS)
 
 
 def machine_rates(text_config: dict[str, Any], decoding_tokens: int, window_tokens: int) -> dict[str, Any]:

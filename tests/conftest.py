@@ -580,3 +580,21 @@ def llmc_pair(request) -> tuple[Path, Path]:
     """Each llm-compressor fixture in turn, as `llmc_fixture` gives it: the tiny Llama's in the default tier,
     SmolLM2's in the slow one."""
     return llmc_fixture(request, request.param)
+
+
+def bench_module(name: str) -> Any:
+    """A module of bench/ (not a package), loaded from its file with bench/ on the path while it imports, as
+    running it from there would have it (`from figures import ...`)."""
+    import importlib.util
+
+    folder = Path(__file__).resolve().parents[1] / "bench"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    sys.path.insert(0, str(folder))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(folder))
+    return module

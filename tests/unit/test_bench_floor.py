@@ -3,25 +3,18 @@ rates measured (each positive, the matmul's counted two operations per multiply-
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.conftest import bench_module
+
 CONFIG = {"hidden_size": 64, "moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2}
 
 
 @pytest.fixture(scope="module")
 def floor() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_floor", BENCH / "floor.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("floor")
 
 
 def test_a_token_goes_through_all_but_the_routed_experts_it_does_not_use(floor):

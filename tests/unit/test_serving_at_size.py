@@ -3,9 +3,6 @@ specs as a streamed side decodes them, and priced at a measured forward."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -14,18 +11,12 @@ from evalsuite.contract.spec import default_spec_path, load_spec
 from evalsuite.tasks.longform import LongformSpec
 from evalsuite.tasks.specdec import SpecdecSpec
 from evalsuite.tasks.tools import ToolsSpec
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.conftest import bench_module
 
 
 @pytest.fixture(scope="module")
 def serving() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_serving_at_size", BENCH / "serving_at_size.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("serving_at_size")
 
 
 def test_a_batch_costs_its_largest_budget_and_batches_gather_like_budgets(serving):
